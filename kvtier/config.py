@@ -1,0 +1,67 @@
+"""One validated configuration for the engine and the server."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
+@dataclass
+class Config:
+    model: str | None = None              # HF directory or GGUF file; None → bundled SmolLM2
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 64
+    kv_pool_tokens: int | None = None     # None → a share of free device memory
+    max_batched_tokens: int = 2048        # per-step token budget (prefill chunks + decodes)
+    max_num_seqs: int = 64                # sequences running at once
+    max_model_len: int | None = None      # None → the model's context length
+    num_threads: int | None = None        # torch CPU threads; None → torch's default
+    # server
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as e:
+            raise ConfigError(f"invalid device {self.device!r}: {e}") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_pool_tokens is not None and self.kv_pool_tokens < self.block_size:
+            raise ConfigError(f"kv_pool_tokens must be at least one block ({self.block_size}), got {self.kv_pool_tokens}")
+        if self.max_batched_tokens < 1:
+            raise ConfigError(f"max_batched_tokens must be positive, got {self.max_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.model is not None and "/" in self.model and not os.path.exists(self.model):
+            # an id like "org/name" that is not a local path: we never download
+            raise ConfigError(
+                f"model {self.model!r} is not a local path and kvtier never downloads weights. "
+                "Point --model at a local Hugging Face directory (config.json, *.safetensors, tokenizer files) "
+                "or at a .gguf file, or leave --model out to use the bundled SmolLM2-135M-Instruct."
+            )
+        if self.model is not None and not os.path.exists(self.model):
+            raise ConfigError(
+                f"model path {self.model!r} does not exist. Point --model at a local Hugging Face directory "
+                "or a .gguf file, or leave it out to use the bundled SmolLM2-135M-Instruct."
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

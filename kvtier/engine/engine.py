@@ -1,0 +1,125 @@
+"""The synchronous engine: add requests, step, collect outputs."""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from kvtier.config import Config
+from kvtier.engine.detokenizer import IncrementalDetokenizer
+from kvtier.engine.outputs import RequestOutput, RequestRejected
+from kvtier.engine.runner import ModelRunner
+from kvtier.engine.sampler import sample, token_logprob
+from kvtier.engine.sampling_params import SamplingParams
+from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.sequence import Sequence
+from kvtier.kv.pool import KVPool, default_pool_tokens
+from kvtier.models.decoder import Decoder
+from kvtier.models.loader import load_model, resolve_model_path
+
+log = logging.getLogger("kvtier.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: Config):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        loaded = load_model(resolve_model_path(config.model), config.torch_dtype)
+        self.model_config = loaded.config
+        self.model_name = loaded.name
+        self.fingerprint = loaded.fingerprint
+        self.tokenizer = loaded.tokenizer
+        self.model = Decoder.from_weights(loaded.config, loaded.weights, config.torch_dtype, self.device)
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        mc = loaded.config
+        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
+        pool_tokens = config.kv_pool_tokens or default_pool_tokens(per_token, self.device)
+        self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size,
+                           pool_tokens, config.torch_dtype, self.device)
+        log.info("KV pool: %d blocks of %d tokens (%.2f GiB)", self.pool.num_blocks, config.block_size,
+                 self.pool.kv_cache.numel() * self.pool.kv_cache.element_size() / 2**30)
+        self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self._arrivals = itertools.count()
+        self._aborted: list[Sequence] = []
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise RequestRejected if this request could never run. Reads only fixed state: thread-safe."""
+        if num_prompt_tokens == 0:
+            raise RequestRejected("the prompt is empty")
+        total = num_prompt_tokens + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request needs "
+                f"{total} ({num_prompt_tokens} in the prompt + {params.max_tokens} max_tokens); "
+                "shorten the prompt or lower max_tokens")
+        if self.pool.blocks_for(total) > self.pool.num_blocks:
+            raise RequestRejected(
+                f"the request needs {total} tokens of KV but the whole pool holds "
+                f"{self.pool.num_blocks * self.pool.block_size}; raise --kv-pool-tokens or shorten the request")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.check_request(len(prompt_token_ids), params)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(Sequence(request_id, prompt_token_ids, params, detok, next(self._arrivals)))
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.scheduler.find(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+            self._aborted.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._output(seq) for seq in self._aborted]
+        self._aborted.clear()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        logits = self.runner.run(batch)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            seq.num_computed_tokens += n
+            if seq.num_uncomputed_tokens == 0:      # prompt done or last token fed: sample the next one
+                self._append_token(seq, logits[i])
+                outputs.append(self._output(seq))
+        return outputs
+
+    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+        params = seq.params
+        token_id = sample(logits, params, seq.generator)
+        seq.token_ids.append(token_id)
+        seq.pending_token_ids.append(token_id)
+        if params.logprobs is not None:
+            seq.pending_logprobs.append(token_logprob(logits, token_id, params.logprobs))
+        if token_id in self.tokenizer.eos_token_ids and not params.ignore_eos:
+            self.scheduler.finish(seq, "stop")
+        elif seq.detokenizer.add_token(token_id):
+            self.scheduler.finish(seq, "stop")
+        elif seq.num_output_tokens >= params.max_tokens:
+            self.scheduler.finish(seq, "length")
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=seq.pending_token_ids,
+            new_text=seq.detokenizer.release(seq.is_finished),
+            logprobs=seq.pending_logprobs if seq.params.logprobs is not None else None,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+        seq.pending_token_ids, seq.pending_logprobs = [], []
+        return out
+
+    def stats(self) -> dict:
+        return {"num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,
+                "block_size": self.pool.block_size, "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting)}

@@ -1,0 +1,117 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step: running decodes first (one token each, oldest first), then prefill chunks of
+running sequences, then new admissions while budget, sequence slots and free blocks last.
+When the pool runs dry, the newest unscheduled running sequence is preempted: its blocks
+are freed and it goes back to the front of the queue to be recomputed later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvtier.engine.sequence import Sequence, SequenceStatus
+from kvtier.kv.pool import KVPool
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)   # tokens to compute this step, per sequence
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, max_batched_tokens: int, max_num_seqs: int):
+        self.pool = pool
+        self.max_batched_tokens = max_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []     # in arrival order
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_batched_tokens
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decoding:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this step
+                continue
+            if self._reserve(seq, 1, batch):
+                batch.add(seq, 1)
+                budget -= 1
+            else:
+                self._preempt(seq, batch)
+        for seq in prefilling:
+            if budget == 0:
+                break
+            n = min(seq.num_uncomputed_tokens, budget)
+            if seq.status is SequenceStatus.RUNNING and self._reserve(seq, n, batch):
+                batch.add(seq, n)
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+            if not self.pool.can_allocate(need):
+                break
+            self.waiting.popleft()
+            seq.block_table += self.pool.allocate(need)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, n)
+            budget -= n
+        self.running.sort(key=lambda s: s.arrival)
+        return batch
+
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Give seq blocks for n more tokens, preempting newer unscheduled sequences if needed."""
+        need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+        while not self.pool.can_allocate(need):
+            victims = [s for s in self.running if s.arrival > seq.arrival and s not in batch.seqs]
+            if not victims:
+                return False
+            self._preempt(victims[-1], batch)
+        seq.block_table += self.pool.allocate(need)
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self._release(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return None

@@ -1,0 +1,33 @@
+"""Architecture hyper-parameters shared by the Llama, Qwen2 and Qwen3 families."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str                 # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF "rope_scaling" / "rope_parameters" (llama3, linear), None → plain RoPE
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False      # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False             # RMSNorm on q and k per head before RoPE (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; kvtier supports {ARCHITECTURES}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
