@@ -1,0 +1,52 @@
+"""The model's tokenizer: text to token ids and back, the chat template, end-of-sequence ids."""
+from __future__ import annotations
+
+import functools
+import os
+
+from transformers import AutoTokenizer
+
+
+@functools.lru_cache(maxsize=4)
+def _load_hf_tokenizer(path: str, mtime_ns: int):
+    """Build a transformers tokenizer once per file version: a GGUF vocabulary takes seconds to parse."""
+    try:
+        if os.path.isdir(path):
+            return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                             local_files_only=True)
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError... for unusable files
+        raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, eos_token_ids=()):
+        self.hf = hf_tokenizer
+        eos = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(hf_tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.vocab_size = len(hf_tokenizer)
+
+    @classmethod
+    def load(cls, path: str, eos_token_ids=()) -> Tokenizer:
+        """From a Hugging Face directory or a GGUF file; eos_token_ids adds the model config's ids."""
+        path = os.path.abspath(path)
+        return cls(_load_hf_tokenizer(path, os.stat(path).st_mtime_ns), eos_token_ids)
+
+    def encode(self, text: str) -> list[int]:
+        # what vLLM does for /v1/completions: the tokenizer's own special tokens (BOS if it adds one)
+        return self.hf(text).input_ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not self.hf.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; use /v1/completions with a plain prompt")
+        # render, then tokenize without adding special tokens: the template already wrote them
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.hf(text, add_special_tokens=False).input_ids
+
+    def token_str(self, token_id: int) -> str:
+        return self.hf.decode([token_id], skip_special_tokens=False)

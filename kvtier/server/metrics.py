@@ -1,0 +1,88 @@
+"""Prometheus metrics: request counters and latencies, and the engine's state read at scrape time."""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from kvtier.engine.outputs import RequestOutput
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class Metrics:
+    """One registry per app, so that several apps (and tests) never share counters."""
+
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvtier_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("kvtier_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_prompt_tokens = Counter("kvtier_cached_prompt_tokens",
+                                            "Prompt tokens restored from the KV cache instead of computed",
+                                            registry=r)
+        self.generation_tokens = Counter("kvtier_generation_tokens", "Tokens generated", registry=r)
+        self.time_to_first_token = Histogram("kvtier_time_to_first_token_seconds",
+                                             "From request arrival to its first output token",
+                                             buckets=TTFT_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram("kvtier_time_per_output_token_seconds",
+                                               "Mean time between output tokens after the first, per request",
+                                               buckets=TPOT_BUCKETS, registry=r)
+        self.request_latency = Histogram("kvtier_request_latency_seconds", "From request arrival to its last token",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        r.register(_EngineCollector(engine))
+
+    def observe_finished(self, out: RequestOutput, arrival: float, first_token: float, end: float) -> None:
+        self.prompt_tokens.inc(out.num_prompt_tokens)
+        self.cached_prompt_tokens.inc(out.num_cached_tokens)
+        self.generation_tokens.inc(out.num_output_tokens)
+        self.request_latency.observe(end - arrival)
+        if out.num_output_tokens > 1:
+            self.time_per_output_token.observe((end - first_token) / (out.num_output_tokens - 1))
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _EngineCollector:
+    """Pool and queue gauges, read from engine.stats() once per scrape."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats()
+        total, used = s["num_blocks"], s["num_blocks"] - s["num_free_blocks"]
+        yield GaugeMetricFamily("kvtier_kv_pool_blocks_total", "Blocks in the device KV pool", value=total)
+        yield GaugeMetricFamily("kvtier_kv_pool_blocks_used", "Device KV blocks held by requests", value=used)
+        yield GaugeMetricFamily("kvtier_kv_pool_usage_ratio", "Share of the device KV pool in use",
+                                value=used / total if total else 0.0)
+        yield GaugeMetricFamily("kvtier_requests_running", "Requests being prefilled or decoded",
+                                value=s["num_running"])
+        yield GaugeMetricFamily("kvtier_requests_waiting", "Requests queued for the engine", value=s["num_waiting"])
+
+
+class RequestCounter:
+    """ASGI middleware counting finished HTTP requests by endpoint and status (streams count when they end)."""
+
+    def __init__(self, app, metrics: Metrics, endpoints: frozenset[str]):
+        self.app = app
+        self.metrics = metrics
+        self.endpoints = endpoints   # a fixed set, so that random paths cannot grow the label space
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in self.endpoints:
+            return await self.app(scope, receive, send)
+        status = 500   # if the app raises before answering
+
+        async def send_and_note(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.requests.labels(scope["path"], str(status)).inc()

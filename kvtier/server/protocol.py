@@ -1,0 +1,351 @@
+"""OpenAI-compatible request and response schemas, and how engine outputs become responses.
+
+Unknown request fields are ignored (pydantic's default), as vLLM does; fields we accept but
+cannot honour are rejected with a 400 rather than silently dropped.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from kvtier.engine.outputs import RequestOutput, TokenLogprob
+from kvtier.engine.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status_code: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------- requests
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatMessage(BaseModel, extra="allow"):   # extra keys (name, tool_calls, ...) reach the template
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, content):
+        # OpenAI also allows a list of parts; a text model can only take the text ones
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ValueError("only text content parts ({'type': 'text', 'text': '...'}) are supported")
+            return "\n".join(p["text"] for p in content)
+        return content
+
+    def for_template(self) -> dict:
+        return {**self.model_dump(exclude_none=True), "content": self.content or ""}
+
+
+class _GenerationRequest(BaseModel):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None          # extension; -1 means "off" as in vLLM
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        """Validated engine parameters; APIError(400) for anything out of range or unsupported."""
+        self._check_supported()
+        max_tokens = self._max_tokens()
+        if max_tokens is None:
+            # at least 1, so that a prompt filling the whole context gets the engine's clear rejection
+            max_tokens = max(1, self._default_max_tokens(max_model_len - num_prompt_tokens))
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k in (None, -1) else self.top_k,
+                seed=self.seed,
+                stop=self.stop or [],
+                logprobs=self._logprobs(),
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    def _check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"only n=1 is supported, got n={self.n}", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise APIError(400, f"{name} is not supported; leave it out or set it to 0", param=name)
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _default_max_tokens(self, remaining: int) -> int:
+        raise NotImplementedError
+
+    def _logprobs(self) -> int | None:
+        raise NotImplementedError
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _default_max_tokens(self, remaining: int) -> int:
+        return remaining   # the rest of the context, as vLLM does
+
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def _check_supported(self) -> None:
+        super()._check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise APIError(400, f"only best_of=1 is supported, got best_of={self.best_of}", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+
+    def _default_max_tokens(self, remaining: int) -> int:
+        return min(16, remaining)   # OpenAI's default for completions
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+
+# ---------------------------------------------------------------- responses
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> Usage:
+        return cls(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                   total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):   # also the shape of each streamed chunk (usage only at the end)
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvtier"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------- engine outputs → responses
+
+class _Renderer:
+    """Builds one request's responses; streaming renderers keep their position between chunks."""
+    id_prefix = ""
+
+    def __init__(self, model: str, token_str: Callable[[int], str]):
+        self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.token_str = token_str
+
+    def _head(self) -> dict:
+        return {"id": self.id, "created": self.created, "model": self.model}
+
+
+class ChatRenderer(_Renderer):
+    id_prefix = "chatcmpl-"
+
+    def __init__(self, model: str, token_str: Callable[[int], str]):
+        super().__init__(model, token_str)
+        self.sent_role = False
+
+    def response(self, out: RequestOutput) -> ChatCompletionResponse:
+        choice = ChatChoice(message=ChatResponseMessage(content=out.new_text),
+                            logprobs=self._logprobs(out.logprobs), finish_reason=out.finish_reason)
+        return ChatCompletionResponse(**self._head(), choices=[choice], usage=Usage.of(out))
+
+    def chunk(self, out: RequestOutput) -> ChatCompletionChunk | None:
+        """The chunk for one delta; None when it carries nothing (text held back, no logprobs)."""
+        if self.sent_role and not out.new_text and not out.logprobs and not out.finished:
+            return None
+        delta = ChatDelta(role=None if self.sent_role else "assistant", content=out.new_text or None)
+        self.sent_role = True
+        choice = ChatChunkChoice(delta=delta, logprobs=self._logprobs(out.logprobs), finish_reason=out.finish_reason)
+        return ChatCompletionChunk(**self._head(), choices=[choice])
+
+    def usage_chunk(self, out: RequestOutput) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**self._head(), choices=[], usage=Usage.of(out))
+
+    def _logprobs(self, logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
+        if logprobs is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            token = self.token_str(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(**entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, l) for t, l in lp.top])
+            for lp in logprobs])
+
+
+class CompletionRenderer(_Renderer):
+    id_prefix = "cmpl-"
+
+    def __init__(self, model: str, token_str: Callable[[int], str]):
+        super().__init__(model, token_str)
+        self.text_offset = 0   # characters of completion text before the next token
+
+    def response(self, out: RequestOutput) -> CompletionResponse:
+        return CompletionResponse(**self._head(), choices=[self._choice(out)], usage=Usage.of(out))
+
+    def chunk(self, out: RequestOutput) -> CompletionResponse | None:
+        if not out.new_text and not out.logprobs and not out.finished:
+            return None
+        return CompletionResponse(**self._head(), choices=[self._choice(out)])
+
+    def usage_chunk(self, out: RequestOutput) -> CompletionResponse:
+        return CompletionResponse(**self._head(), choices=[], usage=Usage.of(out))
+
+    def _choice(self, out: RequestOutput) -> CompletionChoice:
+        return CompletionChoice(text=out.new_text, logprobs=self._logprobs(out.logprobs),
+                                finish_reason=out.finish_reason)
+
+    def _logprobs(self, logprobs: list[TokenLogprob] | None) -> CompletionLogprobs | None:
+        if logprobs is None:
+            return None
+        result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for lp in logprobs:
+            token = self.token_str(lp.token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(lp.logprob)
+            result.top_logprobs.append({self.token_str(t): l for t, l in lp.top})
+            result.text_offset.append(self.text_offset)
+            self.text_offset += len(token)
+        return result

@@ -1,0 +1,123 @@
+"""Pool, block tables, scheduling and preemption, without a model."""
+import pytest
+import torch
+
+from kvtier.engine.sampling_params import SamplingParams
+from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.sequence import Sequence, SequenceStatus
+from kvtier.kv.pool import KVPool, PoolExhausted
+
+BS = 4
+
+
+def make_pool(num_blocks: int) -> KVPool:
+    return KVPool(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, num_tokens=num_blocks * BS,
+                  dtype=torch.float32, device=torch.device("cpu"))
+
+
+def make_seq(i: int, prompt_len: int) -> Sequence:
+    return Sequence(f"r{i}", list(range(prompt_len)), SamplingParams(max_tokens=8), None, arrival=i)
+
+
+def run_step(sched: Scheduler):
+    """What the engine does after a forward: count computed tokens, append a token when caught up."""
+    batch = sched.schedule()
+    for seq, n in zip(batch.seqs, batch.num_tokens):
+        seq.num_computed_tokens += n
+        if seq.num_uncomputed_tokens == 0:
+            seq.token_ids.append(0)
+    return batch
+
+
+def test_pool_allocates_and_frees_distinct_blocks():
+    pool = make_pool(4)
+    a, b = pool.allocate(2), pool.allocate(2)
+    assert len(set(a + b)) == 4 and pool.num_free_blocks == 0
+    assert not pool.can_allocate(1)
+    with pytest.raises(PoolExhausted):
+        pool.allocate(1)
+    pool.free(a)
+    assert pool.num_free_blocks == 2 and pool.blocks_for(5) == 2 and pool.blocks_for(4) == 1
+
+
+def test_pool_shape_and_zero_init():
+    pool = make_pool(3)
+    assert pool.kv_cache.shape == (2, 1, 3 * BS, 1, 2)
+    assert pool.kv_cache.abs().sum() == 0
+
+
+def test_block_table_grows_one_block_per_block_size_tokens():
+    sched = Scheduler(make_pool(8), max_batched_tokens=64, max_num_seqs=4)
+    seq = make_seq(0, 5)
+    sched.add(seq)
+    run_step(sched)
+    assert len(seq.block_table) == 2 and seq.num_computed_tokens == 5
+    for _ in range(3):                      # tokens 6, 7, 8 fit in block 2
+        run_step(sched)
+    assert len(seq.block_table) == 2
+    run_step(sched)                         # position 8 needs a third block
+    assert len(seq.block_table) == 3
+
+
+def test_chunked_prefill_respects_token_budget_and_decodes_go_first():
+    sched = Scheduler(make_pool(64), max_batched_tokens=10, max_num_seqs=4)
+    short, long = make_seq(0, 3), make_seq(1, 40)
+    sched.add(short)
+    run_step(sched)                          # short prefilled, now decoding
+    sched.add(long)
+    for _ in range(4):
+        batch = run_step(sched)
+        assert sum(batch.num_tokens) <= 10
+        assert batch.seqs[0] is short and batch.num_tokens[0] == 1   # decode is never stalled
+    assert long.num_computed_tokens == 4 * 9
+
+
+def test_max_num_seqs_limits_running():
+    sched = Scheduler(make_pool(64), max_batched_tokens=100, max_num_seqs=2)
+    for i in range(3):
+        sched.add(make_seq(i, 4))
+    run_step(sched)
+    assert len(sched.running) == 2 and len(sched.waiting) == 1
+
+
+def test_preemption_frees_newest_and_requeues_it_first():
+    pool = make_pool(4)
+    sched = Scheduler(pool, max_batched_tokens=100, max_num_seqs=4)
+    old, new = make_seq(0, 8), make_seq(1, 7)
+    sched.add(old)
+    sched.add(new)
+    run_step(sched)                          # old: 2 blocks (9 tokens after sampling), new: 2 blocks
+    assert pool.num_free_blocks == 0
+    batch = run_step(sched)                  # old needs a third block: new is preempted
+    assert batch.preempted == [new]
+    assert new.status is SequenceStatus.WAITING and new.block_table == [] and new.num_computed_tokens == 0
+    assert sched.waiting[0] is new and batch.seqs == [old]
+    assert len(new.token_ids) == 8           # the token it already produced is kept and recomputed later
+    sched.finish(old, "length")
+    assert pool.num_free_blocks == 4
+    run_step(sched)
+    assert new.status is SequenceStatus.RUNNING and new.num_computed_tokens == 8
+
+
+def test_lone_sequence_that_cannot_grow_preempts_itself():
+    pool = make_pool(2)
+    sched = Scheduler(pool, max_batched_tokens=100, max_num_seqs=4)
+    seq = make_seq(0, 8)
+    sched.add(seq)
+    run_step(sched)
+    batch = run_step(sched)                  # needs a third block that does not exist
+    assert batch.preempted == [seq] and pool.num_free_blocks == 2
+
+
+def test_finish_and_find():
+    pool = make_pool(8)
+    sched = Scheduler(pool, max_batched_tokens=100, max_num_seqs=4)
+    a, b = make_seq(0, 4), make_seq(1, 4)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    assert sched.find("r1") is b and sched.find("nope") is None
+    sched.finish(b, "abort")
+    assert b.is_finished and b.finish_reason == "abort" and sched.find("r1") is None
+    sched.finish(a, "stop")
+    assert not sched.has_unfinished() and pool.num_free_blocks == 8
