@@ -1,0 +1,23 @@
+# Two commands for a fresh machine: `make serve` and `make test`.
+# Both create a project-local virtual environment first. torch is pinned to the
+# CPU wheel when missing so the install never pulls CUDA packages onto a CPU machine.
+VENV := .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/kvtier serve $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests $(ARGS)
+
+.PHONY: install serve test
