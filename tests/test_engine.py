@@ -116,14 +116,15 @@ def test_max_tokens_gives_length(engine):
     assert out["reason"] == "length" and len(out["tokens"]) == 3
 
 
-def test_eos_finishes_with_stop(engine):
-    eos = min(engine.tokenizer.eos_token_ids)
-    engine.model.lm_head.weight.data[eos] += 1000.0   # make EOS the certain next token
-    try:
-        out = run(engine, prompts(1), SamplingParams(max_tokens=10, temperature=0.0))[0]
-    finally:
-        engine.model.lm_head.weight.data[eos] -= 1000.0
-    assert out["reason"] == "stop" and out["tokens"] == [eos] and out["text"] == ""
+def test_eos_finishes_with_stop(engine, monkeypatch):
+    p = prompts(1)
+    first = run(engine, p, SamplingParams(max_tokens=3, temperature=0.0))[0]["tokens"]
+    monkeypatch.setattr(engine.tokenizer, "eos_token_ids", frozenset({first[1]}))   # greedy reaches it 2nd
+    out = run(engine, p, SamplingParams(max_tokens=10, temperature=0.0))[0]
+    assert out["reason"] == "stop" and out["tokens"] == first[:2]
+    assert out["text"] == engine.tokenizer.decode(first[:1])    # EOS itself adds no text
+    ignored = run(engine, p, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    assert ignored["reason"] == "length" and ignored["tokens"] == first
 
 
 def test_abort_frees_blocks(engine):
