@@ -1,0 +1,42 @@
+"""Shared fixtures: the bundled tokenizer and tiny random-weight Hugging Face models."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network, before transformers reads it
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from kvtier.models.loader import BUNDLED_MODEL
+from kvtier.models.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session")
+def bundled_tokenizer() -> Tokenizer:
+    return Tokenizer.load(BUNDLED_MODEL)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tmp_path_factory, bundled_tokenizer):
+    """make_tiny_model(hf_config, seed=0) -> path of a directory holding a random-weight model
+    built from hf_config (a transformers config) and the bundled tokenizer."""
+    def make(hf_config, seed: int = 0) -> str:
+        path = tmp_path_factory.mktemp(f"tiny-{hf_config.model_type}")
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(hf_config)
+        model.save_pretrained(path)
+        bundled_tokenizer.hf.save_pretrained(path)
+        return str(path)
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(make_tiny_model, bundled_tokenizer) -> str:
+    """A tiny Llama (hidden 64, 2 layers, 4 heads, 2 KV heads, untied head) with fixed random weights."""
+    return make_tiny_model(LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=bundled_tokenizer.vocab_size, max_position_embeddings=2048, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2))

@@ -1,0 +1,274 @@
+"""Model loading: the bundled GGUF against transformers, HF directories, synthetic GGUFs, bad input."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from kvtier.models.loader import BUNDLED_MODEL, hf_config, load_model, read_gguf, resolve_model_path
+from kvtier.models.tokenizer import Tokenizer
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_model(BUNDLED_MODEL)
+
+
+def assert_same_weights(weights: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], atol: float = 0.0):
+    assert weights.keys() == ref.keys()
+    for name, w in weights.items():
+        assert w.shape == ref[name].shape, name
+        assert (w.float() - ref[name].float()).abs().max() <= atol, name
+
+
+# ---- the bundled model ----
+
+def test_resolve_model_path(tmp_path):
+    assert resolve_model_path(None) == BUNDLED_MODEL and os.path.isfile(BUNDLED_MODEL)
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(ValueError, match="never downloads.*--model"):
+        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_bundled_config(bundled):
+    c = bundled.config
+    assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == ("llama", 30, 9, 3, 64)
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.max_position_embeddings) == (49152, 576, 1536, 8192)
+    assert c.tie_word_embeddings and not c.attention_bias and not c.qk_norm
+    assert c.rope_theta == 100000.0 and c.rope_scaling is None and c.eos_token_ids == (2,)
+    assert bundled.name == "SmolLM2-135M-Instruct.Q4_1"
+    assert re.fullmatch(r"[0-9a-f]{32}", bundled.fingerprint)
+
+
+def test_bundled_weights_match_transformers(bundled):
+    # transformers dequantizes and un-permutes the same file on its own
+    directory, name = os.path.split(BUNDLED_MODEL)
+    ref = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).state_dict()
+    del ref["lm_head.weight"]  # tied to the embedding
+    assert all(w.dtype == torch.float32 for w in bundled.weights.values())
+    assert_same_weights(bundled.weights, ref, atol=1e-6)
+
+
+def test_chat_template_ends_with_assistant_prompt(bundled_tokenizer):
+    ids = bundled_tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    text = bundled_tokenizer.decode(ids, skip_special_tokens=False)
+    assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_encode_decode_round_trip(bundled_tokenizer):
+    text = "The quick brown fox, 1234 — naïve café ✓\n  indented"
+    ids = bundled_tokenizer.encode(text)
+    assert ids[0] != 1  # SmolLM2 adds no BOS to plain completions
+    assert bundled_tokenizer.decode(ids) == text
+    assert [bundled_tokenizer.token_str(i) for i in bundled_tokenizer.encode("Hello world")] == ["Hello", " world"]
+
+
+def test_eos_and_vocab(bundled_tokenizer, bundled):
+    assert 2 in bundled_tokenizer.eos_token_ids and 2 in bundled.tokenizer.eos_token_ids
+    assert bundled_tokenizer.token_str(2) == "<|im_end|>"
+    assert bundled_tokenizer.vocab_size == 49152
+
+
+def test_missing_chat_template_raises(tiny_model_dir, tmp_path):
+    shutil.copytree(tiny_model_dir, tmp_path, dirs_exist_ok=True)
+    os.remove(tmp_path / "chat_template.jinja")
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer.load(str(tmp_path)).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+# ---- Hugging Face directories ----
+
+@pytest.mark.parametrize("config_cls, overrides, flags", [
+    (LlamaConfig, {}, dict(attention_bias=False, qk_norm=False, tie_word_embeddings=False, head_dim=16)),
+    (Qwen2Config, {"tie_word_embeddings": True}, dict(attention_bias=True, qk_norm=False, tie_word_embeddings=True)),
+    (Qwen3Config, {"head_dim": 32}, dict(attention_bias=False, qk_norm=True, tie_word_embeddings=False, head_dim=32)),
+])
+def test_hf_dir_round_trip(make_tiny_model, bundled_tokenizer, config_cls, overrides, flags):
+    path = make_tiny_model(config_cls(**TINY, vocab_size=bundled_tokenizer.vocab_size, **overrides))
+    loaded = load_model(path)
+    assert {k: getattr(loaded.config, k) for k in flags} == flags
+    assert loaded.config.architecture == config_cls.model_type and loaded.name == os.path.basename(path)
+    ref = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    if loaded.config.tie_word_embeddings:
+        del ref["lm_head.weight"]
+    assert_same_weights(loaded.weights, ref)
+    assert all(w.dtype == torch.bfloat16 for w in load_model(path, torch.bfloat16).weights.values())
+
+
+def test_hf_config_fields(tmp_path):
+    # older transformers layout: rope_theta and rope_scaling at the top, eos lists, generation_config.json
+    config = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=1, rope_theta=500000.0, eos_token_id=[7, 8],
+                  rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 1024})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [8, 9]}))
+    c = hf_config(str(tmp_path))
+    assert (c.rope_theta, c.eos_token_ids, c.num_kv_heads, c.head_dim) == (500000.0, (7, 8, 9), 1, 16)
+    assert c.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 1024}
+
+
+def test_sharded_checkpoint(tiny_model_dir, bundled_tokenizer, tmp_path):
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(tmp_path, max_shard_size="5MB")
+    bundled_tokenizer.hf.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert_same_weights(load_model(str(tmp_path)).weights, load_model(tiny_model_dir).weights)
+
+
+def test_fingerprint(make_tiny_model, tiny_model_dir, tmp_path):
+    first = load_model(tiny_model_dir).fingerprint
+    assert load_model(tiny_model_dir).fingerprint == first
+    moved = shutil.copytree(tiny_model_dir, tmp_path / "moved")
+    assert load_model(str(moved)).fingerprint == first  # the path is not part of it
+    other = make_tiny_model(LlamaConfig.from_pretrained(tiny_model_dir), seed=1)
+    assert load_model(other).fingerprint != first
+    # one changed weight in the middle of the model changes it too
+    weights = load_file(moved / "model.safetensors")
+    weights["model.layers.1.mlp.up_proj.weight"][0, 0] += 1.0
+    save_file(weights, moved / "model.safetensors", metadata={"format": "pt"})
+    assert load_model(str(moved)).fingerprint != first
+
+
+# ---- synthetic GGUF files (weights and config only, no tokenizer) ----
+
+GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+              "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf_name: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    layer, module, kind = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_name).groups()
+    return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # convert_hf_to_gguf.py, LlamaModel.permute
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def head_dim(hf_cfg) -> int:
+    return getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+
+
+def write_gguf(path, arch: str, hf_cfg, weights: dict[str, torch.Tensor], qtypes: dict[str, GGMLQuantizationType]):
+    """Write weights the way llama.cpp's converter does; returns what loading must give back."""
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(hf_cfg.num_hidden_layers)
+    writer.add_context_length(hf_cfg.max_position_embeddings)
+    writer.add_embedding_length(hf_cfg.hidden_size)
+    writer.add_feed_forward_length(hf_cfg.intermediate_size)
+    writer.add_head_count(hf_cfg.num_attention_heads)
+    writer.add_head_count_kv(hf_cfg.num_key_value_heads)
+    writer.add_key_length(head_dim(hf_cfg))
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_eos_token_id(2)
+    expected = {}
+    for name, w in weights.items():
+        data = w.numpy()
+        if arch == "llama" and ".q_proj." in name:
+            data = llama_cpp_permute(data, hf_cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            data = llama_cpp_permute(data, hf_cfg.num_key_value_heads)
+        qtype = qtypes.get(name.rsplit(".", 2)[-2], GGMLQuantizationType.F32)
+        if qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(name), data)
+        else:
+            writer.add_tensor(gguf_name(name), quantize(data, qtype), raw_dtype=qtype)
+            w = torch.from_numpy(dequantize(quantize(w.numpy(), qtype), qtype))  # the rounding loading reproduces
+        expected[name] = w
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+QTYPES = {"embed_tokens": GGMLQuantizationType.Q8_0, "q_proj": GGMLQuantizationType.F16,
+          "k_proj": GGMLQuantizationType.BF16, "o_proj": GGMLQuantizationType.Q4_0,
+          "gate_proj": GGMLQuantizationType.Q4_1, "down_proj": GGMLQuantizationType.Q8_0}
+
+
+@pytest.mark.parametrize("config_cls, overrides", [
+    (LlamaConfig, {"tie_word_embeddings": False}),
+    (Qwen2Config, {"tie_word_embeddings": True}),
+    (Qwen3Config, {"head_dim": 32}),
+])
+def test_gguf_round_trip(tmp_path, config_cls, overrides):
+    hf_cfg = config_cls(**TINY, vocab_size=256, **overrides)
+    weights = {n: w.detach() for n, w in AutoModelForCausalLM.from_config(hf_cfg).state_dict().items()}
+    if hf_cfg.tie_word_embeddings:
+        del weights["lm_head.weight"]
+    expected = write_gguf(tmp_path / "m.gguf", hf_cfg.model_type, hf_cfg, weights, QTYPES)
+    config, loaded, _ = read_gguf(str(tmp_path / "m.gguf"), torch.float32)
+    assert (config.architecture, config.head_dim, config.num_kv_heads, config.vocab_size) == (
+        hf_cfg.model_type, head_dim(hf_cfg), 2, 256)
+    assert config.tie_word_embeddings == hf_cfg.tie_word_embeddings
+    assert (config.attention_bias, config.qk_norm) == (hf_cfg.model_type == "qwen2", hf_cfg.model_type == "qwen3")
+    assert (config.rope_theta, config.eos_token_ids) == (1e6, (2,))
+    assert_same_weights(loaded, expected)
+
+
+# ---- bad input ----
+
+def test_bad_hf_dirs(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="no model at"):
+        load_model(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="no config.json"):
+        load_model(str(tmp_path))
+    with open(os.path.join(tiny_model_dir, "config.json")) as f:
+        config = json.load(f)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+        load_model(str(tmp_path))
+    shutil.copy(os.path.join(tiny_model_dir, "model.safetensors"), tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config | {"intermediate_size": 96}))
+    with pytest.raises(ValueError, match=r"wrong shape \(6\): model.layers.0.mlp.gate_proj.weight"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="cannot load a tokenizer"):
+        load_model(str(tmp_path))
+
+
+def test_bad_gguf_files(tmp_path):
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_text("hello")
+    with pytest.raises(ValueError, match="neither a directory nor a GGUF file"):
+        load_model(str(not_gguf))
+    hf_cfg = LlamaConfig(**TINY, vocab_size=256)
+    weights = {n: w.detach() for n, w in AutoModelForCausalLM.from_config(hf_cfg).state_dict().items()}
+    good = tmp_path / "good.gguf"
+    write_gguf(good, "llama", hf_cfg, weights, {})
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good.read_bytes()[:5000])
+    with pytest.raises(ValueError, match="damaged"):
+        read_gguf(str(truncated), torch.float32)
+    write_gguf(tmp_path / "gpt2.gguf", "gpt2", hf_cfg, weights, {})
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        read_gguf(str(tmp_path / "gpt2.gguf"), torch.float32)
+    f64 = tmp_path / "f64.gguf"
+    write_gguf(f64, "llama", hf_cfg, {**weights, "model.norm.weight": weights["model.norm.weight"].double()}, {})
+    with pytest.raises(ValueError, match="quantization type F64"):
+        read_gguf(str(f64), torch.float32)
