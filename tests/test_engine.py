@@ -173,7 +173,7 @@ def test_config_errors_name_the_problem(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"top_k": -2},
-                                    {"logprobs": 50}])
+                                    {"logprobs": 50}, {"seed": 2**64}])
 def test_sampling_params_reject_out_of_range(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import os
 
+import jinja2
 from transformers import AutoTokenizer
 
 
@@ -45,7 +46,10 @@ class Tokenizer:
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions with a plain prompt")
         # render, then tokenize without adding special tokens: the template already wrote them
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except jinja2.TemplateError as e:   # the template refused the conversation (e.g. roles must alternate)
+            raise ValueError(f"the chat template rejected the messages: {e}") from e
         return self.hf(text, add_special_tokens=False).input_ids
 
     def token_str(self, token_id: int) -> str:

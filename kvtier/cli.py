@@ -1,0 +1,155 @@
+"""Command line: kvtier serve | generate | bench.
+
+Heavy imports (torch, the engine, uvicorn) happen inside the handlers so that `kvtier --help` is fast.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import sys
+
+log = logging.getLogger("kvtier")
+
+BENCHMARKS = ("throughput",)   # kvtier bench NAME → kvtier.bench.NAME.main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description="LLM inference server with a tiered KV cache")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    # options left out (None) keep Config's defaults
+    engine = argparse.ArgumentParser(add_help=False)
+    group = engine.add_argument_group("model and engine")
+    group.add_argument("--model", help="local Hugging Face directory or .gguf file "
+                                       "(default: the bundled SmolLM2-135M-Instruct)")
+    group.add_argument("--device", help="cpu or cuda[:N] (default: cpu)")
+    group.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32)")
+    group.add_argument("--kv-pool-tokens", type=int, metavar="N", help="tokens of KV the device pool holds "
+                                                         "(default: a share of free device memory)")
+    group.add_argument("--max-batched-tokens", type=int, metavar="N", help="tokens per engine step (default: 2048)")
+    group.add_argument("--max-num-seqs", type=int, metavar="N", help="sequences running at once (default: 64)")
+    group.add_argument("--max-model-len", type=int, metavar="N", help="context limit in tokens (default: the model's)")
+    group.add_argument("--threads", dest="num_threads", type=int, metavar="N", help="torch CPU threads")
+
+    serve = commands.add_parser("serve", parents=[engine], help="run the OpenAI-compatible HTTP server")
+    group = serve.add_argument_group("server")
+    group.add_argument("--host", help="address to bind (default: 127.0.0.1)")
+    group.add_argument("--port", type=int, metavar="N", help="port to bind (default: 8000)")
+    group.add_argument("--served-model-name", help="model name clients must send (default: the model's name)")
+    group.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.set_defaults(handler=_serve)
+
+    generate = commands.add_parser("generate", parents=[engine], help="answer one prompt on stdout")
+    generate.add_argument("prompt", help="the user message (the chat template is applied)")
+    generate.add_argument("--max-tokens", type=int, metavar="N", default=256, help="(default: %(default)s)")
+    generate.add_argument("--temperature", type=float, metavar="T", default=0.7,
+                          help="0 is greedy (default: %(default)s)")
+    generate.add_argument("--seed", type=int, metavar="N", default=None, help="same seed, same answer")
+    generate.set_defaults(handler=_generate)
+
+    bench = commands.add_parser("bench", help="run a benchmark: kvtier bench NAME --help for its options")
+    bench.add_argument("name", choices=BENCHMARKS)
+    bench.add_argument("argv", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    bench.set_defaults(handler=_bench)
+    return parser
+
+
+def _config(args):
+    """Config from the options given; a bad value ends the program with its message and status 2."""
+    from kvtier.config import Config, ConfigError
+
+    given = vars(args)
+    try:
+        return Config(**{f.name: given[f.name] for f in dataclasses.fields(Config) if given.get(f.name) is not None})
+    except ConfigError as e:
+        _fail(str(e))
+
+
+def _fail(message: str):
+    print(f"kvtier: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _serve(args) -> int:
+    config = _config(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from kvtier.engine.async_engine import AsyncEngine
+    from kvtier.server.app import build_app
+
+    engine = AsyncEngine(config)
+    try:
+        app = build_app(engine, config)
+        # on Ctrl-C, give open streams a few seconds, then cancel them (which aborts their requests)
+        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, timeout_graceful_shutdown=5))
+        name = config.served_model_name or engine.model_name
+        asyncio.run(_serve_until_stopped(server, f"http://{config.host}:{config.port}/v1", name))
+    finally:
+        engine.shutdown()
+    return 0
+
+
+async def _serve_until_stopped(server, url: str, name: str) -> None:
+    serving = asyncio.create_task(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        log.info("kvtier is ready: serving %r at %s", name, url)
+    await serving
+
+
+def _generate(args) -> int:
+    config = _config(args)
+    from kvtier.engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    except ValueError as e:
+        _fail(str(e))
+    from kvtier.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(config)
+    try:
+        return asyncio.run(_print_answer(engine, args.prompt, params))
+    finally:
+        engine.shutdown()
+
+
+async def _print_answer(engine, prompt: str, params) -> int:
+    from kvtier.engine.outputs import RequestRejected
+
+    try:
+        prompt_ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    except ValueError:   # a base model without a chat template: the plain text
+        prompt_ids = engine.tokenizer.encode(prompt)
+    try:
+        async for out in engine.generate("generate", prompt_ids, params):
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    except RequestRejected as e:
+        print(f"kvtier: error: {e}", file=sys.stderr)
+        return 1
+    sys.stdout.write("\n")
+    return 0
+
+
+def _bench(args) -> int:
+    import importlib
+
+    module = importlib.import_module(f"kvtier.bench.{args.name}")
+    return module.main(args.argv) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

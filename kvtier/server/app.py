@@ -1,0 +1,226 @@
+"""The OpenAI-compatible HTTP server: routes, errors, API key, and the generation plumbing they share."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvtier.engine.outputs import RequestOutput, RequestRejected
+from kvtier.server.metrics import Metrics, RequestCounter
+from kvtier.server.render import ChatRenderer, CompletionRenderer
+from kvtier.server.protocol import (APIError, ChatCompletionRequest,
+                                    CompletionRequest, ModelCard, ModelList)
+
+if TYPE_CHECKING:   # the engine pulls in the model code; the app only needs its interface
+    from kvtier.config import Config
+    from kvtier.engine.async_engine import AsyncEngine
+
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+DISCONNECT_POLL_S = 0.2
+
+
+def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
+    app = FastAPI(title="kvtier", summary="OpenAI-compatible LLM server with a tiered KV cache")
+    metrics = Metrics(engine)
+    routes = _Routes(engine, config.served_model_name or engine.model_name, metrics)
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/metrics", routes.scrape, methods=["GET"])
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected_error)
+    if config.api_key:
+        app.add_middleware(_APIKeyGuard, api_key=config.api_key)
+    app.add_middleware(RequestCounter, metrics=metrics, endpoints=ENDPOINTS)   # outermost: counts 401s too
+    return app
+
+
+class _Routes:
+    def __init__(self, engine: AsyncEngine, served_model: str, metrics: Metrics):
+        self.engine = engine
+        self.served_model = served_model
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        try:
+            prompt = self.engine.tokenizer.apply_chat_template([m.for_template() for m in body.messages])
+        except ValueError as e:
+            raise APIError(400, f"cannot build a chat prompt: {e}", param="messages") from None
+        renderer = ChatRenderer(self.served_model, self.engine.tokenizer.token_str)
+        return await self._generate(request, body, prompt, renderer)
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt = self.engine.tokenizer.encode(body.prompt)
+        else:
+            prompt = body.prompt
+            vocab_size = self.engine.tokenizer.vocab_size
+            if not all(0 <= t < vocab_size for t in prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        renderer = CompletionRenderer(self.served_model, self.engine.tokenizer.token_str)
+        return await self._generate(request, body, prompt, renderer)
+
+    async def models(self) -> ModelList:
+        card = ModelCard(id=self.served_model, created=self.created, max_model_len=self.engine.max_model_len)
+        return ModelList(data=[card])
+
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    async def scrape(self) -> Response:
+        content, media_type = self.metrics.exposition()
+        return Response(content, media_type=media_type)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.served_model:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.served_model}'",
+                           param="model", code="model_not_found")
+
+    async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: list[int],
+                        renderer: ChatRenderer | CompletionRenderer) -> Response:
+        """Shared by chat and completions, streaming or not."""
+        params = body.sampling_params(len(prompt), self.engine.max_model_len)
+        arrival = time.perf_counter()
+        gen = self.engine.generate(renderer.id, prompt, params)
+        # wait for the first output before answering, so a rejected request gets a 400, not a broken stream
+        try:
+            first = await _unless_disconnected(request, anext(gen))
+        except RequestRejected as e:
+            raise APIError(400, str(e)) from None
+        first_token = time.perf_counter()
+        self.metrics.time_to_first_token.observe(first_token - arrival)
+        outputs = self._observed(gen, first, arrival, first_token)
+        if body.stream:
+            return _SSEResponse(_sse(outputs, renderer, body.include_usage), media_type="text/event-stream")
+        whole = await _unless_disconnected(request, _merged(outputs))
+        return Response(renderer.response(whole).model_dump_json(), media_type="application/json")
+
+    async def _observed(self, gen: AsyncIterator[RequestOutput], first: RequestOutput,
+                        arrival: float, first_token: float) -> AsyncIterator[RequestOutput]:
+        """`first`, then the rest of `gen`; the request's metrics are recorded when it finishes."""
+        async with aclosing(gen):
+            out = first
+            yield first
+            async for out in gen:
+                yield out
+        if out.finished:
+            self.metrics.observe_finished(out, arrival, first_token, time.perf_counter())
+
+
+async def _merged(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """Fold a request's deltas into one output that carries the whole completion."""
+    outs = [out async for out in outputs]
+    last = outs[-1]
+    return dataclasses.replace(
+        last,
+        new_token_ids=[t for o in outs for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in outs),
+        logprobs=None if last.logprobs is None else [lp for o in outs for lp in o.logprobs],
+    )
+
+
+async def _sse(outputs: AsyncIterator[RequestOutput], renderer: ChatRenderer | CompletionRenderer,
+               include_usage: bool) -> AsyncIterator[str]:
+    async with aclosing(outputs):
+        async for out in outputs:
+            chunk = renderer.chunk(out)
+            if chunk is not None:
+                yield _event(chunk)
+        if include_usage:
+            yield _event(renderer.usage_chunk(out))
+    yield "data: [DONE]\n\n"
+
+
+def _event(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes its generator however the stream ends: a client that goes away aborts its request."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _unless_disconnected(request: Request, awaitable: Awaitable):
+    """Await `awaitable`; if the client disconnects first, cancel it (aborting the engine request)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while not (await asyncio.wait([task], timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                raise APIError(499, "the client closed the connection")
+        return task.result()
+    finally:
+        task.cancel()
+
+
+class _APIKeyGuard:
+    """ASGI middleware: /v1 routes need 'Authorization: Bearer <api_key>'; /health and /metrics stay open."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(given, self.expected):
+                err = APIError(401, "missing or incorrect API key; send it as 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+                return await _error_response(err)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+# ---------------------------------------------------------------- errors, all in OpenAI's shape
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status_code)
+
+
+async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return _error_response(exc)
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    # FastAPI answers 422; OpenAI answers 400 with one message
+    messages, params = [], []
+    for e in exc.errors():
+        if e["type"] == "json_invalid":
+            return _error_response(APIError(400, f"the request body is not valid JSON: {e['ctx']['error']}"))
+        loc = [str(part) for part in e["loc"] if part != "body"]
+        if not loc:   # no body, or not an object (also what a form content-type gives)
+            return _error_response(APIError(400, "the request body must be a JSON object "
+                                                  "sent with 'Content-Type: application/json'"))
+        messages.append(f"{'.'.join(loc)}: {e['msg'].removeprefix('Value error, ')}")
+        params.append(loc[0])
+    return _error_response(APIError(400, "; ".join(messages), param=params[0]))
+
+
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return _error_response(APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None))
+
+
+async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette re-raises the exception after this answer, so the server still logs its traceback
+    return _error_response(APIError(500, f"internal server error: {type(exc).__name__}", type="server_error"))

@@ -1,0 +1,313 @@
+"""Request validation, response building and the HTTP plumbing, against a scripted engine (no model)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvtier.config import Config
+from kvtier.engine.outputs import RequestOutput, RequestRejected, TokenLogprob
+from kvtier.server.app import build_app
+from kvtier.server.render import ChatRenderer, CompletionRenderer
+from kvtier.server.protocol import (APIError, ChatCompletionRequest,
+                                    CompletionRequest)
+
+MODEL = "stub-model"
+
+
+class StubTokenizer:
+    """One token per character; token id = code point."""
+    vocab_size = 1000
+    eos_token_ids = frozenset()
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+    def token_str(self, token_id):
+        return chr(token_id)
+
+    def apply_chat_template(self, messages):
+        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+
+
+class StubEngine:
+    """Answers every request with `answer`, one character per output; can be told to hang."""
+
+    def __init__(self, answer="hello"):
+        self.tokenizer = StubTokenizer()
+        self.model_name = MODEL
+        self.max_model_len = 64
+        self.answer = answer
+        self.hang = False
+        self.running: set[str] = set()
+        self.requests: list[tuple[list[int], object]] = []
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise RequestRejected("too long for the stub")
+        self.requests.append((prompt_token_ids, params))
+        self.running.add(request_id)
+        try:
+            text = self.answer[:params.max_tokens]
+            for i, c in enumerate(text):
+                if self.hang:
+                    await asyncio.Event().wait()
+                last = i == len(text) - 1
+                top = [(ord(c), -0.5), (ord("z"), -2.0)]
+                lps = None if params.logprobs is None else [TokenLogprob(ord(c), -0.5, top)]
+                yield RequestOutput(request_id, [ord(c)], c, lps, last,
+                                    ("length" if len(text) == params.max_tokens else "stop") if last else None,
+                                    len(prompt_token_ids), 0, i + 1)
+        finally:
+            self.running.discard(request_id)
+
+    def stats(self):
+        return {"num_blocks": 10, "num_free_blocks": 10 - len(self.running), "block_size": 64,
+                "num_running": len(self.running), "num_waiting": 0}
+
+
+@pytest.fixture
+def engine():
+    return StubEngine()
+
+
+@pytest.fixture
+def client(engine):
+    return TestClient(build_app(engine, Config()))
+
+
+def chat_body(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def sse_events(text):
+    lines = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+# ---------------------------------------------------------------- request models
+
+def test_chat_defaults_max_tokens_to_remaining_context():
+    req = ChatCompletionRequest(**chat_body())
+    assert req.sampling_params(num_prompt_tokens=40, max_model_len=64).max_tokens == 24
+    assert req.sampling_params(40, 64).temperature == 1.0
+
+
+def test_completion_default_max_tokens_is_16_capped_by_context():
+    req = CompletionRequest(model=MODEL, prompt="x")
+    assert req.sampling_params(10, 64).max_tokens == 16
+    assert req.sampling_params(60, 64).max_tokens == 4
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    req = ChatCompletionRequest(**chat_body(max_tokens=5, max_completion_tokens=7))
+    assert req.sampling_params(1, 64).max_tokens == 7
+
+
+def test_sampling_fields_reach_params():
+    req = ChatCompletionRequest(**chat_body(temperature=0, top_p=0.5, top_k=-1, seed=3, stop="\n",
+                                            logprobs=True, top_logprobs=2))
+    p = req.sampling_params(1, 64)
+    assert (p.temperature, p.top_p, p.top_k, p.seed, p.stop, p.logprobs) == (0, 0.5, 0, 3, ["\n"], 2)
+    assert ChatCompletionRequest(**chat_body(top_logprobs=2)).sampling_params(1, 64).logprobs is None
+
+
+@pytest.mark.parametrize("field, value", [("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", -1.0),
+                                          ("temperature", 5.0), ("top_p", 0.0), ("max_tokens", 0)])
+def test_out_of_range_or_unsupported_is_400(field, value):
+    req = ChatCompletionRequest(**chat_body(**{field: value}))
+    with pytest.raises(APIError) as e:
+        req.sampling_params(1, 64)
+    assert e.value.status_code == 400
+
+
+@pytest.mark.parametrize("field, value", [("echo", True), ("best_of", 3), ("suffix", "x")])
+def test_unsupported_completion_fields(field, value):
+    with pytest.raises(APIError, match=field):
+        CompletionRequest(model=MODEL, prompt="x", **{field: value}).sampling_params(1, 64)
+
+
+def test_text_parts_are_joined_and_unknown_fields_ignored():
+    req = ChatCompletionRequest(**chat_body(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], frobnicate=1))
+    assert req.messages[0].for_template() == {"role": "user", "content": "a\nb"}
+
+
+def test_a_batch_of_one_prompt_is_unwrapped():
+    assert CompletionRequest(model=MODEL, prompt=["hi"]).prompt == "hi"
+    assert CompletionRequest(model=MODEL, prompt=[[1, 2]]).prompt == [1, 2]
+    with pytest.raises(ValueError, match="only one prompt"):
+        CompletionRequest(model=MODEL, prompt=["a", "b"])
+
+
+def test_image_parts_are_rejected():
+    with pytest.raises(ValueError, match="only text content parts"):
+        ChatCompletionRequest(**chat_body(messages=[{"role": "user", "content": [{"type": "image_url"}]}]))
+
+
+# ---------------------------------------------------------------- renderers
+
+def out(text, finished=False, reason=None, logprobs=None, n=1):
+    return RequestOutput("r", [ord(c) for c in text], text, logprobs, finished, reason, 3, 1, n)
+
+
+def test_chat_chunks_send_role_once_and_skip_empty_deltas():
+    r = ChatRenderer(MODEL, chr)
+    first = r.chunk(out("a")).model_dump()
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    assert r.chunk(out("")) is None                 # text held back: nothing to send
+    last = r.chunk(out("", finished=True, reason="stop")).model_dump()
+    assert last["choices"][0]["delta"] == {"role": None, "content": None}
+    assert last["choices"][0]["finish_reason"] == "stop"
+    assert r.usage_chunk(out("", True, "stop", n=4)).model_dump()["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 1}}
+
+
+def test_chat_logprobs_shape():
+    lp = [TokenLogprob(ord("a"), -0.1, [(ord("a"), -0.1), (ord("b"), -2.5)])]
+    body = ChatRenderer(MODEL, chr).response(out("a", True, "stop", lp)).model_dump()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert content == [{"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": [
+        {"token": "a", "logprob": -0.1, "bytes": [97]}, {"token": "b", "logprob": -2.5, "bytes": [98]}]}]
+
+
+def test_completion_logprobs_offsets_continue_across_chunks():
+    r = CompletionRenderer(MODEL, lambda i: chr(i) * 2)   # two characters per token
+    lp = lambda c: [TokenLogprob(ord(c), -1.0, [(ord(c), -1.0)])]
+    first = r.chunk(out("a", logprobs=lp("a"))).model_dump()["choices"][0]["logprobs"]
+    second = r.chunk(out("b", logprobs=lp("b"))).model_dump()["choices"][0]["logprobs"]
+    assert first == {"tokens": ["aa"], "token_logprobs": [-1.0], "top_logprobs": [{"aa": -1.0}], "text_offset": [0]}
+    assert second["text_offset"] == [2]
+
+
+# ---------------------------------------------------------------- HTTP plumbing (stub engine)
+
+def test_chat_non_streaming(client, engine):
+    r = client.post("/v1/chat/completions", json=chat_body(max_tokens=3))
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "hel"}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 3
+    assert engine.requests[0][0] == engine.tokenizer.encode("<user>hi<assistant>")
+
+
+def test_chat_streaming_with_usage(client):
+    r = client.post("/v1/chat/completions", json=chat_body(stream=True, stream_options={"include_usage": True}))
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert "".join(e["choices"][0]["delta"]["content"] or "" for e in events[:-1]) == "hello"
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_completions_token_prompt_streaming_and_logprobs(client, engine):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "stream": True, "logprobs": 1})
+    events = sse_events(r.text)
+    assert "".join(e["choices"][0]["text"] for e in events) == "hello"
+    assert [e["choices"][0]["logprobs"]["text_offset"] for e in events] == [[0], [1], [2], [3], [4]]
+    assert engine.requests[0][0] == [1, 2, 3]
+
+
+def test_completions_non_streaming_logprobs(client):
+    body = client.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "logprobs": 1}).json()
+    choice = body["choices"][0]
+    assert choice["text"] == "hello"
+    assert choice["logprobs"]["tokens"] == list("hello")
+    assert choice["logprobs"]["text_offset"] == [0, 1, 2, 3, 4]
+    assert body["usage"]["prompt_tokens"] == 3
+
+
+def error_of(r, status):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_errors_have_openai_shape(client):
+    json_header = {"content-type": "application/json"}
+    err = error_of(client.post("/v1/chat/completions", content=b"{not json", headers=json_header), 400)
+    assert "not valid JSON" in err["message"]
+    err = error_of(client.post("/v1/chat/completions", content=b"model=x"), 400)
+    assert "JSON object" in err["message"]
+    err = error_of(client.post("/v1/chat/completions", json=[1]), 400)
+    assert "JSON object" in err["message"]
+    err = error_of(client.post("/v1/chat/completions", json={"model": MODEL}), 400)
+    assert err["param"] == "messages" and "Field required" in err["message"]
+    err = error_of(client.post("/v1/chat/completions", json=chat_body(max_tokens="many")), 400)
+    assert err["param"] == "max_tokens"
+    err = error_of(client.post("/v1/chat/completions", json=chat_body(model="gpt-4")), 404)
+    assert err["code"] == "model_not_found"
+    error_of(client.post("/v1/chat/completions", json=chat_body(temperature=5)), 400)
+    error_of(client.post("/v1/chat/completions", json=chat_body(n=2)), 400)
+    err = error_of(client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 60, "max_tokens": 10}), 400)
+    assert "too long" in err["message"]
+    error_of(client.post("/v1/completions", json={"model": MODEL, "prompt": [5000]}), 400)
+    error_of(client.get("/v1/nope"), 404)
+    error_of(client.get("/v1/chat/completions"), 405)
+
+
+def test_api_key_guards_v1_only(engine):
+    client = TestClient(build_app(engine, Config(api_key="sesame")))
+    assert error_of(client.get("/v1/models"), 401)["code"] == "invalid_api_key"
+    error_of(client.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+    assert client.get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+    assert client.get("/health").status_code == 200
+
+
+def test_models_and_served_name(engine):
+    client = TestClient(build_app(engine, Config(served_model_name="alias")))
+    data = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["alias"] and data[0]["max_model_len"] == 64
+    assert client.post("/v1/chat/completions", json=chat_body(model="alias")).status_code == 200
+    assert client.post("/v1/chat/completions", json=chat_body()).status_code == 404
+
+
+def test_metrics_count_requests_and_tokens(client):
+    client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
+    client.post("/v1/chat/completions", json=chat_body(model="nope"))
+    text = client.get("/metrics").text
+    assert 'kvtier_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in text
+    assert 'kvtier_requests_total{endpoint="/v1/chat/completions",status="404"} 1.0' in text
+    assert "kvtier_generation_tokens_total 2.0" in text
+    assert "kvtier_time_to_first_token_seconds_count 1.0" in text
+    assert "kvtier_kv_pool_blocks_total 10.0" in text
+
+
+def test_client_disconnect_aborts_non_streaming_request(engine):
+    """A client that goes away while the engine works must not leave its request running."""
+    engine.hang = True
+    app = build_app(engine, Config())
+    messages = [{"type": "http.request", "body": json.dumps(chat_body()).encode(), "more_body": False}]
+    sent = []
+    leaves_at = time.monotonic() + 0.3   # the client leaves while the engine is still busy
+
+    async def receive():
+        if messages:
+            return messages.pop()
+        if time.monotonic() < leaves_at:
+            await asyncio.Event().wait()   # nothing to receive yet (the server polls with a timeout)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    async def main():
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "server": ("testserver", 80), "client": ("testclient", 1)}
+        await asyncio.wait_for(app(scope, receive, send), timeout=5)
+        await asyncio.sleep(0.05)   # let the cancelled generation unwind
+    asyncio.run(main())
+    assert sent[0]["status"] == 499
+    assert engine.running == set()

@@ -1,0 +1,264 @@
+"""The real server (`kvtier serve`, bundled model) driven by the official openai client and httpx."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+pytestmark = pytest.mark.integration
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 2048
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+COUNTING = "Count from 1 to 500: 1, 2, 3, 4, 5,"   # the model keeps counting: never stops on its own early
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    """One `kvtier serve` per module; every /v1 call must carry API_KEY."""
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), "--kv-pool-tokens", "8192",
+             "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"kvtier serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"kvtier serve did not become healthy:\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        assert "kvtier is ready" in log_path.read_text()
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> OpenAI:
+    return OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        yield c
+
+
+def scrape(http) -> dict[str, float]:
+    """The /metrics samples, by name with labels, e.g. 'kvtier_requests_total{endpoint="/v1/models",status="200"}'."""
+    samples = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def wait_until_idle(http, timeout=10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(http)
+        idle = m["kvtier_requests_running"] == 0 and m["kvtier_requests_waiting"] == 0
+        if (idle and m["kvtier_kv_pool_blocks_used"] == 0) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_health_needs_no_key(base_url):
+    r = httpx.get(f"{base_url}/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_models(client, model):
+    models = client.models.list().data
+    assert [m.id for m in models] == [model]
+    assert models[0].max_model_len == MAX_MODEL_LEN
+
+
+def test_chat_greedy(client, model):
+    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0)
+    choice = r.choices[0]
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    u = r.usage
+    assert 0 < u.completion_tokens <= 12 and u.prompt_tokens > 5
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens >= 0
+    assert (choice.finish_reason == "length") == (u.completion_tokens == 12)
+
+
+def test_streaming_chat_equals_non_streaming(client, model):
+    kwargs = dict(model=model, messages=QUESTION, max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_length_and_streaming(client, model):
+    kwargs = dict(model=model, prompt=COUNTING, max_tokens=5, temperature=0)
+    r = client.completions.create(**kwargs)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 5
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
+    assert streamed == r.choices[0].text
+
+
+def test_completions_token_id_prompt(client, model):
+    ids = list(range(1000, 1020))
+    r = client.completions.create(model=model, prompt=ids, max_tokens=3, temperature=0)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens > 0
+
+
+def test_chat_logprobs(client, model):
+    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+        # greedy: the chosen token is the most likely one
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+
+def test_completion_logprobs(client, model):
+    r = client.completions.create(model=model, prompt=COUNTING, max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == r.choices[0].text
+
+
+def test_stop_string_cuts_the_output(client, model):
+    kwargs = dict(model=model, prompt=COUNTING, max_tokens=12, temperature=0)
+    free = client.completions.create(**kwargs).choices[0].text
+    stop = " 8,"
+    assert stop in free, free
+    r = client.completions.create(**kwargs, stop=[stop, "never-appears"])
+    assert r.choices[0].text == free[:free.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, stop=stop, stream=True))
+    assert streamed == r.choices[0].text and stop not in streamed
+
+
+def test_same_seed_same_sample(client, model):
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=12,
+                  temperature=1.0, seed=1234)
+    first, second = (client.chat.completions.create(**kwargs).choices[0].message.content for _ in range(2))
+    assert first == second
+
+
+def test_concurrent_requests(client, model):
+    def ask(i):
+        return client.chat.completions.create(model=model, max_tokens=8, temperature=0,
+                                              messages=[{"role": "user", "content": f"Say the number {i}."}])
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(ask, range(4)))
+    assert len({r.id for r in results}) == 4
+    assert all(r.usage.completion_tokens > 0 and r.choices[0].message.content for r in results)
+
+
+def test_client_errors(base_url, client, model):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-model", messages=QUESTION)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=model, messages=QUESTION, temperature=5)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=model, prompt="hello " * (MAX_MODEL_LEN + 10), max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.chat.completions.create(model=model, messages=QUESTION, n=2)
+    wrong = OpenAI(base_url=f"{base_url}/v1", api_key="wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(model=model, messages=QUESTION, max_tokens=2)
+    assert httpx.get(f"{base_url}/v1/models").status_code == 401
+
+
+@pytest.mark.parametrize("content, param", [(b'{"model": "m", "messages": [', None), (b'{"messages": []}', "model")])
+def test_malformed_requests_get_400_error_objects(http, content, param):
+    r = http.post("/v1/chat/completions", content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_unknown_route_is_404_error_object(http):
+    r = http.post("/v1/nothing-here", json={})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_metrics_move(http, client, model):
+    before = scrape(http)
+    client.chat.completions.create(model=model, messages=QUESTION, max_tokens=3, temperature=0)
+    after = scrape(http)
+    ok = 'kvtier_requests_total{endpoint="/v1/chat/completions",status="200"}'
+    assert after[ok] == before.get(ok, 0) + 1
+    assert after["kvtier_generation_tokens_total"] > before["kvtier_generation_tokens_total"]
+    assert after["kvtier_prompt_tokens_total"] > before["kvtier_prompt_tokens_total"]
+    assert after["kvtier_time_to_first_token_seconds_count"] == before["kvtier_time_to_first_token_seconds_count"] + 1
+    assert after["kvtier_kv_pool_blocks_total"] == 8192 // 64
+    for name in ("kvtier_time_per_output_token_seconds_count", "kvtier_request_latency_seconds_count",
+                 "kvtier_kv_pool_usage_ratio", "kvtier_requests_waiting"):
+        assert name in after
+
+
+def test_streaming_disconnect_aborts_the_request(http, model):
+    body = {"model": model, "prompt": COUNTING, "max_tokens": 1000, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        received = [line for line, _ in zip(lines, range(6)) if line]
+        assert received and all(line.startswith("data: {") for line in received)
+        assert scrape(http)["kvtier_requests_running"] == 1
+    # leaving the block closed the connection mid-stream
+    m = wait_until_idle(http)
+    assert (m["kvtier_requests_running"], m["kvtier_kv_pool_blocks_used"]) == (0, 0)
+
+
+def test_non_streaming_disconnect_aborts_the_request(http, model):
+    body = {"model": model, "prompt": COUNTING, "max_tokens": 1000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json=body, timeout=1.0)
+    m = wait_until_idle(http)
+    assert (m["kvtier_requests_running"], m["kvtier_kv_pool_blocks_used"]) == (0, 0)
+    assert m['kvtier_requests_total{endpoint="/v1/completions",status="499"}'] >= 1
