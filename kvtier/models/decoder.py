@@ -1,8 +1,9 @@
 """One decoder for the Llama, Qwen2 and Qwen3 families.
 
-Module names follow Hugging Face checkpoints so a loaded state dict applies as is.
-Differences between the families are flags on ModelConfig: q/k/v bias (Qwen2) and
-per-head q/k RMSNorm (Qwen3).
+Module names follow Hugging Face checkpoints, except that q/k/v and gate/up projections
+are fused into one matrix each (`fuse_projections`): fewer, larger matmuls. Differences
+between the families are flags on ModelConfig: q/k/v bias (Qwen2) and per-head q/k
+RMSNorm (Qwen3).
 """
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == torch.float32:   # one fused kernel
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # half precision: normalize in float32 like the reference implementations
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -72,9 +73,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -84,12 +84,12 @@ class Attention(nn.Module):
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.reshape(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
+        q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
@@ -97,12 +97,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -116,6 +116,23 @@ class DecoderLayer(nn.Module):
     def forward(self, x, rope, k_cache, v_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def fuse_projections(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint names → decoder names: q/k/v into qkv_proj, gate/up into gate_up_proj."""
+    fused = dict(weights)
+    groups = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+    for name in weights:
+        for target, parts in groups.items():
+            for kind in ("weight", "bias"):
+                if name.endswith(f"{parts[0]}.{kind}"):
+                    prefix = name[: -len(f"{parts[0]}.{kind}")]
+                    keys = [f"{prefix}{p}.{kind}" for p in parts]
+                    fused[f"{prefix}{target}.{kind}"] = torch.cat([weights[k] for k in keys])
+                    for k in keys:
+                        del fused[k]
+    return fused
 
 
 class Backbone(nn.Module):
@@ -147,6 +164,7 @@ class Decoder(nn.Module):
         """Build on the meta device, then adopt the checkpoint tensors (no random init, no copy twice)."""
         with torch.device("meta"):
             model = cls(cfg)
+        weights = fuse_projections(weights)
         expected = set(model.state_dict())
         if cfg.tie_word_embeddings:
             weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
