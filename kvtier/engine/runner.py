@@ -38,11 +38,8 @@ class ModelRunner:
                 decode_tables.append(seq.block_table)
                 decode_lens.append(end)
             else:
-                mask = None
-                if start > 0:   # a cached prefix precedes this chunk: causal mask with an offset
-                    mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start)
-                prefills.append(PrefillSeq(row, n, self._slots(seq.block_table, 0, end).to(self.device),
-                                           None if mask is None else mask.to(self.device)))
+                prefix = self._slots(seq.block_table, 0, start).to(self.device) if start > 0 else None
+                prefills.append(PrefillSeq(row, n, prefix))
             row += n
             last_rows.append(row - 1)
         meta = AttentionMetadata(

@@ -13,10 +13,9 @@ import torch.nn.functional as F
 
 @dataclass
 class PrefillSeq:
-    query_start: int          # first row of this sequence in the flat token batch
+    query_start: int                  # first row of this sequence in the flat token batch
     query_len: int
-    kv_slots: torch.Tensor    # [kv_len] pool slots of positions 0..kv_len-1
-    causal_mask: torch.Tensor | None  # [query_len, kv_len] bool, None when query_len == kv_len
+    prefix_slots: torch.Tensor | None  # pool slots of the positions before this chunk; None if there are none
 
 
 @dataclass
@@ -44,17 +43,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gqa = q.shape[1] != k.shape[1]
     for seq in meta.prefills:
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
-        qs = q[rows].transpose(0, 1).unsqueeze(0)                 # [1, H, q, D]
-        if seq.causal_mask is None:
-            # the whole context is in this batch: use the fresh K/V, no gather needed
-            ks, vs = k[rows], v[rows]
+        qs, ks, vs = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, n, D]
+        if seq.prefix_slots is None:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            ks, vs = k_cache[seq.kv_slots], v_cache[seq.kv_slots]
-        ks = ks.transpose(0, 1).unsqueeze(0)                       # [1, KVH, kv, D]
-        vs = vs.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.causal_mask,
-                                           is_causal=seq.causal_mask is None,
-                                           scale=scale, enable_gqa=gqa)
+            kp, vp = (c[seq.prefix_slots].transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))
+            o = _attention_after_prefix(qs, ks, vs, kp, vp, scale)
         out[rows] = o.squeeze(0).transpose(0, 1)
     if meta.decode is not None:
         d = meta.decode
@@ -64,3 +58,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=d.mask, scale=scale, enable_gqa=gqa)
         out[d.query_rows] = o.squeeze(2)
     return out
+
+
+def _attention_after_prefix(q, k, v, k_prefix, v_prefix, scale: float) -> torch.Tensor:
+    """Causal attention of a chunk over [cached prefix | the chunk itself]; tensors [1, heads, len, D]."""
+    if q.device.type != "cpu":
+        n, p = q.shape[2], k_prefix.shape[2]
+        mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(diagonal=p)
+        return F.scaled_dot_product_attention(q, torch.cat([k_prefix, k], 2), torch.cat([v_prefix, v], 2),
+                                              attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    # CPU: a masked call computes every masked-out score; instead attend to the prefix (no mask) and to
+    # the chunk (causal) separately with the flash kernel and merge the two by their log-sum-exp
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    groups = q.shape[1] // k.shape[1]
+    o1, lse1 = flash(q, k_prefix.repeat_interleave(groups, 1), v_prefix.repeat_interleave(groups, 1), scale=scale)
+    o2, lse2 = flash(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True, scale=scale)
+    lse = torch.logaddexp(lse1, lse2).unsqueeze(-1)
+    return o1 * (lse1.unsqueeze(-1) - lse).exp() + o2 * (lse2.unsqueeze(-1) - lse).exp()
