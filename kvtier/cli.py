@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--max-num-seqs", type=int, metavar="N", help="sequences running at once (default: 64)")
     group.add_argument("--max-model-len", type=int, metavar="N", help="context limit in tokens (default: the model's)")
     group.add_argument("--threads", dest="num_threads", type=int, metavar="N", help="torch CPU threads")
+    group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
+                       help="do not reuse device blocks of earlier requests' prefixes")
 
     serve = commands.add_parser("serve", parents=[engine], help="run the OpenAI-compatible HTTP server")
     group = serve.add_argument_group("server")

@@ -24,6 +24,7 @@ class Config:
     max_num_seqs: int = 64                # sequences running at once
     max_model_len: int | None = None      # None → the model's context length
     num_threads: int | None = None        # torch CPU threads; None → torch's default
+    prefix_cache: bool = True             # reuse cached blocks of earlier requests' prefixes
     # server
     host: str = "127.0.0.1"
     port: int = 8000

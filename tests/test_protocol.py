@@ -68,7 +68,7 @@ class StubEngine:
             self.running.discard(request_id)
 
     def stats(self):
-        return {"num_blocks": 10, "num_free_blocks": 10 - len(self.running), "block_size": 64,
+        return {"num_blocks": 10, "num_free_blocks": 10 - len(self.running), "num_cached_blocks": 0, "block_size": 64,
                 "num_running": len(self.running), "num_waiting": 0}
 
 

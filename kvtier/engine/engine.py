@@ -14,6 +14,7 @@ from kvtier.engine.sampler import sample, token_logprob
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.sequence import Sequence
+from kvtier.kv.keys import block_key, namespace
 from kvtier.kv.pool import KVPool, default_pool_tokens
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import load_model, resolve_model_path
@@ -38,8 +39,9 @@ class LLMEngine:
         mc = loaded.config
         per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
         pool_tokens = config.kv_pool_tokens or default_pool_tokens(per_token, self.device)
+        ns = namespace(loaded.fingerprint, config.dtype, config.block_size, KVPool.LAYOUT)
         self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size,
-                           pool_tokens, config.torch_dtype, self.device)
+                           pool_tokens, config.torch_dtype, self.device, ns, config.prefix_cache)
         log.info("KV pool: %d blocks of %d tokens (%.2f GiB)", self.pool.num_blocks, config.block_size,
                  self.pool.kv_cache.numel() * self.pool.kv_cache.element_size() / 2**30)
         self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs)
@@ -85,10 +87,20 @@ class LLMEngine:
         logits = self.runner.run(batch)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             seq.num_computed_tokens += n
+            self._seal_full_blocks(seq)
             if seq.num_uncomputed_tokens == 0:      # prompt done or last token fed: sample the next one
                 self._append_token(seq, logits[i])
                 outputs.append(self._output(seq))
         return outputs
+
+    def _seal_full_blocks(self, seq: Sequence) -> None:
+        """Key every block that this step filled, so later requests can reuse it."""
+        bs = self.pool.block_size
+        for i in range(len(seq.block_keys), seq.num_computed_tokens // bs):
+            key = block_key(seq.block_keys[-1] if seq.block_keys else None,
+                            seq.token_ids[i * bs:(i + 1) * bs], self.pool.namespace)
+            self.pool.seal(seq.block_table[i], key)
+            seq.block_keys.append(key)
 
     def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.params
@@ -121,5 +133,6 @@ class LLMEngine:
 
     def stats(self) -> dict:
         return {"num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,
+                "num_cached_blocks": self.pool.num_cached_blocks,
                 "block_size": self.pool.block_size, "num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting)}

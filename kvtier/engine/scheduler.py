@@ -66,12 +66,19 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+            cached, keys = self.pool.match_prefix(seq.token_ids)
+            num_cached = len(cached) * self.pool.block_size
+            n = min(len(seq) - num_cached, budget)
+            need = self.pool.blocks_for(num_cached + n) - len(cached)
             if not self.pool.can_allocate(need):
+                self.pool.free(cached)
                 break
             self.waiting.popleft()
-            seq.block_table += self.pool.allocate(need)
+            seq.block_table = cached + self.pool.allocate(need)
+            seq.block_keys = keys
+            seq.num_computed_tokens = num_cached
+            if seq.num_output_tokens == 0:   # a preempted sequence keeps what its first admission reported
+                seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, n)

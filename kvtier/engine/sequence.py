@@ -27,8 +27,9 @@ class Sequence:
         self.arrival = arrival                  # admission order; the newest is preempted first
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.block_keys: list[bytes] = []       # content keys of the sealed (full, computed) blocks
         self.num_computed_tokens = 0            # tokens whose K/V are in the pool
-        self.num_cached_tokens = 0              # prompt tokens served from cache (prefix caching, later)
+        self.num_cached_tokens = 0              # prompt tokens served from the prefix cache
         self.finish_reason: str | None = None
         self.generator = None
         if params.seed is not None:

@@ -1,10 +1,17 @@
-"""The device KV pool: one preallocated store of fixed-size blocks shared by all sequences."""
+"""The device KV pool: one preallocated store of fixed-size blocks shared by all sequences.
+
+Blocks are reference-counted. A full block can be sealed under its content key; once its
+last user lets go it stays cached, evictable, in an LRU free list, and a later request
+whose prefix has the same keys reuses it instead of recomputing it.
+"""
 from __future__ import annotations
 
 import os
-from collections import deque
+from collections import OrderedDict
 
 import torch
+
+from kvtier.kv.keys import chain_keys
 
 CPU_POOL_SHARE = 0.10    # of available host RAM when --kv-pool-tokens is not given
 CUDA_POOL_SHARE = 0.80   # of free device memory after the weights are loaded
@@ -30,8 +37,11 @@ class KVPool:
     b*block_size .. (b+1)*block_size - 1.
     """
 
+    LAYOUT = "kv[2,layer,slot,kv_head,head_dim]"
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 num_tokens: int, dtype: torch.dtype, device: torch.device):
+                 num_tokens: int, dtype: torch.dtype, device: torch.device,
+                 namespace: bytes = b"", prefix_cache: bool = True):
         self.block_size = block_size
         self.num_blocks = num_tokens // block_size
         if self.num_blocks < 1:
@@ -39,7 +49,12 @@ class KVPool:
         # zeros, not empty: padded attention reads unused slots and NaN garbage would leak through softmax
         self.kv_cache = torch.zeros(2, num_layers, self.num_blocks * block_size, num_kv_heads, head_dim,
                                     dtype=dtype, device=device)
-        self._free: deque[int] = deque(range(self.num_blocks))
+        self.namespace = namespace
+        self.prefix_cache = prefix_cache
+        self.ref_counts = [0] * self.num_blocks
+        self.keys: list[bytes | None] = [None] * self.num_blocks   # sealed blocks' content keys
+        self.cached: dict[bytes, int] = {}                          # key → block holding it
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))  # LRU first
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -52,13 +67,59 @@ class KVPool:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
     def allocate(self, num_blocks: int) -> list[int]:
+        """Fresh blocks, evicting the least recently freed cached ones first."""
         if num_blocks > len(self._free):
             raise PoolExhausted(f"asked for {num_blocks} blocks, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(num_blocks)]
+        blocks = []
+        for _ in range(num_blocks):
+            block, _ = self._free.popitem(last=False)
+            self._forget(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        """Drop one reference to each block. Tail blocks are queued for eviction before head
+        blocks: a prefix's head is what the next request is most likely to share."""
+        for block in reversed(blocks):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self._free[block] = None
+
+    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
+        """The longest run of cached blocks holding a prefix of token_ids, referenced for the caller.
+        The last token is never matched: it must be computed to give fresh logits."""
+        if not self.prefix_cache:
+            return [], []
+        blocks, keys = [], []
+        for key in chain_keys(token_ids[:-1], self.block_size, self.namespace):
+            block = self.cached.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+            keys.append(key)
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+        return blocks, keys
+
+    def seal(self, block: int, key: bytes) -> None:
+        """Publish a full block under its content key (the first block with a key keeps it)."""
+        if self.prefix_cache and key not in self.cached:
+            self.cached[key] = block
+            self.keys[block] = key
+
+    def _forget(self, block: int) -> None:
+        key = self.keys[block]
+        if key is not None:
+            del self.cached[key]
+            self.keys[block] = None

@@ -59,6 +59,8 @@ class _EngineCollector:
         yield GaugeMetricFamily("kvtier_kv_pool_blocks_used", "Device KV blocks held by requests", value=used)
         yield GaugeMetricFamily("kvtier_kv_pool_usage_ratio", "Share of the device KV pool in use",
                                 value=used / total if total else 0.0)
+        yield GaugeMetricFamily("kvtier_kv_pool_blocks_cached", "Device KV blocks published under a content key",
+                                value=s["num_cached_blocks"])
         yield GaugeMetricFamily("kvtier_requests_running", "Requests being prefilled or decoded",
                                 value=s["num_running"])
         yield GaugeMetricFamily("kvtier_requests_waiting", "Requests queued for the engine", value=s["num_waiting"])
