@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_disk_dir() -> str:
+    """Under the user's cache directory ($XDG_CACHE_HOME, else ~/.cache)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "kvtier", "kv")
 
 
 class ConfigError(ValueError):
@@ -25,6 +31,10 @@ class Config:
     max_model_len: int | None = None      # None → the model's context length
     num_threads: int | None = None        # torch CPU threads; None → torch's default
     prefix_cache: bool = True             # reuse cached blocks of earlier requests' prefixes
+    kv_host_gib: float = 4.0              # host RAM tier budget; 0 disables it
+    kv_disk: bool = True                  # the local disk tier
+    kv_disk_dir: str = field(default_factory=lambda: default_disk_dir())
+    kv_disk_gib: float = 20.0
     # server
     host: str = "127.0.0.1"
     port: int = 8000
@@ -48,6 +58,8 @@ class Config:
             raise ConfigError(f"kv_pool_tokens must be at least one block ({self.block_size}), got {self.kv_pool_tokens}")
         if self.max_batched_tokens < 1:
             raise ConfigError(f"max_batched_tokens must be positive, got {self.max_batched_tokens}")
+        if self.kv_host_gib < 0 or self.kv_disk_gib < 0:
+            raise ConfigError("kv_host_gib and kv_disk_gib must be >= 0")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.model is not None and "/" in self.model and not os.path.exists(self.model):

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import os
 
+import tempfile
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network, before transformers reads it
+# the default disk tier lives under the user's cache directory: give the test session its own
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="kvtier-test-cache-")
 
 import pytest
 import torch

@@ -14,6 +14,7 @@ from kvtier.engine.sampler import sample, token_logprob
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.sequence import Sequence
+from kvtier.engine.tiering import Tiering, build_tiers
 from kvtier.kv.keys import block_key, namespace
 from kvtier.kv.pool import KVPool, default_pool_tokens
 from kvtier.models.decoder import Decoder
@@ -46,6 +47,8 @@ class LLMEngine:
                  self.pool.kv_cache.numel() * self.pool.kv_cache.element_size() / 2**30)
         self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.transfer = build_tiers(config, self.pool)
+        self.tiering = Tiering(self.transfer, self.pool, self.scheduler) if self.transfer else None
         self._arrivals = itertools.count()
         self._aborted: list[Sequence] = []
 
@@ -70,15 +73,23 @@ class LLMEngine:
         self.scheduler.add(Sequence(request_id, prompt_token_ids, params, detok, next(self._arrivals)))
 
     def abort_request(self, request_id: str) -> None:
+        if self.tiering and self.tiering.abort(request_id):
+            return    # reported when its load has finished and its blocks are free
         seq = self.scheduler.find(request_id)
         if seq is not None:
             self.scheduler.finish(seq, "abort")
             self._aborted.append(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        loading = bool(self.tiering and self.tiering.loading)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or loading
 
     def step(self) -> list[RequestOutput]:
+        if self.tiering:
+            for seq in self.tiering.poll():
+                self.scheduler.finish(seq, "abort")
+                self._aborted.append(seq)
+            self.tiering.start_loads()
         outputs = [self._output(seq) for seq in self._aborted]
         self._aborted.clear()
         batch = self.scheduler.schedule()
@@ -96,11 +107,14 @@ class LLMEngine:
     def _seal_full_blocks(self, seq: Sequence) -> None:
         """Key every block that this step filled, so later requests can reuse it."""
         bs = self.pool.block_size
-        for i in range(len(seq.block_keys), seq.num_computed_tokens // bs):
+        first = len(seq.block_keys)
+        for i in range(first, seq.num_computed_tokens // bs):
             key = block_key(seq.block_keys[-1] if seq.block_keys else None,
                             seq.token_ids[i * bs:(i + 1) * bs], self.pool.namespace)
             self.pool.seal(seq.block_table[i], key)
             seq.block_keys.append(key)
+        if self.tiering and len(seq.block_keys) > first:
+            self.tiering.save(seq.block_keys[first:], seq.block_table[first:len(seq.block_keys)])
 
     def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.params
@@ -129,7 +143,17 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
         )
         seq.pending_token_ids, seq.pending_logprobs = [], []
+        if seq.is_finished:
+            self._log_finished(seq)
         return out
+
+    def _log_finished(self, seq: Sequence) -> None:
+        tiers = ", ".join(f"{n} from {tier}" for tier, n in seq.tier_tokens.items() if n)
+        log.info("request %s %s: %d prompt tokens (%s, %d computed), %d generated", seq.request_id,
+                 seq.finish_reason, seq.num_prompt_tokens, tiers or "none cached",
+                 seq.num_prompt_tokens - seq.num_cached_tokens, seq.num_output_tokens)
+        if self.tiering:
+            self.tiering.forget(seq.request_id)
 
     def stats(self) -> dict:
         return {"num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,

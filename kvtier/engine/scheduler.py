@@ -66,19 +66,23 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
-            cached, keys = self.pool.match_prefix(seq.token_ids)
-            num_cached = len(cached) * self.pool.block_size
-            n = min(len(seq) - num_cached, budget)
-            need = self.pool.blocks_for(num_cached + n) - len(cached)
+            if seq.block_table:     # restored from a lower tier: it already holds its prefix blocks
+                cached, keys = [], seq.block_keys
+            else:
+                cached, keys = self.pool.match_prefix(seq.token_ids)
+                seq.num_computed_tokens = len(cached) * self.pool.block_size
+            held = seq.block_table + cached
+            n = min(seq.num_uncomputed_tokens, budget)
+            need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(held)
             if not self.pool.can_allocate(need):
                 self.pool.free(cached)
                 break
             self.waiting.popleft()
-            seq.block_table = cached + self.pool.allocate(need)
+            seq.block_table = held + self.pool.allocate(need)
             seq.block_keys = keys
-            seq.num_computed_tokens = num_cached
-            if seq.num_output_tokens == 0:   # a preempted sequence keeps what its first admission reported
-                seq.num_cached_tokens = num_cached
+            if seq.num_output_tokens == 0 and cached:   # a preempted sequence keeps its first report
+                seq.num_cached_tokens = seq.num_computed_tokens
+                seq.tier_tokens["device"] = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, n)

@@ -12,6 +12,7 @@ from kvtier.engine.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"     # its prefix is being copied up from a lower tier
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -30,6 +31,7 @@ class Sequence:
         self.block_keys: list[bytes] = []       # content keys of the sealed (full, computed) blocks
         self.num_computed_tokens = 0            # tokens whose K/V are in the pool
         self.num_cached_tokens = 0              # prompt tokens served from the prefix cache
+        self.tier_tokens: dict[str, int] = {}   # of those, how many came from which tier
         self.finish_reason: str | None = None
         self.generator = None
         if params.seed is not None:

@@ -94,6 +94,25 @@ class KVPool:
             if self.ref_counts[block] == 0:
                 self._free[block] = None
 
+    def pin(self, blocks: list[int]) -> None:
+        """One more reference to blocks someone already holds (e.g. while a copy out of them is in flight)."""
+        for block in blocks:
+            self.ref_counts[block] += 1
+
+    def read_block(self, block: int) -> torch.Tensor:
+        """A CPU copy of the block's payload, shaped [2, num_layers, block_size, num_kv_heads, head_dim]."""
+        bs = self.block_size
+        return self.kv_cache[:, :, block * bs:(block + 1) * bs].to("cpu", copy=True)
+
+    def write_block(self, block: int, payload: torch.Tensor) -> None:
+        bs = self.block_size
+        self.kv_cache[:, :, block * bs:(block + 1) * bs].copy_(payload)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        two, layers, _, heads, dim = self.kv_cache.shape
+        return (two, layers, self.block_size, heads, dim)
+
     def match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
         """The longest run of cached blocks holding a prefix of token_ids, referenced for the caller.
         The last token is never matched: it must be computed to give fresh logits."""

@@ -1,0 +1,108 @@
+"""The engine's side of the KV tiers: save sealed blocks, restore prefixes into reserved blocks.
+
+A waiting request whose prefix continues below the device (host RAM, disk) gets device
+blocks reserved for it and moves to `loading`; the loader fills them in the background
+while the engine keeps stepping everyone else. When the copy lands the request returns to
+the front of the queue holding its prefix, as if it had been computed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from kvtier.config import Config
+from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.sequence import Sequence, SequenceStatus
+from kvtier.kv.keys import chain_keys
+from kvtier.kv.pool import KVPool
+from kvtier.kv.tiers.host import HostTier
+from kvtier.kv.tiers.transfer import LoadJob, TierTransfer
+
+log = logging.getLogger("kvtier.engine")
+
+
+def build_tiers(config: Config, pool: KVPool) -> TierTransfer | None:
+    host = HostTier(int(config.kv_host_gib * 2**30)) if config.kv_host_gib > 0 else None
+    disk = None
+    if config.kv_disk and config.kv_disk_gib > 0:
+        from kvtier.kv.tiers.disk import DiskTier
+        disk = DiskTier(os.path.expanduser(config.kv_disk_dir), int(config.kv_disk_gib * 2**30),
+                        pool.namespace, pool.block_shape, pool.kv_cache.dtype)
+    return TierTransfer(pool, host, disk) if host is not None or disk is not None else None
+
+
+class Tiering:
+    def __init__(self, transfer: TierTransfer, pool: KVPool, scheduler: Scheduler):
+        self.transfer, self.pool, self.scheduler = transfer, pool, scheduler
+        self.loading: dict[str, Sequence] = {}
+        self._looked_up: set[str] = set()
+        self._warned = False
+
+    def save(self, keys: list[bytes], blocks: list[int]) -> None:
+        self.pool.pin(blocks)             # the slots stay ours until the copy lands
+        self.transfer.save(keys, blocks)
+
+    def start_loads(self) -> None:
+        """Look each new waiting request up below the device; reserve blocks and start its load."""
+        for seq in list(self.scheduler.waiting):
+            if seq.request_id in self._looked_up or seq.block_table:
+                continue
+            self._looked_up.add(seq.request_id)
+            on_device, device_keys = self.pool.match_prefix(seq.token_ids)
+            keys = chain_keys(seq.token_ids[:-1], self.pool.block_size, self.pool.namespace)[len(on_device):]
+            on_host, on_disk = self.transfer.lookup(keys)
+            count = on_host + on_disk
+            if count == 0 or not self.pool.can_allocate(count):
+                self.pool.free(on_device)     # the scheduler matches the device part again at admission
+                continue
+            blocks = self.pool.allocate(count)
+            seq.block_table = on_device + blocks
+            seq.block_keys = device_keys
+            seq.num_cached_tokens = len(on_device) * self.pool.block_size
+            seq.tier_tokens = {"device": seq.num_cached_tokens, "host": on_host * self.pool.block_size,
+                               "disk": on_disk * self.pool.block_size}
+            seq.status = SequenceStatus.LOADING
+            self.scheduler.waiting.remove(seq)
+            self.loading[seq.request_id] = seq
+            self.transfer.load(LoadJob(seq.request_id, keys[:count], on_host, blocks))
+
+    def poll(self) -> list[Sequence]:
+        """Apply finished copies; returns loading requests that were aborted meanwhile."""
+        events = self.transfer.poll()
+        for blocks in events.saved:
+            self.pool.free(blocks)
+        aborted = []
+        for job in events.loaded:
+            seq = self.loading.pop(job.request_id)
+            self._looked_up.discard(seq.request_id)
+            if seq.finish_reason == "abort":      # cancelled while loading: blocks are free only now
+                self.pool.free(seq.block_table)
+                seq.block_table = []
+                aborted.append(seq)
+                continue
+            if job.ok:
+                for block, key in zip(job.blocks, job.keys):
+                    self.pool.seal(block, key)
+                seq.block_keys += job.keys
+                seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.pool.block_size
+            else:
+                if not self._warned:
+                    log.warning("a cached prefix could not be restored (damaged or evicted); recomputing it")
+                    self._warned = True
+                self.pool.free(seq.block_table)
+                seq.block_table, seq.block_keys, seq.num_cached_tokens, seq.tier_tokens = [], [], 0, {}
+                self._looked_up.add(seq.request_id)   # don't try the tiers again for this request
+            seq.status = SequenceStatus.WAITING
+            self.scheduler.waiting.appendleft(seq)
+        return aborted
+
+    def abort(self, request_id: str) -> bool:
+        """Mark a loading request aborted; its blocks are freed once its copy has finished."""
+        seq = self.loading.get(request_id)
+        if seq is None:
+            return False
+        seq.finish_reason = "abort"
+        return True
+
+    def forget(self, request_id: str) -> None:
+        self._looked_up.discard(request_id)

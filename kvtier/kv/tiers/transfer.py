@@ -1,0 +1,132 @@
+"""Background copies between the device pool and the lower tiers.
+
+Two worker threads keep tier I/O off the engine loop:
+- the saver copies sealed blocks out of the pool into the host tier and writes each run
+  through to disk as one file (write-through: a run's blocks land in one file while they
+  are together; writing back on host eviction would scatter them into one file per block);
+- the loader copies a restored prefix from host / disk into device blocks reserved for it.
+The pool is not thread-safe, so workers never touch its bookkeeping: the engine pins
+blocks before handing them over and releases them when `poll` reports the copy done.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvtier.kv.pool import KVPool
+
+log = logging.getLogger("kvtier.kv.transfer")
+
+
+@dataclass
+class LoadJob:
+    request_id: str
+    keys: list[bytes]             # content keys to restore, in prefix order
+    num_from_host: int            # the first keys come from the host tier, the rest from disk
+    blocks: list[int]             # device blocks reserved for them
+    ok: bool = False
+    seconds: float = 0.0
+    bytes: int = 0
+
+
+@dataclass
+class TransferEvents:
+    saved: list[list[int]] = field(default_factory=list)   # pinned block runs whose copy-out landed
+    loaded: list[LoadJob] = field(default_factory=list)
+
+
+class TierTransfer:
+    def __init__(self, pool: KVPool, host=None, disk=None):
+        self.pool, self.host, self.disk = pool, host, disk
+        self._disk_lock = threading.Lock()
+        self._saves: queue.Queue = queue.Queue()
+        self._loads: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self.load_seconds: list[float] = []       # drained by the metrics collector
+        self._threads = [threading.Thread(target=self._save_loop, name="kvtier-saver", daemon=True),
+                         threading.Thread(target=self._load_loop, name="kvtier-loader", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def lookup(self, keys: list[bytes]) -> tuple[int, int]:
+        """How many leading keys the host tier holds, then how many of the rest the disk holds."""
+        on_host = self.host.match_prefix(keys) if self.host else 0
+        on_disk = 0
+        if self.disk is not None:
+            with self._disk_lock:
+                on_disk = self.disk.match_prefix(keys[on_host:])
+        return on_host, on_disk
+
+    def save(self, keys: list[bytes], blocks: list[int]) -> None:
+        """Copy these sealed, pinned blocks out; `poll` reports when they may be unpinned."""
+        self._saves.put((keys, blocks))
+
+    def load(self, job: LoadJob) -> None:
+        self._loads.put(job)
+
+    def poll(self) -> TransferEvents:
+        events = TransferEvents()
+        while True:
+            try:
+                kind, item = self._done.get_nowait()
+            except queue.Empty:
+                return events
+            (events.saved if kind == "saved" else events.loaded).append(item)
+
+    def idle(self) -> bool:
+        return self._saves.unfinished_tasks == 0 and self._loads.unfinished_tasks == 0
+
+    def shutdown(self) -> None:
+        for q in (self._saves, self._loads):
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=30)
+
+    def _save_loop(self) -> None:
+        while (item := self._saves.get()) is not None:
+            keys, blocks = item
+            try:
+                payloads = [self.pool.read_block(b) for b in blocks]
+            finally:
+                self._done.put(("saved", blocks))    # the device slots may be reused from here on
+            if self.host is not None:
+                for key, payload in zip(keys, payloads):
+                    self.host.put(key, payload)
+            if self.disk is not None:
+                with self._disk_lock:
+                    self.disk.put_run(keys, payloads)
+            self._saves.task_done()
+
+    def _load_loop(self) -> None:
+        while (job := self._loads.get()) is not None:
+            start = time.perf_counter()
+            try:
+                job.ok = self._restore(job)
+            except Exception:   # damaged data must never take the engine down: count it as a miss
+                log.exception("restoring %d blocks for %s failed; recomputing", len(job.keys), job.request_id)
+                job.ok = False
+            job.seconds = time.perf_counter() - start
+            self._done.put(("loaded", job))
+            self._loads.task_done()
+
+    def _restore(self, job: LoadJob) -> bool:
+        from_host = job.keys[:job.num_from_host]
+        payloads = self.host.get_run(from_host) if from_host else []
+        if payloads is None:
+            return False
+        if len(job.keys) > len(from_host):
+            with self._disk_lock:
+                from_disk = self.disk.get_run(job.keys[len(from_host):])
+            if from_disk is None:
+                return False
+            payloads += from_disk
+            if self.host is not None:   # promote: the next turn finds them one tier up
+                for key, payload in zip(job.keys[len(from_host):], from_disk):
+                    self.host.put(key, payload)
+        for block, payload in zip(job.blocks, payloads):
+            self.pool.write_block(block, payload)
+        job.bytes = sum(p.numel() * p.element_size() for p in payloads)
+        return True

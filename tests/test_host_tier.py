@@ -1,0 +1,124 @@
+"""Host RAM tier: saves in the background, restores after device eviction, warm equals cold."""
+import pytest
+
+from kvtier.config import Config
+from kvtier.engine.engine import LLMEngine
+from kvtier.engine.sampling_params import SamplingParams
+from kvtier.engine.sequence import SequenceStatus
+from kvtier.kv.keys import chain_keys
+from kvtier.kv.tiers.host import HostTier
+
+BS = 16
+
+
+def make_engine(tiny_model_dir, **kw):
+    args = dict(model=tiny_model_dir, block_size=BS, kv_pool_tokens=24 * BS, max_batched_tokens=64,
+                kv_host_gib=0.01, kv_disk=False)
+    return LLMEngine(Config(**{**args, **kw}))
+
+
+def run(engine, prompt, **kw):
+    params = SamplingParams(**{"max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "logprobs": 20, **kw})
+    engine.add_request("r", prompt, params)
+    tokens, logprobs, cached = [], [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            logprobs += out.logprobs or []
+            cached = out.num_cached_tokens
+    return tokens, logprobs, cached
+
+
+def settle(engine):
+    """Wait until background saves have landed and their blocks are unpinned."""
+    while not engine.transfer.idle():
+        pass
+    engine.step()
+
+
+def prompt(n, salt=0):
+    return [(17 * i + salt) % 900 + 20 for i in range(n)]
+
+
+def max_logprob_diff(a, b):
+    a, b = dict(a.top), dict(b.top)
+    assert a.keys() == b.keys()
+    return max(abs(a[t] - b[t]) for t in a)
+
+
+def test_host_tier_lru_budget():
+    tier = HostTier(budget_bytes=3 * 64)
+    import torch
+    for i in range(5):
+        tier.put(bytes([i]) * 16, torch.zeros(16))        # 64 bytes each
+    assert len(tier) == 3 and tier.bytes_used == 192 and tier.stats["evictions"] == 2
+    assert tier.match_prefix([bytes([2]) * 16, bytes([3]) * 16, bytes([0]) * 16]) == 2
+    assert tier.get_run([bytes([0]) * 16]) is None
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["after-eviction", "pure-tier"])
+def test_host_hit_warm_equals_cold(tiny_model_dir, prefix_cache):
+    eng = make_engine(tiny_model_dir, prefix_cache=prefix_cache)
+    p = prompt(150)
+    cold_tokens, cold_lp, cold_cached = run(eng, p)
+    settle(eng)
+    assert len(eng.transfer.host) >= 150 // BS
+    if prefix_cache:
+        for salt in range(1, 6):                        # push p's blocks out of the device pool
+            run(eng, prompt(300, salt=salt))
+            settle(eng)
+        assert chain_keys(p, BS, eng.pool.namespace)[0] not in eng.pool.cached   # gone from the device
+    warm_tokens, warm_lp, warm_cached = run(eng, p)
+    assert cold_cached == 0 and warm_cached == 144
+    assert warm_tokens == cold_tokens
+    assert max_logprob_diff(cold_lp[0], warm_lp[0]) < 1e-4
+    assert eng.transfer.host.stats["hit_blocks"] >= 9
+    settle(eng)
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks
+
+
+def test_pure_tier_mode_never_reuses_device_blocks(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, prefix_cache=False)
+    p = prompt(100, salt=9)
+    run(eng, p)
+    settle(eng)
+    assert eng.pool.num_cached_blocks == 0
+    _, _, cached = run(eng, p)
+    assert cached == 96 and eng.transfer.host.stats["hit_blocks"] == 6
+
+
+def test_engine_keeps_stepping_while_a_prefix_loads(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, prefix_cache=False)
+    p = prompt(120, salt=11)
+    run(eng, p)
+    settle(eng)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eng.add_request("other", prompt(20, salt=12), params)
+    eng.step()                                       # "other" is running
+    eng.transfer._loads.put(None)                    # stall the loader: the load stays in flight
+    eng.transfer._threads[1].join()
+    eng.add_request("warm", p, params)
+    finished = []
+    for _ in range(10):
+        finished += [o.request_id for o in eng.step() if o.finished]
+    assert "other" in finished
+    assert eng.tiering.loading["warm"].status is SequenceStatus.LOADING
+
+
+def test_cancel_during_load_frees_blocks_after_the_copy(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, prefix_cache=False)
+    p = prompt(120, salt=13)
+    run(eng, p)
+    settle(eng)
+    eng.add_request("c", p, SamplingParams(max_tokens=4))
+    eng.step()
+    assert "c" in eng.tiering.loading
+    reserved = list(eng.tiering.loading["c"].block_table)
+    eng.abort_request("c")
+    assert all(eng.pool.ref_counts[b] > 0 for b in reserved)   # not freed while the copy may run
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("c", "abort")]
+    settle(eng)
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks
