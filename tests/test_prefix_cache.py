@@ -12,7 +12,8 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return LLMEngine(Config(model=tiny_model_dir, block_size=BS, kv_pool_tokens=40 * BS, max_batched_tokens=64))
+    return LLMEngine(Config(model=tiny_model_dir, block_size=BS, kv_pool_tokens=40 * BS, max_batched_tokens=64,
+                                kv_host_gib=0))
 
 
 def run(engine, prompt, **kw):
@@ -105,7 +106,8 @@ def test_lru_eviction_under_pool_pressure(engine):
 
 
 def test_no_prefix_cache_never_reuses(tiny_model_dir):
-    eng = LLMEngine(Config(model=tiny_model_dir, block_size=BS, kv_pool_tokens=40 * BS, prefix_cache=False))
+    eng = LLMEngine(Config(model=tiny_model_dir, block_size=BS, kv_pool_tokens=40 * BS, prefix_cache=False,
+                           kv_host_gib=0))
     p = prompt(100, salt=8)
     first, _, _ = run(eng, p)
     again, _, cached = run(eng, p)
