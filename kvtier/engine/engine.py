@@ -156,7 +156,9 @@ class LLMEngine:
             self.tiering.forget(seq.request_id)
 
     def stats(self) -> dict:
-        return {"num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,
-                "num_cached_blocks": self.pool.num_cached_blocks,
-                "block_size": self.pool.block_size, "num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting)}
+        stats = {"num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,
+                 "num_cached_blocks": self.pool.num_cached_blocks, "block_size": self.pool.block_size,
+                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting)}
+        if self.tiering:
+            stats.update(self.tiering.stats())
+        return stats

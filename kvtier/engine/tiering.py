@@ -20,6 +20,8 @@ from kvtier.kv.tiers.transfer import LoadJob, TierTransfer
 
 log = logging.getLogger("kvtier.engine")
 
+LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
 
 def build_tiers(config: Config, pool: KVPool) -> TierTransfer | None:
     host = HostTier(int(config.kv_host_gib * 2**30)) if config.kv_host_gib > 0 else None
@@ -37,6 +39,8 @@ class Tiering:
         self.loading: dict[str, Sequence] = {}
         self._looked_up: set[str] = set()
         self._warned = False
+        self.load_counts = [0] * (len(LOAD_BUCKETS) + 1)   # per bucket, the last one is +Inf
+        self.load_seconds_sum = 0.0
 
     def save(self, keys: list[bytes], blocks: list[int]) -> None:
         self.pool.pin(blocks)             # the slots stay ours until the copy lands
@@ -73,6 +77,7 @@ class Tiering:
             self.pool.free(blocks)
         aborted = []
         for job in events.loaded:
+            self._observe_load(job.seconds)
             seq = self.loading.pop(job.request_id)
             self._looked_up.discard(seq.request_id)
             if seq.finish_reason == "abort":      # cancelled while loading: blocks are free only now
@@ -95,6 +100,18 @@ class Tiering:
             seq.status = SequenceStatus.WAITING
             self.scheduler.waiting.appendleft(seq)
         return aborted
+
+    def _observe_load(self, seconds: float) -> None:
+        self.load_counts[next((i for i, le in enumerate(LOAD_BUCKETS) if seconds <= le), len(LOAD_BUCKETS))] += 1
+        self.load_seconds_sum += seconds
+
+    def stats(self) -> dict:
+        tiers = {}
+        for tier in (self.transfer.host, self.transfer.disk):
+            if tier is not None:
+                tiers[tier.name] = {**tier.stats, "bytes_used": tier.bytes_used, "budget_bytes": tier.budget_bytes}
+        return {"tiers": tiers, "load_buckets": LOAD_BUCKETS, "load_counts": list(self.load_counts),
+                "load_seconds_sum": self.load_seconds_sum, "num_loading": len(self.loading)}
 
     def abort(self, request_id: str) -> bool:
         """Mark a loading request aborted; its blocks are freed once its copy has finished."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvtier.engine.outputs import RequestOutput
 
@@ -61,9 +61,43 @@ class _EngineCollector:
                                 value=used / total if total else 0.0)
         yield GaugeMetricFamily("kvtier_kv_pool_blocks_cached", "Device KV blocks published under a content key",
                                 value=s["num_cached_blocks"])
+        yield from self._tiers(s)
         yield GaugeMetricFamily("kvtier_requests_running", "Requests being prefilled or decoded",
                                 value=s["num_running"])
         yield GaugeMetricFamily("kvtier_requests_waiting", "Requests queued for the engine", value=s["num_waiting"])
+
+
+    @staticmethod
+    def _tiers(s: dict):
+        tiers = s.get("tiers", {})
+        if not tiers:
+            return
+        counters = {"lookups": "Prefix lookups", "hit_blocks": "Blocks restored from the tier",
+                    "bytes_read": "Bytes read from the tier", "bytes_written": "Bytes written to the tier",
+                    "evictions": "Blocks or files evicted under the tier's budget"}
+        for name, doc in counters.items():
+            family = CounterMetricFamily(f"kvtier_kv_tier_{name}", doc, labels=["tier"])
+            for tier, st in tiers.items():
+                family.add_metric([tier], st.get(name, 0))
+            yield family
+        hit_tokens = CounterMetricFamily("kvtier_kv_tier_hit_tokens", "Prompt tokens restored from the tier",
+                                         labels=["tier"])
+        for gauge, doc in (("bytes_used", "Bytes held by the tier"), ("budget_bytes", "The tier's byte budget")):
+            family = GaugeMetricFamily(f"kvtier_kv_tier_{gauge}", doc, labels=["tier"])
+            for tier, st in tiers.items():
+                family.add_metric([tier], st[gauge])
+            yield family
+        for tier, st in tiers.items():
+            hit_tokens.add_metric([tier], st.get("hit_blocks", 0) * s["block_size"])
+        yield hit_tokens
+        cumulative, buckets = 0, []
+        for le, count in zip((*s["load_buckets"], float("inf")), s["load_counts"]):
+            cumulative += count
+            buckets.append((str(le) if le != float("inf") else "+Inf", cumulative))
+        yield HistogramMetricFamily("kvtier_kv_load_seconds", "Time to restore a prefix from the tiers",
+                                    buckets=buckets, sum_value=s["load_seconds_sum"])
+        yield GaugeMetricFamily("kvtier_requests_loading", "Requests waiting for their prefix to load",
+                                value=s["num_loading"])
 
 
 class RequestCounter:

@@ -1,0 +1,212 @@
+"""Disk tier: runs of KV blocks in files under one directory, LRU-evicted to a byte budget.
+
+Each put_run writes one block file (see blockfile.py) named after its first key and sharded
+by that key's first two hex digits: DIR/ab/ab12....kvb. The index (key → file, block) is in
+memory and is rebuilt at start-up from the files' headers alone. A file is the unit of
+eviction; files are ordered by last read or write, at start-up by mtime (reads touch it).
+
+Nothing here raises on bad data or a bad disk: a damaged file is a miss and is deleted; an
+unwritable directory or a full disk turns the tier off with one warning. Files of another
+namespace, block shape, dtype or format version are left alone: not indexed, not counted
+against the budget, never evicted. Thread-safe; file I/O runs outside the lock.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.kv.tiers.blockfile import (BlockFileError, Header, UnknownVersion, dtype_name, file_size,
+                                       read_blocks, read_header, write_block_file)
+
+log = logging.getLogger("kvtier.kv.disk")
+
+SUFFIX = ".kvb"
+
+
+@dataclass(eq=False)
+class BlockFile:
+    path: str
+    size: int
+    header: Header
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, directory: str, budget_bytes: int, namespace: bytes,
+                 block_shape: tuple[int, ...], dtype: torch.dtype):
+        self.directory = directory
+        self.budget_bytes = budget_bytes
+        self.namespace = namespace
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self.block_bytes = math.prod(self.block_shape) * dtype.itemsize
+        self.bytes_used = 0
+        self.enabled = True
+        self.files: OrderedDict[str, BlockFile] = OrderedDict()   # path → file, least recently used first
+        self.index: dict[bytes, tuple[BlockFile, int]] = {}       # key → (file, block in file)
+        self.stats = dict.fromkeys(("lookups", "hit_blocks", "bytes_read", "bytes_written", "evictions", "errors"), 0)
+        self._lock = threading.Lock()
+        try:
+            os.makedirs(directory, exist_ok=True)
+            if not os.access(directory, os.W_OK | os.X_OK):
+                raise PermissionError(f"{directory} is not writable")
+            self._load()
+        except OSError as e:
+            self._disable(f"cannot use {directory}: {e}")
+            return
+        self._evict()
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return self.enabled and key in self.index
+
+    def match_prefix(self, keys: list[bytes]) -> int:
+        """How many leading keys are on disk."""
+        with self._lock:
+            n = 0
+            while self.enabled and n < len(keys) and keys[n] in self.index:
+                n += 1
+            self.stats["lookups"] += 1
+            return n
+
+    def put_run(self, keys: list[bytes], payloads: list[torch.Tensor], token_counts: list[int] | None = None) -> None:
+        """Write the blocks not stored yet as one file, then evict LRU files down to the budget."""
+        if token_counts is None:
+            token_counts = [0] * len(keys)
+        if not len(keys) == len(payloads) == len(token_counts):
+            raise ValueError(f"put_run got {len(keys)} keys, {len(payloads)} payloads, {len(token_counts)} token counts")
+        with self._lock:
+            if not self.enabled:
+                return
+            new = [i for i, key in enumerate(keys) if key not in self.index]
+        if not new:
+            return
+        size = file_size(len(new), len(self.block_shape), self.block_bytes)
+        if size > self.budget_bytes:   # could never fit
+            return
+        keys = [keys[i] for i in new]
+        path = os.path.join(self.directory, keys[0].hex()[:2], keys[0].hex() + SUFFIX)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            header = write_block_file(path, self.namespace, self.block_shape, self.dtype, keys,
+                                      [payloads[i] for i in new], [token_counts[i] for i in new])
+        except OSError as e:
+            self._disable(f"cannot write {path}: {e}")
+            return
+        with self._lock:
+            self._add(BlockFile(path, size, header))
+            self.stats["bytes_written"] += size
+            self._evict()
+
+    def get_run(self, keys: list[bytes]) -> list[torch.Tensor] | None:
+        """Payloads of these keys, or None (a miss) if any is absent or its file is damaged."""
+        with self._lock:
+            if not self.enabled or any(key not in self.index for key in keys):
+                return None
+            places = [self.index[key] for key in keys]
+        wanted: dict[BlockFile, list[int]] = {}
+        for file, i in places:
+            wanted.setdefault(file, []).append(i)
+        blocks: dict[tuple[BlockFile, int], torch.Tensor] = {}
+        for file, indices in wanted.items():   # each file read once
+            try:
+                blocks.update(zip(((file, i) for i in indices), read_blocks(file.path, file.header, indices)))
+            except (BlockFileError, OSError) as e:
+                self._discard(file, e)
+                return None
+        with self._lock:
+            for file in wanted:
+                if self.files.get(file.path) is file:
+                    self.files.move_to_end(file.path)
+            self.stats["hit_blocks"] += len(keys)
+            self.stats["bytes_read"] += len(keys) * self.block_bytes
+        for file in wanted:
+            try:
+                os.utime(file.path)   # the LRU order survives a restart
+            except OSError:
+                pass
+        return [blocks[place] for place in places]
+
+    def _load(self) -> None:
+        """Index the compatible files, oldest first; drop leftover temp files; warn once about damaged ones."""
+        found, damaged = [], []
+        for shard in os.scandir(self.directory):
+            if not shard.is_dir() or len(shard.name) != 2:
+                continue
+            for entry in os.scandir(shard.path):
+                if entry.name.endswith(".tmp"):        # a write cut short by a crash
+                    _remove(entry.path)
+                elif entry.name.endswith(SUFFIX) and entry.is_file():
+                    try:
+                        header = read_header(entry.path)
+                        stat = entry.stat()
+                    except UnknownVersion:
+                        continue
+                    except (BlockFileError, OSError) as e:
+                        damaged.append(str(e))
+                        continue
+                    if self._compatible(header):
+                        found.append((stat.st_mtime_ns, entry.path, stat.st_size, header))
+        for _, path, size, header in sorted(found, key=lambda f: f[:2]):
+            self._add(BlockFile(path, size, header))
+        if damaged:
+            log.warning("disk tier skipped %d damaged file(s) in %s, e.g. %s", len(damaged), self.directory, damaged[0])
+
+    def _compatible(self, header: Header) -> bool:
+        return (header.namespace == self.namespace and header.dtype == dtype_name(self.dtype)
+                and header.block_shape == self.block_shape)
+
+    def _add(self, file: BlockFile) -> None:
+        if file.path in self.files:            # rewritten in place: forget the old version
+            self._drop(self.files[file.path])
+        self.files[file.path] = file
+        for i, key in enumerate(file.header.keys):
+            self.index[key] = (file, i)
+        self.bytes_used += file.size
+
+    def _drop(self, file: BlockFile) -> None:
+        del self.files[file.path]
+        for key in file.header.keys:
+            if self.index.get(key, (None,))[0] is file:
+                del self.index[key]
+        self.bytes_used -= file.size
+
+    def _evict(self) -> None:
+        """Delete least recently used files until the budget holds."""
+        while self.bytes_used > self.budget_bytes:
+            file = next(iter(self.files.values()))
+            self._drop(file)
+            _remove(file.path)
+            self.stats["evictions"] += 1
+
+    def _discard(self, file: BlockFile, error: Exception) -> None:
+        """Drop a file that failed to read (unless eviction already did), and delete it."""
+        with self._lock:
+            if self.files.get(file.path) is not file:
+                return
+            self._drop(file)
+            self.stats["errors"] += 1
+        _remove(file.path)
+        log.warning("disk tier dropped a damaged file, its blocks will be recomputed: %s", error)
+
+    def _disable(self, reason: str) -> None:
+        with self._lock:
+            if not self.enabled:
+                return
+            self.enabled = False
+            self.stats["errors"] += 1
+        log.warning("disk tier disabled, caching continues in the other tiers: %s", reason)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
