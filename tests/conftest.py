@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import os
 
+import contextlib
+import socket
+import subprocess
+import sys
 import tempfile
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network, before transformers reads it
 # the default disk tier lives under the user's cache directory: give the test session its own
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="kvtier-test-cache-")
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -44,3 +50,43 @@ def tiny_model_dir(make_tiny_model, bundled_tokenizer) -> str:
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
         vocab_size=bundled_tokenizer.vocab_size, max_position_embeddings=2048, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def kvtier_server(args: list[str], log_path):
+    """A real `kvtier serve` subprocess on a free port (bundled model unless --model is given); yields its URL."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), *args],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"kvtier serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"kvtier serve did not become healthy:\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        assert "kvtier is ready" in log_path.read_text()
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()

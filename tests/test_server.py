@@ -1,10 +1,6 @@
 """The real server (`kvtier serve`, bundled model) driven by the official openai client and httpx."""
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,53 +9,22 @@ import openai
 import pytest
 from openai import OpenAI
 
+from conftest import kvtier_server
+
 pytestmark = pytest.mark.integration
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 2048
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 COUNTING = "Count from 1 to 500: 1, 2, 3, 4, 5,"   # the model keeps counting: never stops on its own early
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory):
     """One `kvtier serve` per module; every /v1 call must carry API_KEY."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), "--kv-pool-tokens", "8192",
-             "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"kvtier serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"kvtier serve did not become healthy:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        assert "kvtier is ready" in log_path.read_text()
+    args = ["--kv-pool-tokens", "8192", "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY]
+    with kvtier_server(args, tmp_path_factory.mktemp("server") / "server.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")

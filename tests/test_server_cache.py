@@ -1,0 +1,37 @@
+"""Through the openai client: cached_tokens grow turn after turn, and survive a server restart."""
+import pytest
+from openai import OpenAI
+
+from conftest import kvtier_server
+
+pytestmark = pytest.mark.integration
+
+TURNS = ["Tell me about the history of Paris in a few sentences.",
+         "And what about its famous museums?",
+         "Which one should I visit first, and why?"]
+
+
+def chat(url, messages):
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    return client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+
+
+def test_cached_tokens_grow_and_survive_restart(tmp_path):
+    args = ["--kv-pool-tokens", "8192", "--max-model-len", "2048", "--kv-disk-dir", str(tmp_path / "kv")]
+    messages, cached = [], []
+    with kvtier_server(args, tmp_path / "first.log") as url:
+        for turn in TURNS:
+            messages.append({"role": "user", "content": turn})
+            reply = chat(url, messages)
+            cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        last_prompt, last_answer = messages[:-1], messages[-1]["content"]
+    assert cached[0] == 0 and 0 < cached[1] < cached[2]
+    assert cached[2] > reply.usage.prompt_tokens - 64 - 30     # all but the new message and the last block
+
+    with kvtier_server(args, tmp_path / "second.log") as url:   # a restart: only the disk tier remains
+        reply = chat(url, last_prompt)
+    assert reply.usage.prompt_tokens_details.cached_tokens == cached[2]
+    assert reply.choices[0].message.content == last_answer        # warm equals cold
+    assert "from disk" in (tmp_path / "second.log").read_text()
