@@ -32,7 +32,7 @@ class Config:
     num_threads: int | None = None        # torch CPU threads; None → torch's default
     prefix_cache: bool = True             # reuse cached blocks of earlier requests' prefixes
     kv_host_gib: float = 4.0              # host RAM tier budget; 0 disables it
-    kv_disk: bool = False                 # the local disk tier
+    kv_disk: bool = True                  # the local disk tier
     kv_disk_dir: str = field(default_factory=lambda: default_disk_dir())
     kv_disk_gib: float = 20.0
     # server

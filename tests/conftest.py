@@ -76,13 +76,13 @@ def kvtier_server(args: list[str], log_path):
                 pytest.fail(f"kvtier serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
             if time.monotonic() > deadline:
                 pytest.fail(f"kvtier serve did not become healthy:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            try:   # healthy, and the ready line logged (it follows uvicorn's start by a moment)
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200 and \
+                        "kvtier is ready" in log_path.read_text():
                     break
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
-        assert "kvtier is ready" in log_path.read_text()
         yield url
     finally:
         proc.terminate()

@@ -13,7 +13,7 @@ BS = 16
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     return LLMEngine(Config(model=tiny_model_dir, block_size=BS, kv_pool_tokens=40 * BS, max_batched_tokens=64,
-                                kv_host_gib=0))
+                                kv_host_gib=0, kv_disk=False))
 
 
 def run(engine, prompt, **kw):
@@ -107,7 +107,7 @@ def test_lru_eviction_under_pool_pressure(engine):
 
 def test_no_prefix_cache_never_reuses(tiny_model_dir):
     eng = LLMEngine(Config(model=tiny_model_dir, block_size=BS, kv_pool_tokens=40 * BS, prefix_cache=False,
-                           kv_host_gib=0))
+                           kv_host_gib=0, kv_disk=False))
     p = prompt(100, salt=8)
     first, _, _ = run(eng, p)
     again, _, cached = run(eng, p)

@@ -6,15 +6,18 @@ from conftest import kvtier_server
 
 pytestmark = pytest.mark.integration
 
-TURNS = ["Tell me about the history of Paris in a few sentences.",
-         "And what about its famous museums?",
-         "Which one should I visit first, and why?"]
+CONTEXT = ("I am planning a long trip through France next spring with two friends who love art, food and "
+           "old buildings. We will arrive by train from Brussels, stay about ten days, and we would like to "
+           "avoid the busiest tourist traps when we can. ")
+TURNS = [CONTEXT + "Tell me about the history of Paris in a few sentences.",
+         CONTEXT + "And what about its famous museums? Please name several of them.",
+         CONTEXT + "Which one should we visit first, and why? Keep it short."]
 
 
 def chat(url, messages):
     client = OpenAI(base_url=f"{url}/v1", api_key="unused")
     model = client.models.list().data[0].id
-    return client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+    return client.chat.completions.create(model=model, messages=messages, max_tokens=48, temperature=0)
 
 
 def test_cached_tokens_grow_and_survive_restart(tmp_path):
@@ -32,6 +35,7 @@ def test_cached_tokens_grow_and_survive_restart(tmp_path):
 
     with kvtier_server(args, tmp_path / "second.log") as url:   # a restart: only the disk tier remains
         reply = chat(url, last_prompt)
-    assert reply.usage.prompt_tokens_details.cached_tokens == cached[2]
+    # the first server computed and saved this very prompt: every full block of it comes back
+    assert reply.usage.prompt_tokens_details.cached_tokens == (reply.usage.prompt_tokens - 1) // 64 * 64
     assert reply.choices[0].message.content == last_answer        # warm equals cold
     assert "from disk" in (tmp_path / "second.log").read_text()

@@ -81,8 +81,8 @@ class LLMEngine:
             self._aborted.append(seq)
 
     def has_unfinished(self) -> bool:
-        loading = bool(self.tiering and self.tiering.loading)
-        return self.scheduler.has_unfinished() or bool(self._aborted) or loading
+        in_flight = bool(self.tiering and self.tiering.busy)    # pinned blocks count until their copy lands
+        return self.scheduler.has_unfinished() or bool(self._aborted) or in_flight
 
     def step(self) -> list[RequestOutput]:
         if self.tiering:
@@ -94,6 +94,8 @@ class LLMEngine:
         self._aborted.clear()
         batch = self.scheduler.schedule()
         if not batch:
+            if self.tiering and self.tiering.busy and not outputs:
+                self.transfer.wait(timeout=0.05)   # nothing to compute: sleep until a copy lands
             return outputs
         logits = self.runner.run(batch)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):

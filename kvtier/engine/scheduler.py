@@ -73,7 +73,7 @@ class Scheduler:
                 seq.num_computed_tokens = len(cached) * self.pool.block_size
             held = seq.block_table + cached
             n = min(seq.num_uncomputed_tokens, budget)
-            need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(held)
+            need = max(0, self.pool.blocks_for(seq.num_computed_tokens + n) - len(held))
             if not self.pool.can_allocate(need):
                 self.pool.free(cached)
                 break

@@ -37,6 +37,7 @@ class Tiering:
     def __init__(self, transfer: TierTransfer, pool: KVPool, scheduler: Scheduler):
         self.transfer, self.pool, self.scheduler = transfer, pool, scheduler
         self.loading: dict[str, Sequence] = {}
+        self.num_saving = 0                       # block runs pinned for a copy that has not landed
         self._looked_up: set[str] = set()
         self._warned = False
         self.load_counts = [0] * (len(LOAD_BUCKETS) + 1)   # per bucket, the last one is +Inf
@@ -44,7 +45,12 @@ class Tiering:
 
     def save(self, keys: list[bytes], blocks: list[int]) -> None:
         self.pool.pin(blocks)             # the slots stay ours until the copy lands
+        self.num_saving += 1
         self.transfer.save(keys, blocks)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.loading) or self.num_saving > 0
 
     def start_loads(self) -> None:
         """Look each new waiting request up below the device; reserve blocks and start its load."""
@@ -56,10 +62,13 @@ class Tiering:
             keys = chain_keys(seq.token_ids[:-1], self.pool.block_size, self.pool.namespace)[len(on_device):]
             on_host, on_disk = self.transfer.lookup(keys)
             count = on_host + on_disk
-            if count == 0 or not self.pool.can_allocate(count):
+            # reserve blocks for the whole prompt, so that a restored request never waits for more
+            # blocks while holding some (two such requests could otherwise starve each other)
+            need = self.pool.blocks_for(len(seq)) - len(on_device)
+            if count == 0 or not self.pool.can_allocate(need):
                 self.pool.free(on_device)     # the scheduler matches the device part again at admission
                 continue
-            blocks = self.pool.allocate(count)
+            blocks = self.pool.allocate(need)
             seq.block_table = on_device + blocks
             seq.block_keys = device_keys
             seq.num_cached_tokens = len(on_device) * self.pool.block_size
@@ -68,13 +77,14 @@ class Tiering:
             seq.status = SequenceStatus.LOADING
             self.scheduler.waiting.remove(seq)
             self.loading[seq.request_id] = seq
-            self.transfer.load(LoadJob(seq.request_id, keys[:count], on_host, blocks))
+            self.transfer.load(LoadJob(seq.request_id, keys[:count], on_host, blocks[:count]))
 
     def poll(self) -> list[Sequence]:
         """Apply finished copies; returns loading requests that were aborted meanwhile."""
         events = self.transfer.poll()
         for blocks in events.saved:
             self.pool.free(blocks)
+            self.num_saving -= 1
         aborted = []
         for job in events.loaded:
             self._observe_load(job.seconds)
@@ -89,7 +99,7 @@ class Tiering:
                 for block, key in zip(job.blocks, job.keys):
                     self.pool.seal(block, key)
                 seq.block_keys += job.keys
-                seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.pool.block_size
+                seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_keys) * self.pool.block_size
             else:
                 if not self._warned:
                     log.warning("a cached prefix could not be restored (damaged or evicted); recomputing it")

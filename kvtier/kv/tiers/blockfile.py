@@ -23,10 +23,13 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from kvtier.kv.keys import KEY_BYTES
+
 MAGIC = b"KVTIERB\0"
 VERSION = 1
 ALIGN = 4096
 MAX_NDIM = 8
+MAX_BLOCKS = 1 << 16               # per file: bounds the header a reader accepts
 IOV_MAX = 1024                     # buffers per writev call (the Linux limit)
 PREFIX = struct.Struct("<8sII")
 BODY = struct.Struct("<16s16sII")
@@ -78,9 +81,11 @@ def write_block_file(path: str, namespace: bytes, block_shape: tuple[int, ...], 
                      keys: list[bytes], payloads: list[torch.Tensor], token_counts: list[int]) -> Header:
     """Write the blocks to `path` atomically: a temp file beside it, fsync, rename."""
     block_shape = tuple(block_shape)
-    if not keys or len(payloads) != len(keys) or len(token_counts) != len(keys):
-        raise ValueError(f"a block file needs one payload and token count per key, got "
+    if not 1 <= len(keys) <= MAX_BLOCKS or len(payloads) != len(keys) or len(token_counts) != len(keys):
+        raise ValueError(f"a block file needs 1 to {MAX_BLOCKS} keys and one payload and token count per key, got "
                          f"{len(keys)} keys, {len(payloads)} payloads, {len(token_counts)} token counts")
+    if len(namespace) != KEY_BYTES or any(len(k) != KEY_BYTES for k in keys):
+        raise ValueError(f"namespace and keys must be {KEY_BYTES} bytes")
     if dtype_name(dtype) not in DTYPES or len(block_shape) > MAX_NDIM:
         raise ValueError(f"block files hold up to {MAX_NDIM}-d blocks of {sorted(DTYPES)}, "
                          f"got {block_shape} {dtype}")
@@ -126,7 +131,7 @@ def read_header(path: str) -> Header:
             raise BlockFileError(f"{path}: not a kvtier block file (magic {magic!r})")
         if version != VERSION:
             raise UnknownVersion(f"{path}: format version {version}, this build reads {VERSION}")
-        if size < header_size(0, 0) or size > header_size(MAX_NDIM, 1 << 20):
+        if size < header_size(0, 0) or size > header_size(MAX_NDIM, MAX_BLOCKS):
             raise BlockFileError(f"{path}: implausible header size {size}")
         if size > len(data):
             data += f.read(size - len(data))
@@ -147,7 +152,7 @@ def read_blocks(path: str, header: Header, indices: list[int]) -> list[torch.Ten
     """Blocks `indices` of the file as CPU tensors, checksum-verified.
 
     The byte range from the first to the last wanted payload is read in one call into one
-    buffer; the blocks are views of it."""
+    buffer; the blocks are views of it (any one of them keeps the whole buffer alive)."""
     if not indices:
         return []
     start = min(header.offsets[i] for i in indices)

@@ -21,8 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.kv.tiers.blockfile import (BlockFileError, Header, UnknownVersion, dtype_name, file_size,
-                                       read_blocks, read_header, write_block_file)
+from kvtier.kv.keys import KEY_BYTES
+from kvtier.kv.tiers.blockfile import (
+    BlockFileError,
+    Header,
+    UnknownVersion,
+    dtype_name,
+    file_size,
+    read_blocks,
+    read_header,
+    write_block_file,
+)
 
 log = logging.getLogger("kvtier.kv.disk")
 
@@ -41,6 +50,8 @@ class DiskTier:
 
     def __init__(self, directory: str, budget_bytes: int, namespace: bytes,
                  block_shape: tuple[int, ...], dtype: torch.dtype):
+        if len(namespace) != KEY_BYTES:
+            raise ValueError(f"disk tier namespace must be {KEY_BYTES} bytes, got {len(namespace)}")
         self.directory = directory
         self.budget_bytes = budget_bytes
         self.namespace = namespace
@@ -106,7 +117,9 @@ class DiskTier:
             self._evict()
 
     def get_run(self, keys: list[bytes]) -> list[torch.Tensor] | None:
-        """Payloads of these keys, or None (a miss) if any is absent or its file is damaged."""
+        """Payloads of these keys, or None (a miss) if any is absent or its file is damaged.
+
+        Each file is read once, in one call; its blocks are views of one buffer."""
         with self._lock:
             if not self.enabled or any(key not in self.index for key in keys):
                 return None

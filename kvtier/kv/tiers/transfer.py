@@ -41,10 +41,10 @@ class TransferEvents:
 class TierTransfer:
     def __init__(self, pool: KVPool, host=None, disk=None):
         self.pool, self.host, self.disk = pool, host, disk
-        self._disk_lock = threading.Lock()
         self._saves: queue.Queue = queue.Queue()
         self._loads: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
+        self._landed = threading.Event()          # set whenever something is put on _done
         self.load_seconds: list[float] = []       # drained by the metrics collector
         self._threads = [threading.Thread(target=self._save_loop, name="kvtier-saver", daemon=True),
                          threading.Thread(target=self._load_loop, name="kvtier-loader", daemon=True)]
@@ -55,9 +55,8 @@ class TierTransfer:
         """How many leading keys the host tier holds, then how many of the rest the disk holds."""
         on_host = self.host.match_prefix(keys) if self.host else 0
         on_disk = 0
-        if self.disk is not None:
-            with self._disk_lock:
-                on_disk = self.disk.match_prefix(keys[on_host:])
+        if self.disk is not None:   # DiskTier locks only its in-memory index: no I/O on this path
+            on_disk = self.disk.match_prefix(keys[on_host:])
         return on_host, on_disk
 
     def save(self, keys: list[bytes], blocks: list[int]) -> None:
@@ -66,6 +65,11 @@ class TierTransfer:
 
     def load(self, job: LoadJob) -> None:
         self._loads.put(job)
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a copy lands (or timeout): for an engine with nothing to do but wait for one."""
+        self._landed.wait(timeout)
+        self._landed.clear()
 
     def poll(self) -> TransferEvents:
         events = TransferEvents()
@@ -92,12 +96,12 @@ class TierTransfer:
                 payloads = [self.pool.read_block(b) for b in blocks]
             finally:
                 self._done.put(("saved", blocks))    # the device slots may be reused from here on
+                self._landed.set()
             if self.host is not None:
                 for key, payload in zip(keys, payloads):
                     self.host.put(key, payload)
             if self.disk is not None:
-                with self._disk_lock:
-                    self.disk.put_run(keys, payloads)
+                self.disk.put_run(keys, payloads)
             self._saves.task_done()
 
     def _load_loop(self) -> None:
@@ -110,6 +114,7 @@ class TierTransfer:
                 job.ok = False
             job.seconds = time.perf_counter() - start
             self._done.put(("loaded", job))
+            self._landed.set()
             self._loads.task_done()
 
     def _restore(self, job: LoadJob) -> bool:
@@ -118,8 +123,7 @@ class TierTransfer:
         if payloads is None:
             return False
         if len(job.keys) > len(from_host):
-            with self._disk_lock:
-                from_disk = self.disk.get_run(job.keys[len(from_host):])
+            from_disk = self.disk.get_run(job.keys[len(from_host):])
             if from_disk is None:
                 return False
             payloads += from_disk
