@@ -1,0 +1,99 @@
+"""Disk tier through the engine: restart hits, prefixes spanning tiers, damaged files, foreign namespaces."""
+import logging
+import pathlib
+
+import pytest
+
+from kvtier.config import Config
+from kvtier.engine.engine import LLMEngine
+from kvtier.engine.sampling_params import SamplingParams
+
+BS = 16
+
+
+def make_engine(model_dir, disk_dir, **kw):
+    args = dict(model=model_dir, block_size=BS, kv_pool_tokens=40 * BS, max_batched_tokens=64,
+                kv_host_gib=0, kv_disk_dir=str(disk_dir), prefix_cache=False)
+    return LLMEngine(Config(**{**args, **kw}))
+
+
+def run(engine, prompt):
+    engine.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=20))
+    tokens, logprobs, cached = [], [], None
+    while engine.has_unfinished():          # also waits until background saves have landed
+        for out in engine.step():
+            tokens += out.new_token_ids
+            logprobs += out.logprobs or []
+            cached = out.num_cached_tokens
+    return tokens, logprobs, cached
+
+
+def prompt(n, salt=0):
+    return [(19 * i + salt) % 900 + 20 for i in range(n)]
+
+
+def restart(engine, model_dir, disk_dir, **kw):
+    engine.transfer.shutdown()
+    return make_engine(model_dir, disk_dir, **kw)
+
+
+def test_disk_hit_after_restart_warm_equals_cold(tiny_model_dir, tmp_path):
+    eng = make_engine(tiny_model_dir, tmp_path)
+    p = prompt(150)
+    cold_tokens, cold_lp, _ = run(eng, p)
+    eng = restart(eng, tiny_model_dir, tmp_path)
+    warm_tokens, warm_lp, cached = run(eng, p)
+    assert cached == 144 and warm_tokens == cold_tokens
+    a, b = dict(cold_lp[0].top), dict(warm_lp[0].top)
+    assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
+    assert eng.transfer.disk.stats["hit_blocks"] == 9
+
+
+def test_prefix_spanning_host_and_disk(tiny_model_dir, tmp_path):
+    eng = make_engine(tiny_model_dir, tmp_path, kv_host_gib=0.01)
+    short, extra = prompt(70, salt=1), prompt(60, salt=2)
+    run(eng, short + extra)                                  # host and disk both get 8 blocks
+    eng = restart(eng, tiny_model_dir, tmp_path, kv_host_gib=0.01)
+    run(eng, short)                                          # host now holds the first 4 blocks only
+    tokens, _, cached = run(eng, short + extra + [7])
+    host, disk = eng.transfer.host.stats, eng.transfer.disk.stats
+    assert cached == 128 and host["hit_blocks"] >= 4 and disk["hit_blocks"] >= 4
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_file_is_a_miss_with_one_warning(tiny_model_dir, tmp_path, caplog, damage):
+    eng = make_engine(tiny_model_dir, tmp_path)
+    p = prompt(100, salt=3)
+    cold, _, _ = run(eng, p)
+    eng.transfer.shutdown()
+    for f in pathlib.Path(tmp_path).rglob("*.kvb"):
+        data = bytearray(f.read_bytes())
+        if damage == "truncate":
+            data = data[: len(data) - 5000]
+        else:
+            data[-100] ^= 0xFF
+        f.write_bytes(bytes(data))
+    eng = make_engine(tiny_model_dir, tmp_path)
+    with caplog.at_level(logging.WARNING):
+        tokens, _, cached = run(eng, p)
+    assert tokens == cold and cached == 0
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) >= 1
+
+
+def test_other_dtype_never_hits(tiny_model_dir, tmp_path):
+    eng = make_engine(tiny_model_dir, tmp_path)
+    p = prompt(100, salt=4)
+    run(eng, p)
+    eng = restart(eng, tiny_model_dir, tmp_path, dtype="bfloat16")
+    _, _, cached = run(eng, p)
+    assert cached == 0 and eng.transfer.disk.stats["hit_blocks"] == 0
+
+
+def test_unwritable_disk_dir_degrades_to_compute(tiny_model_dir, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    eng = make_engine(tiny_model_dir, blocker / "kv")
+    p = prompt(80, salt=5)
+    first, _, _ = run(eng, p)
+    again, _, cached = run(eng, p)
+    assert again == first and cached == 0
