@@ -1,0 +1,445 @@
+"""Multi-turn TTFT: the next turn of a long conversation, cold and warm from each KV tier.
+
+For each history length: a deterministic conversation of that many templated tokens, then a
+new ~50-token user message. Time to first token (add_request → first token, max_tokens=1) of
+the new turn, measured on four engines side by side:
+  cold        nothing cached: the whole prompt is prefilled;
+  device      the history ran before on the same engine; its blocks are in the device pool;
+  host        pure-tier mode (no device prefix cache): the history's blocks come from host RAM;
+  disk        the history ran on another engine that then shut down; a new engine restores it
+              from disk, with the page cache dropped first.
+Raw memcpy and file-read bandwidth are measured in the same run, to put each restore in scale.
+
+    python -m kvtier.bench.ttft [--lengths 1024,2048,4096,8192] [--repeats 2] [--no-write]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import random
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+from kvtier.bench.throughput import cpu_model, int_list, verdict
+from kvtier.config import Config
+from kvtier.engine.engine import LLMEngine
+from kvtier.engine.sampling_params import SamplingParams
+from kvtier.kv.pool import KVPool
+
+SECTION = "## Multi-turn TTFT (cold vs warm tiers)"
+TARGET_LENGTH = 4096          # the targets on TTFT are read at this history length
+HOST_SPEEDUP_TARGET = 40      # cold / warm-host
+DISK_SPEEDUP_TARGET = 20      # cold / warm-disk after a restart
+RESTORE_SHARE_TARGET = 0.5    # restore bandwidth / raw bandwidth, for both tiers
+NEW_MESSAGE_TOKENS = 50
+NEW_TURN_ROOM = 128           # tokens kept free under the context limit for the new turn
+LONG_COLD = 8192              # cold runs at histories this long take ~30-50 s each: timed once
+MODES = ("cold", "device", "host", "disk")
+
+# --- the conversation ---------------------------------------------------------------------------
+
+OPENERS = ("", "", "", "Honestly, ", "Last Tuesday, ", "In the end, ", "As far as I know, ", "Surprisingly, ",
+           "Meanwhile, ", "To be fair, ")
+SUBJECTS = ("the engineer", "my neighbour", "a small team in Lisbon", "the old ferry captain", "our support desk",
+            "the research group", "a curious student", "the night-shift nurse", "the city council",
+            "her younger brother", "the orchestra", "a freight company", "the librarian", "two of the interns")
+VERBS = ("rebuilt", "measured", "argued about", "wrote down", "carefully tested", "forgot", "painted", "shipped",
+         "compared", "reviewed", "borrowed", "translated", "rescheduled", "photographed")
+OBJECTS = ("the budget for next spring", "a wooden bridge", "three versions of the report",
+           "a box of old letters", "a recipe for lentil soup", "the map of the northern coast", "every failing test",
+           "the tide tables", "a broken bicycle", "the quarterly numbers", "a chapter about volcanoes",
+           "the train timetable", "the seating plan", "a list of {n} questions")
+TAILS = ("before the storm arrived", "while everyone else was asleep", "because the deadline had moved",
+         "although nobody had asked", "after a long lunch", "in less than {n} minutes", "with surprising patience",
+         "for the second time this week", "near the harbour", "without telling anyone", "and then went home")
+
+
+def sentence(rng: random.Random) -> str:
+    words = f"{rng.choice(OPENERS)}{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(TAILS)}"
+    words = words.format(n=rng.randint(2, 99))
+    return words[0].upper() + words[1:] + rng.choice((".", ".", ".", "!", "?"))
+
+
+def text(rng: random.Random, tokenizer, num_tokens: int) -> str:
+    """Sentences until the text is at least num_tokens tokens long (at least one sentence)."""
+    sentences = [sentence(rng)]
+    while len(tokenizer.encode(" ".join(sentences))) < num_tokens:
+        sentences.append(sentence(rng))
+    return " ".join(sentences)
+
+
+def conversation(tokenizer, num_tokens: int, seed: int) -> list[dict]:
+    """User and assistant turns of a few hundred tokens each, until the templated history is about num_tokens."""
+    rng = random.Random(seed)
+    messages: list[dict] = []
+    size = 0
+    while num_tokens - size > 32:
+        messages.append({"role": "user",
+                         "content": text(rng, tokenizer, min(rng.randint(100, 300), (num_tokens - size) // 3))})
+        left = num_tokens - len(tokenizer.apply_chat_template(messages))
+        messages.append({"role": "assistant", "content": text(rng, tokenizer, min(rng.randint(200, 450), left - 8))})
+        size = len(tokenizer.apply_chat_template(messages))
+    return messages
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def build_turns(tokenizer, lengths: list[int], repeats: int, max_model_len: int, block_size: int) -> list[dict]:
+    """Per history length: the history prompt, one new-turn prompt per repeat (a different message
+    each), and per repeat the prompt tokens a warm run must find cached."""
+    turns = []
+    for length in lengths:
+        messages = conversation(tokenizer, min(length, max_model_len - NEW_TURN_ROOM), seed=length)
+        history = tokenizer.apply_chat_template(messages)
+        rng = random.Random(-length)
+        prompts = [tokenizer.apply_chat_template(messages + [
+            {"role": "user", "content": text(rng, tokenizer, NEW_MESSAGE_TOKENS)}]) for _ in range(repeats)]
+        # whole blocks of the longest prefix shared with what the engine saw before: the history and the
+        # earlier repeats' turns (their first new block can be common); the last token is always computed
+        expected = [min(max(shared_prefix(seen, p) for seen in [history, *prompts[:r]]), len(p) - 1)
+                    // block_size * block_size for r, p in enumerate(prompts)]
+        turns.append({"length": length, "history": history, "prompts": prompts, "expected": expected})
+    return turns
+
+
+# --- timing -------------------------------------------------------------------------------------
+
+def settle(eng: LLMEngine) -> None:
+    """Wait for the background saves to land, then step once so the engine applies them."""
+    if eng.transfer is None:
+        return
+    while not eng.transfer.idle():
+        time.sleep(0.005)
+    eng.step()
+
+
+def load_seconds(eng: LLMEngine) -> float:
+    """The loader's total time restoring prefixes from the tiers so far (0 without tiers)."""
+    return eng.tiering.load_seconds_sum if eng.tiering else 0.0
+
+
+def ttft(eng: LLMEngine, request_id: str, prompt: list[int]) -> tuple[float, int, float]:
+    """Seconds from add_request to the first token, the prompt tokens that came from a cache,
+    and the seconds the loader spent restoring them from a tier."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    loaded = load_seconds(eng)
+    start = time.perf_counter()
+    eng.add_request(request_id, prompt, params)
+    while eng.has_unfinished():
+        done = [out for out in eng.step() if out.finished]
+        if done:
+            elapsed = time.perf_counter() - start
+            cached = done[0].num_cached_tokens
+    settle(eng)
+    return elapsed, cached, load_seconds(eng) - loaded
+
+
+def drop_page_cache(directory: str) -> str:
+    """Evict the directory's files from the page cache; returns how it was done."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+        return "echo 1 > /proc/sys/vm/drop_caches"
+    except OSError:
+        for root, _, files in os.walk(directory):
+            for name in files:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+        return "os.posix_fadvise(POSIX_FADV_DONTNEED) on every file of the disk tier"
+
+
+def memcpy_bandwidth(nbytes: int) -> float:
+    """GB/s of copying a tensor into a preallocated one, best of 3."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def file_read_bandwidth(directory: str, nbytes: int) -> tuple[float, str]:
+    """GB/s of one readinto of a file with a dropped page cache into a preallocated buffer, best of 3;
+    and how the page cache was dropped."""
+    path = os.path.join(directory, "read-probe.bin")
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    with open(path, "wb") as f:
+        f.write(memoryview(data.numpy()))
+        os.fsync(f.fileno())
+    best = float("inf")
+    for _ in range(3):
+        how = drop_page_cache(directory)
+        with open(path, "rb", buffering=0) as f:
+            start = time.perf_counter()
+            got = f.readinto(memoryview(data.numpy()))
+            best = min(best, time.perf_counter() - start)
+        if got != nbytes:
+            raise RuntimeError(f"read {got} of {nbytes} bytes from {path} in one call")
+    os.remove(path)
+    return nbytes / best / 1e9, how
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+def engine(args: argparse.Namespace, pool_tokens: int, **settings) -> LLMEngine:
+    eng = LLMEngine(Config(model=args.model, num_threads=args.threads, kv_pool_tokens=pool_tokens,
+                           max_batched_tokens=2048, **settings))
+    # a first request below one block: nothing is sealed or saved, later timings pay no first-call costs
+    ttft(eng, "warm-up", eng.tokenizer.encode(text(random.Random(0), eng.tokenizer, 40))[:40])
+    return eng
+
+
+def close(eng: LLMEngine) -> None:
+    if eng.transfer is not None:
+        eng.transfer.shutdown()
+
+
+def run_histories(eng: LLMEngine, turns: list[dict], tag: str) -> None:
+    for turn in turns:
+        ttft(eng, f"{tag}-history-{turn['length']}", turn["history"])
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Best TTFT and the cached tokens of every run, per history length and mode; raw bandwidths."""
+    disk_dir = args.disk_dir or tempfile.mkdtemp(prefix="kvtier-ttft-")
+    os.makedirs(disk_dir, exist_ok=True)
+    probe = args.probe_mib * 2**20
+    file_read, how = file_read_bandwidth(disk_dir, probe)
+    results = {"memcpy_gbs": memcpy_bandwidth(probe), "file_read_gbs": file_read, "drop": how, "disk_dir": disk_dir}
+    print(f"raw bandwidth: memcpy {results['memcpy_gbs']:.2f} GB/s, file read {results['file_read_gbs']:.2f} GB/s "
+          f"(page cache dropped with: {results['drop']})", flush=True)
+
+    # twice what the runs need, so no cached block is ever evicted and no run waits for space
+    single = 2 * (max(args.lengths) + NEW_TURN_ROOM)
+    cold = engine(args, single, prefix_cache=False, kv_host_gib=0, kv_disk=False)
+    mc = cold.model_config
+    turns = build_turns(cold.tokenizer, args.lengths, args.repeats, cold.max_model_len, cold.config.block_size)
+    results.update(model=cold.model_name, dtype=cold.config.dtype, threads=torch.get_num_threads(), turns=turns,
+                   bytes_per_token=KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                                      cold.config.torch_dtype))
+    every = 2 * sum(length + NEW_TURN_ROOM for length in args.lengths)   # the device engine keeps all histories
+    device = engine(args, every, prefix_cache=True, kv_host_gib=0, kv_disk=False)
+    host = engine(args, single, prefix_cache=False, kv_host_gib=4.0, kv_disk=False)
+    disk_settings = {"prefix_cache": False, "kv_host_gib": 0, "kv_disk": True, "kv_disk_dir": disk_dir,
+                     "kv_disk_gib": 20.0}
+    writer = engine(args, single, **disk_settings)
+    print("running the histories once on the device, host and disk engines", flush=True)
+    run_histories(device, turns, "device")
+    run_histories(host, turns, "host")
+    run_histories(writer, turns, "disk")
+    close(writer)       # the restart: the engine that computed the histories is gone
+    del writer
+    gc.collect()
+    disk = engine(args, single, **disk_settings)
+    engines = {"cold": cold, "device": device, "host": host, "disk": disk}
+
+    runs = {t["length"]: {mode: [] for mode in MODES} for t in turns}
+    for turn in turns:
+        for rep, prompt in enumerate(turn["prompts"]):
+            for mode in MODES:
+                if mode == "cold" and rep > 0 and turn["length"] >= LONG_COLD:
+                    continue
+                if mode == "disk":
+                    drop_page_cache(disk_dir)
+                seconds, cached, load = ttft(engines[mode], f"{mode}-{turn['length']}-{rep}", prompt)
+                runs[turn["length"]][mode].append((seconds, cached, load))
+                print(f"  history {len(turn['history'])}, repeat {rep + 1}: {mode:6s} {seconds * 1e3:9.1f} ms, "
+                      f"{cached} of {len(prompt)} prompt tokens cached"
+                      + (f", restored in {load * 1e3:.1f} ms" if load else ""), flush=True)
+    for eng in engines.values():
+        close(eng)
+    if args.disk_dir is None:
+        shutil.rmtree(disk_dir)
+    results["runs"] = runs
+    return results
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+def summarize(results: dict) -> dict:
+    """Per length: best TTFT per mode, whether every run found exactly the cached tokens it should,
+    speedups over cold (None after a miss) and each tier's best restore time and bandwidth."""
+    rows = {}
+    for turn in results["turns"]:
+        runs = results["runs"][turn["length"]]
+        want = {"cold": [0] * len(runs["cold"]), "device": turn["expected"], "host": turn["expected"],
+                "disk": turn["expected"]}
+        hit = {mode: [c for _, c, _ in runs[mode]] == want[mode] for mode in MODES}
+        row = {"best": {mode: min(s for s, _, _ in runs[mode]) for mode in MODES}, "hit": hit,
+               "cached": {mode: [c for _, c, _ in runs[mode]] for mode in MODES},
+               "expected": turn["expected"], "history": len(turn["history"]),
+               "prompts": [len(p) for p in turn["prompts"]]}
+        for tier in ("host", "disk"):
+            ok = hit["cold"] and hit[tier]
+            row[f"cold/{tier}"] = row["best"]["cold"] / row["best"][tier] if ok else None
+            gbs, load = max((c * results["bytes_per_token"] / load / 1e9, load) for _, c, load in runs[tier])
+            row[f"{tier}_gbs"], row[f"{tier}_load"] = (gbs, load) if ok else (None, None)
+        rows[turn["length"]] = row
+    return rows
+
+
+def seconds(row: dict, mode: str) -> str:
+    t = f"{row['best'][mode]:.3f} s"
+    return t if row["hit"][mode] else f"{t} (**miss**: {', '.join(map(str, row['cached'][mode]))} cached)"
+
+
+def ratio(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1f}×"
+
+
+def bandwidth(gbs: float | None, raw: float, seconds: float) -> str:
+    return "—" if gbs is None else f"{gbs:.2f} ({gbs / raw:.0%}; {seconds * 1e3:.1f} ms)"
+
+
+def targets(rows: dict, results: dict) -> list[str]:
+    row = rows.get(TARGET_LENGTH)
+    if row is None:
+        return [f"- not evaluated: the targets are read at a {TARGET_LENGTH}-token history, not in --lengths"]
+    at = f"at {TARGET_LENGTH} ({row['history']}-token history)"
+    host, disk = row["cold/host"], row["cold/disk"]
+    largest = rows[max(rows)]
+    shares = {"host": (largest["host_gbs"], results["memcpy_gbs"], "memcpy"),
+              "disk": (largest["disk_gbs"], results["file_read_gbs"], "file read")}
+    lines = [(f"- warm host-tier TTFT ≤ 1/{HOST_SPEEDUP_TARGET} of cold {at}: "
+              f"{verdict(host is not None and host >= HOST_SPEEDUP_TARGET)} (1/{ratio(host).rstrip('×')})"),
+             (f"- disk-after-restart TTFT ≤ 1/{DISK_SPEEDUP_TARGET} of cold {at}: "
+              f"{verdict(disk is not None and disk >= DISK_SPEEDUP_TARGET)} (1/{ratio(disk).rstrip('×')})")]
+    for tier, (gbs, raw, name) in shares.items():
+        share = "—" if gbs is None else f"{gbs / raw:.0%}"
+        lines.append(f"- {tier} restore bandwidth ≥ {RESTORE_SHARE_TARGET:.0%} of raw {name} at the largest "
+                     f"history ({largest['history']} tokens): "
+                     f"{verdict(gbs is not None and gbs >= RESTORE_SHARE_TARGET * raw)} ({share})")
+    return lines
+
+
+def filesystem(path: str) -> str:
+    """'type on device' of the mount holding path."""
+    path, best = os.path.realpath(path), ("", "?", "?")
+    with open("/proc/mounts") as f:
+        for line in f:
+            device, mount, fstype = line.split()[:3]
+            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best[0]):
+                best = (mount, fstype, device)
+    return f"{best[1]} on {best[2]}"
+
+
+def render(results: dict, args: argparse.Namespace, command: str) -> str:
+    rows = summarize(results)
+    mem, disk = results["memcpy_gbs"], results["file_read_gbs"]
+    table = [("| history tokens | cold TTFT | warm device | warm host | warm disk (restart) | cold/host | cold/disk "
+              "| host restore GB/s (% of memcpy; time) | disk restore GB/s (% of file read; time) "
+              "| cached / prompt tokens |"),
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in rows.values():
+        table.append(f"| {row['history']} | {seconds(row, 'cold')} | {seconds(row, 'device')} | "
+                     f"{seconds(row, 'host')} | {seconds(row, 'disk')} | {ratio(row['cold/host'])} | "
+                     f"{ratio(row['cold/disk'])} | {bandwidth(row['host_gbs'], mem, row['host_load'])} | "
+                     f"{bandwidth(row['disk_gbs'], disk, row['disk_load'])} | {', '.join(map(str, row['expected']))} / "
+                     f"{', '.join(map(str, row['prompts']))} |")
+    machine = (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {results['threads']} threads, "
+               f"model {results['model']} ({results['dtype']}, {results['bytes_per_token']} bytes of KV per token), "
+               f"disk tier on {filesystem(results['disk_dir'])}")
+    return "\n".join([
+        SECTION,
+        "",
+        f"Measured {datetime.date.today().isoformat()} on: {machine}.",
+        "",
+        f"Command: `{command}`",
+        "",
+        *table,
+        "",
+        (f"Raw bandwidth in the same run: memcpy {mem:.2f} GB/s (a {args.probe_mib} MiB tensor copied into a "
+         f"preallocated one, best of 3); file read {disk:.2f} GB/s (a {args.probe_mib} MiB file in the disk tier's "
+         f"directory, page cache dropped, one readinto into a preallocated buffer, best of 3)."),
+        "",
+        "Targets:",
+        "",
+        *targets(rows, results),
+        "",
+        (f"How: a deterministic conversation of user and assistant turns (a few hundred tokens each, chat "
+         f"template applied) up to about the history length, then a new user message of about "
+         f"{NEW_MESSAGE_TOKENS} tokens, a different one per repeat; TTFT is add_request to the first token "
+         f"(max_tokens=1), best of {args.repeats}, the four modes run back to back per repeat (cold once from "
+         f"{LONG_COLD} tokens on). cold: an engine without prefix cache or tiers. warm device: prefix cache on, "
+         f"tiers off, the history ran before on the same engine. warm host: pure-tier mode (prefix cache off, host "
+         f"tier 4 GiB, no disk), the history ran before and its saves landed, so every cached block comes from "
+         f"host RAM. warm disk (restart): prefix cache and host tier off; one engine ran the histories, waited for "
+         f"its saves and shut down; a new engine (its construction not timed) serves the new turns, the page cache "
+         f"dropped before each with `{results['drop']}`. Every engine first serves one 40-token request (below one "
+         f"block: nothing saved). Cached tokens, per repeat: the whole blocks of the prefix the new turn shares "
+         f"with the history (or with an earlier repeat's turn); every warm run is checked to have found exactly "
+         f"that many (a run that did not is marked **miss** and gets no ratio). Restore bandwidth = cached tokens "
+         f"× bytes per token / the loader's own time for the restore (best of the repeats): the tier read (for "
+         f"disk: file read into a new buffer and checksums) plus the copy into the reserved device blocks; it "
+         f"leaves out the hand-offs between the engine loop and the loader, which show in warm tier TTFT − warm "
+         f"device TTFT (the same suffix computed, no restore)."),
+        "",
+    ])
+
+
+def write_section(path: str, section: str) -> None:
+    """Replace this benchmark's section of the document (or append it), keeping the rest."""
+    text = "# Benchmarks\n"
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == SECTION), None)
+    if start is None:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        rest = "".join(lines[end:])
+        text = "".join(lines[:start]) + section + ("\n" + rest if rest else "")
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvtier bench ttft", description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", type=int_list, default=[1024, 2048, 4096, 8192],
+                   help="history lengths in tokens, comma-separated")
+    p.add_argument("--repeats", type=int, default=2, help="runs per measurement; the best is reported")
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the bundled SmolLM2-135M)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    p.add_argument("--disk-dir", default=None, help="disk tier directory (default: a new temporary directory)")
+    p.add_argument("--probe-mib", type=int, default=256, help="size of the raw bandwidth probes")
+    p.add_argument("--output", default="docs/BENCHMARKS.md")
+    p.add_argument("--no-write", action="store_true", help="only print the table")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    if argv is None:
+        argv = sys.argv[1:]
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    command = shlex.join(["python", "-m", "kvtier.bench.ttft", *argv])
+    section = render(measure(args), args, command)
+    print()
+    print(section)
+    if not args.no_write:
+        write_section(args.output, section)
+        print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

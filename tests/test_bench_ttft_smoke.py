@@ -1,0 +1,43 @@
+"""The multi-turn TTFT benchmark runs end to end on a tiny model, finds every cached prefix,
+and rewrites only its own section."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.bench import ttft
+
+
+@pytest.fixture
+def one_thread():
+    """The engines set torch's thread count for the whole process: give it back afterwards."""
+    threads = torch.get_num_threads()
+    yield 1    # one thread: OpenMP barriers stall badly when a busy 2-core machine preempts a thread
+    torch.set_num_threads(threads)
+
+
+def test_ttft_bench_measures_every_tier(tiny_model_dir, tmp_path, one_thread):
+    args = ttft.parse_args(["--model", tiny_model_dir, "--lengths", "256,1900", "--repeats", "2", "--probe-mib", "8",
+                            "--threads", str(one_thread), "--disk-dir", str(tmp_path / "kv"), "--no-write"])
+    results = ttft.measure(args)
+    rows = ttft.summarize(results)
+
+    assert results["memcpy_gbs"] > 0 and results["file_read_gbs"] > 0
+    assert results["bytes_per_token"] == 2 * 2 * 2 * 16 * 4   # K and V, 2 layers, 2 KV heads, head dim 16, float32
+    assert list(rows) == [256, 1900]
+    for length, row in rows.items():
+        assert abs(row["history"] - length) <= 64
+        assert min(row["expected"]) >= length - 128
+        assert all(row["hit"].values()), row["cached"]     # each warm run found the history, cold found nothing
+        assert all(0 < s < 30 for s in row["best"].values())
+    long = rows[1900]["best"]
+    assert long["device"] < long["cold"]     # ~60 tokens computed instead of ~1,900
+
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text("# Benchmarks\n\n## Throughput (kvtier vs transformers)\n\nkeep me\n\n"
+                   f"{ttft.SECTION}\n\nstale numbers\n")
+    ttft.write_section(str(out), ttft.render(results, args, "python -m kvtier.bench.ttft"))
+    text = out.read_text()
+    assert text.startswith("# Benchmarks\n\n## Throughput (kvtier vs transformers)\n\nkeep me\n\n")
+    assert "stale numbers" not in text and text.count(ttft.SECTION) == 1
+    assert "(**miss**:" not in text and "not evaluated" in text
