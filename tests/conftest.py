@@ -52,6 +52,21 @@ def tiny_model_dir(make_tiny_model, bundled_tokenizer) -> str:
         bos_token_id=1, eos_token_id=2))
 
 
+def run_greedy(engine, prompt, **kw):
+    """One request through a synchronous engine: (tokens, logprobs, cached tokens). Stepping until nothing
+    is unfinished also waits for background saves to land."""
+    from kvtier.engine.sampling_params import SamplingParams
+    params = SamplingParams(**{"max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "logprobs": 20, **kw})
+    engine.add_request("r", prompt, params)
+    tokens, logprobs, cached = [], [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            logprobs += out.logprobs or []
+            cached = out.num_cached_tokens
+    return tokens, logprobs, cached
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -4,9 +4,9 @@ import pathlib
 
 import pytest
 
+from conftest import run_greedy as run
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
-from kvtier.engine.sampling_params import SamplingParams
 
 BS = 16
 
@@ -15,17 +15,6 @@ def make_engine(model_dir, disk_dir, **kw):
     args = dict(model=model_dir, block_size=BS, kv_pool_tokens=40 * BS, max_batched_tokens=64,
                 kv_host_gib=0, kv_disk_dir=str(disk_dir), prefix_cache=False)
     return LLMEngine(Config(**{**args, **kw}))
-
-
-def run(engine, prompt):
-    engine.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=20))
-    tokens, logprobs, cached = [], [], None
-    while engine.has_unfinished():          # also waits until background saves have landed
-        for out in engine.step():
-            tokens += out.new_token_ids
-            logprobs += out.logprobs or []
-            cached = out.num_cached_tokens
-    return tokens, logprobs, cached
 
 
 def prompt(n, salt=0):

@@ -1,6 +1,7 @@
 """Host RAM tier: saves in the background, restores after device eviction, warm equals cold."""
 import pytest
 
+from conftest import run_greedy as run
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
@@ -15,18 +16,6 @@ def make_engine(tiny_model_dir, **kw):
     args = dict(model=tiny_model_dir, block_size=BS, kv_pool_tokens=24 * BS, max_batched_tokens=64,
                 kv_host_gib=0.01, kv_disk=False)
     return LLMEngine(Config(**{**args, **kw}))
-
-
-def run(engine, prompt, **kw):
-    params = SamplingParams(**{"max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "logprobs": 20, **kw})
-    engine.add_request("r", prompt, params)
-    tokens, logprobs, cached = [], [], None
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            logprobs += out.logprobs or []
-            cached = out.num_cached_tokens
-    return tokens, logprobs, cached
 
 
 def settle(engine):

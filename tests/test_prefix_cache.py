@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from conftest import run_greedy as run
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
@@ -14,18 +15,6 @@ BS = 16
 def engine(tiny_model_dir):
     return LLMEngine(Config(model=tiny_model_dir, block_size=BS, kv_pool_tokens=40 * BS, max_batched_tokens=64,
                                 kv_host_gib=0, kv_disk=False))
-
-
-def run(engine, prompt, **kw):
-    params = SamplingParams(**{"max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "logprobs": 20, **kw})
-    engine.add_request("r", prompt, params)
-    tokens, logprobs, cached = [], [], None
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            logprobs += out.logprobs or []
-            cached = out.num_cached_tokens
-    return tokens, logprobs, cached
 
 
 def prompt(n, salt=0):

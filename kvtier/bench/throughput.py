@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import shlex
 import sys
 import time
 
 import torch
 
+from kvtier.bench.report import cpu_model, int_list, verdict, write_section
 from kvtier.config import DTYPES, Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
@@ -144,21 +144,6 @@ def measure(args: argparse.Namespace, eng: LLMEngine, hf, device: torch.device) 
             "decode": {batch: tuple(tps) for batch, tps in decode.items()}}
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def verdict(ok: bool) -> str:
-    return "met" if ok else "**missed**"
-
-
 def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str) -> str:
     import transformers
     prefill, decode = results["prefill"], results["decode"]
@@ -218,26 +203,6 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
         f"Both count the {args.decode_tokens - 1} tokens per sequence after the first.",
         "",
     ])
-
-
-def write_section(path: str, section: str) -> None:
-    """Replace the throughput section of the benchmarks document (or append it), keeping the rest."""
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == SECTION), None)
-    if start is None:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        rest = "".join(lines[end:])
-        text = "".join(lines[:start]) + section + ("\n" + rest if rest else "")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text)
-
-
-def int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from kvtier.bench.throughput import cpu_model, int_list, verdict
+from kvtier.bench.report import cpu_model, int_list, verdict, write_section
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
@@ -393,24 +393,6 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
          f"device TTFT (the same suffix computed, no restore)."),
         "",
     ])
-
-
-def write_section(path: str, section: str) -> None:
-    """Replace this benchmark's section of the document (or append it), keeping the rest."""
-    text = "# Benchmarks\n"
-    if os.path.exists(path):
-        with open(path) as f:
-            text = f.read()
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == SECTION), None)
-    if start is None:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        rest = "".join(lines[end:])
-        text = "".join(lines[:start]) + section + ("\n" + rest if rest else "")
-    with open(path, "w") as f:
-        f.write(text)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,0 +1,41 @@
+"""What the benchmarks share: the machine's description, verdicts, and their section of docs/BENCHMARKS.md."""
+from __future__ import annotations
+
+import os
+import platform
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def write_section(path: str, section: str) -> None:
+    """Replace the section headed by section's first line (or append it), keeping the rest of the document."""
+    heading = section.splitlines()[0]
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == heading), None)
+    if start is None:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        rest = "".join(lines[end:])
+        text = "".join(lines[:start]) + section + ("\n" + rest if rest else "")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
