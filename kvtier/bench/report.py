@@ -1,6 +1,7 @@
 """What the benchmarks share: the machine's description, verdicts, and their section of docs/BENCHMARKS.md."""
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 
@@ -14,6 +15,12 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def header(section: str, machine: str, command: str) -> list[str]:
+    """A section's opening lines: heading, when and where it was measured, and the command."""
+    return [section, "", f"Measured {datetime.date.today().isoformat()} on: {machine}.", "",
+            f"Command: `{command}`", ""]
 
 
 def verdict(ok: bool) -> str:

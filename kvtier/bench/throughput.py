@@ -10,7 +10,6 @@ engines alternate run by run so machine noise hits both alike.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shlex
 import sys
@@ -18,7 +17,7 @@ import time
 
 import torch
 
-from kvtier.bench.report import cpu_model, int_list, verdict, write_section
+from kvtier.bench.report import cpu_model, header, int_list, verdict, write_section
 from kvtier.config import DTYPES, Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
@@ -178,12 +177,7 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
                f"{transformers.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
                f"{args.dtype}, model {eng.model_name}")
     return "\n".join([
-        SECTION,
-        "",
-        f"Measured {datetime.date.today().isoformat()} on: {machine}.",
-        "",
-        f"Command: `{command}`",
-        "",
+        *header(SECTION, machine, command),
         *table,
         "",
         "Targets:",

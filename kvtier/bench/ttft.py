@@ -15,7 +15,6 @@ Raw memcpy and file-read bandwidth are measured in the same run, to put each res
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import os
 import random
@@ -27,7 +26,7 @@ import time
 
 import torch
 
-from kvtier.bench.report import cpu_model, int_list, verdict, write_section
+from kvtier.bench.report import cpu_model, header, int_list, verdict, write_section
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
@@ -358,12 +357,7 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
                f"model {results['model']} ({results['dtype']}, {results['bytes_per_token']} bytes of KV per token), "
                f"disk tier on {filesystem(results['disk_dir'])}")
     return "\n".join([
-        SECTION,
-        "",
-        f"Measured {datetime.date.today().isoformat()} on: {machine}.",
-        "",
-        f"Command: `{command}`",
-        "",
+        *header(SECTION, machine, command),
         *table,
         "",
         (f"Raw bandwidth in the same run: memcpy {mem:.2f} GB/s (a {args.probe_mib} MiB tensor copied into a "
