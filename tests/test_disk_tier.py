@@ -12,7 +12,7 @@ import torch
 from kvtier.kv.keys import chain_keys
 from kvtier.kv.tiers import blockfile
 from kvtier.kv.tiers.blockfile import file_size, read_header
-from kvtier.kv.tiers.disk import DiskTier
+from kvtier.kv.tiers.disk import DiskTier, Staging
 
 SHAPE = (2, 2, 4, 2, 8)      # kv, layers, block_size, kv heads, head dim
 NS = b"namespace-0123ab"
@@ -99,6 +99,23 @@ def test_match_prefix_stops_at_a_gap(tmp_path):
     assert tier.match_prefix(keys) == 6
     assert all(torch.equal(a, b) for a, b in zip(tier.get_run(keys), payloads))   # across three files
     assert tier.stats["lookups"] == 3
+
+
+def test_staging_buffer_is_reused_and_bounded(tmp_path):
+    tier = make_tier(tmp_path)
+    keys, payloads = keys_for(6), payloads_for(6)
+    tier.put_run(keys[:3], payloads[:3])
+    tier.put_run(keys[3:], payloads[3:])
+    staging = Staging(max_bytes=1 << 20)
+    got = tier.get_run(keys, staging)                        # two files, one after the other in the buffer
+    assert all(torch.equal(a, b) for a, b in zip(got, payloads))
+    assert all(block.untyped_storage().data_ptr() == staging.buffer.data_ptr() for block in got)
+    buffer = staging.buffer
+    got = tier.get_run(keys[3:], staging)
+    assert staging.buffer is buffer and all(torch.equal(a, b) for a, b in zip(got, payloads[3:]))
+    small = Staging(max_bytes=BLOCK_BYTES)                   # too small: fresh buffers, same data
+    assert all(torch.equal(a, b) for a, b in zip(tier.get_run(keys, small), payloads))
+    assert small.buffer.numel() == 0
 
 
 def test_budget_evicts_the_least_recently_used_file(tmp_path):

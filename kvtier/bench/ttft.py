@@ -197,6 +197,33 @@ def file_read_bandwidth(path: str, buf: torch.Tensor) -> float:
     return got / seconds / 1e9
 
 
+def restore_by_layout(directory: str, block_shape: tuple[int, ...], dtype: torch.dtype, num_blocks: int,
+                      run_blocks: int) -> dict[str, float]:
+    """Seconds to restore num_blocks from disk (page cache dropped, best of 2) when they were written
+    as runs of run_blocks per file, as write-through does, and one file per block, as write-back on
+    host eviction would (the host tier evicts one block at a time)."""
+    from kvtier.kv.keys import chain_keys
+    from kvtier.kv.tiers.disk import DiskTier, Staging
+    keys = chain_keys(list(range(num_blocks * block_shape[2])), block_shape[2], b"layout-probe-ns!")
+    payload = torch.randn(block_shape).to(dtype)
+    best = {}
+    for layout, size in (("write-through", run_blocks), ("write-back", 1)):
+        path = os.path.join(directory, f"layout-{layout}")
+        tier = DiskTier(path, 1 << 40, b"layout-probe-ns!", block_shape, dtype)
+        for i in range(0, num_blocks, size):
+            tier.put_run(keys[i:i + size], [payload] * len(keys[i:i + size]))
+        staging, times = Staging(1 << 40), []
+        for _ in range(2):
+            drop_page_cache(path)
+            start = time.perf_counter()
+            if tier.get_run(keys, staging) is None:
+                raise RuntimeError(f"layout probe: {layout} files were not read back")
+            times.append(time.perf_counter() - start)
+        best[layout] = min(times)
+        shutil.rmtree(path)
+    return best
+
+
 # --- the run ------------------------------------------------------------------------------------
 
 def engine(args: argparse.Namespace, pool_tokens: int, **settings) -> LLMEngine:
@@ -273,6 +300,11 @@ def measure(args: argparse.Namespace) -> dict:
     for eng in engines.values():
         close(eng)
     os.remove(probe[0])
+    num_blocks = max(turn["expected"][0] for turn in turns) // cold.config.block_size
+    results["layout"] = {"blocks": num_blocks, "run_blocks": cold.config.max_batched_tokens // cold.config.block_size,
+                         **restore_by_layout(disk_dir, cold.pool.block_shape, cold.config.torch_dtype, num_blocks,
+                                             cold.config.max_batched_tokens // cold.config.block_size)}
+    print(f"restore of {num_blocks} blocks by file layout: {results['layout']}", flush=True)
     if args.disk_dir is None:
         shutil.rmtree(disk_dir)
     results["runs"] = runs
@@ -337,6 +369,15 @@ def targets(rows: dict, results: dict) -> list[str]:
     return lines
 
 
+def layout_line(layout: dict) -> str:
+    through, back = layout["write-through"], layout["write-back"]
+    return (f"Write-through vs write-back, by the files each leaves: restoring {layout['blocks']} blocks (page cache "
+            f"dropped, best of 2) takes {through * 1e3:.0f} ms from runs of {layout['run_blocks']} blocks per file "
+            f"(write-through saves each prefill chunk's sealed blocks together) and {back * 1e3:.0f} ms from one "
+            f"file per block (write-back on host eviction, which evicts a block at a time): {back / through:.2f}× "
+            f"the time.")
+
+
 def filesystem(path: str) -> str:
     """'type on device' of the mount holding path."""
     path, best = os.path.realpath(path), ("", "?", "?")
@@ -375,6 +416,8 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
          f"(best of 3); {min(reads):.2f}-{max(reads):.2f} GB/s per row, each row's best read right after its disk "
          f"restores, which is what that row's disk restore is compared with."),
         "",
+        layout_line(results["layout"]),
+        "",
         "Targets:",
         "",
         *targets(rows, results),
@@ -393,7 +436,7 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
          f"with the history (or with an earlier repeat's turn); every warm run is checked to have found exactly "
          f"that many (a run that did not is marked **miss** and gets no ratio). Restore bandwidth = cached tokens "
          f"× bytes per token / the loader's own time for the restore (best of the repeats): the tier read (for "
-         f"disk: file read into a new buffer and checksums) plus the copy into the reserved device blocks; it "
+         f"disk: file read into a reused, already faulted-in buffer and checksums) plus the copy into the reserved device blocks; it "
          f"leaves out the hand-offs between the engine loop and the loader, which show in warm tier TTFT − warm "
          f"device TTFT (the same suffix computed, no restore)."),
         "",

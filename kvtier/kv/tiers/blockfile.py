@@ -148,16 +148,20 @@ def read_header(path: str) -> Header:
     return header
 
 
-def read_blocks(path: str, header: Header, indices: list[int]) -> list[torch.Tensor]:
+def read_span(header: Header, indices: list[int]) -> tuple[int, int]:
+    """The byte range of the file from the first to the last of these payloads."""
+    return (min(header.offsets[i] for i in indices), max(header.offsets[i] + header.lengths[i] for i in indices))
+
+
+def read_blocks(path: str, header: Header, indices: list[int], into: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Blocks `indices` of the file as CPU tensors, checksum-verified.
 
     The byte range from the first to the last wanted payload is read in one call into one
-    buffer; the blocks are views of it (any one of them keeps the whole buffer alive)."""
+    buffer (`into`, uint8 and large enough, or a new one); the blocks are views of it."""
     if not indices:
         return []
-    start = min(header.offsets[i] for i in indices)
-    end = max(header.offsets[i] + header.lengths[i] for i in indices)
-    buf = torch.empty(end - start, dtype=torch.uint8)
+    start, end = read_span(header, indices)
+    buf = torch.empty(end - start, dtype=torch.uint8) if into is None else into[:end - start]
     with open(path, "rb", buffering=0) as f:
         f.seek(start)
         view, got = memoryview(buf.numpy()), 0

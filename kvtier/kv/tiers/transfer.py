@@ -17,6 +17,9 @@ import time
 from dataclasses import dataclass, field
 
 from kvtier.kv.pool import KVPool
+from kvtier.kv.tiers.disk import Staging
+
+STAGING_MAX_BYTES = 1 << 30
 
 log = logging.getLogger("kvtier.kv.transfer")
 
@@ -45,6 +48,7 @@ class TierTransfer:
         self._loads: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._landed = threading.Event()          # set whenever something is put on _done
+        self._staging = Staging(STAGING_MAX_BYTES)
         self.load_seconds: list[float] = []       # drained by the metrics collector
         self._threads = [threading.Thread(target=self._save_loop, name="kvtier-saver", daemon=True),
                          threading.Thread(target=self._load_loop, name="kvtier-loader", daemon=True)]
@@ -107,30 +111,34 @@ class TierTransfer:
     def _load_loop(self) -> None:
         while (job := self._loads.get()) is not None:
             start = time.perf_counter()
+            from_disk = []
             try:
-                job.ok = self._restore(job)
+                from_disk = self._restore(job)
+                job.ok = from_disk is not None
             except Exception:   # damaged data must never take the engine down: count it as a miss
                 log.exception("restoring %d blocks for %s failed; recomputing", len(job.keys), job.request_id)
                 job.ok = False
             job.seconds = time.perf_counter() - start
             self._done.put(("loaded", job))
             self._landed.set()
+            if job.ok and from_disk and self.host is not None:
+                # promote after the request has its blocks: the next turn finds them one tier up
+                for key, payload in zip(job.keys[job.num_from_host:], from_disk):
+                    self.host.put(key, payload.clone())   # off the staging buffer, which the next load reuses
             self._loads.task_done()
 
-    def _restore(self, job: LoadJob) -> bool:
+    def _restore(self, job: LoadJob) -> list | None:
+        """Copy the job's blocks into the pool; returns the payloads read from disk, None on a miss."""
         from_host = job.keys[:job.num_from_host]
         payloads = self.host.get_run(from_host) if from_host else []
         if payloads is None:
-            return False
+            return None
+        from_disk = []
         if len(job.keys) > len(from_host):
-            from_disk = self.disk.get_run(job.keys[len(from_host):])
+            from_disk = self.disk.get_run(job.keys[len(from_host):], self._staging)
             if from_disk is None:
-                return False
-            payloads += from_disk
-            if self.host is not None:   # promote: the next turn finds them one tier up
-                for key, payload in zip(job.keys[len(from_host):], from_disk):
-                    self.host.put(key, payload)
-        for block, payload in zip(job.blocks, payloads):
+                return None
+        for block, payload in zip(job.blocks, payloads + from_disk):
             self.pool.write_block(block, payload)
-        job.bytes = sum(p.numel() * p.element_size() for p in payloads)
-        return True
+        job.bytes = sum(p.numel() * p.element_size() for p in payloads + from_disk)
+        return from_disk
