@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+KV_POLICIES = ("lru", "quest", "meankey")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -35,6 +36,12 @@ class Config:
     kv_disk: bool = True                  # the local disk tier
     kv_disk_dir: str = field(default_factory=lambda: default_disk_dir())
     kv_disk_gib: float = 20.0
+    # bounded residency: at most this many of a sequence's tokens are resident; None → exact attention
+    kv_resident_tokens: int | None = None
+    kv_sink_blocks: int = 1               # first blocks, always resident
+    kv_tail_blocks: int = 4               # last blocks, always resident
+    kv_policy: str = "quest"              # how the other resident blocks are chosen
+    kv_reselect_every: int = 16           # decode tokens between reselections
     # server
     host: str = "127.0.0.1"
     port: int = 8000
@@ -60,6 +67,8 @@ class Config:
             raise ConfigError(f"max_batched_tokens must be positive, got {self.max_batched_tokens}")
         if self.kv_host_gib < 0 or self.kv_disk_gib < 0:
             raise ConfigError("kv_host_gib and kv_disk_gib must be >= 0")
+        if self.kv_resident_tokens is not None:
+            self._check_residency()
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.model is not None and "/" in self.model and not os.path.exists(self.model):
@@ -74,6 +83,23 @@ class Config:
                 f"model path {self.model!r} does not exist. Point --model at a local Hugging Face directory "
                 "or a .gguf file, or leave it out to use the bundled SmolLM2-135M-Instruct."
             )
+
+    def _check_residency(self) -> None:
+        if self.kv_policy not in KV_POLICIES:
+            raise ConfigError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
+        if self.kv_sink_blocks < 0 or self.kv_tail_blocks < 1 or self.kv_reselect_every < 1:
+            raise ConfigError("kv_sink_blocks must be >= 0, kv_tail_blocks and kv_reselect_every >= 1")
+        least = (self.kv_sink_blocks + self.kv_tail_blocks + 1) * self.block_size
+        if self.kv_resident_tokens < least:
+            raise ConfigError(
+                f"kv_resident_tokens={self.kv_resident_tokens} leaves no room for a scored block: it must be at least "
+                f"(sink {self.kv_sink_blocks} + tail {self.kv_tail_blocks} + 1 blocks) × {self.block_size} = {least}")
+        if self.kv_host_gib <= 0:
+            raise ConfigError("kv_resident_tokens pages blocks out to the host tier: kv_host_gib must be > 0")
+
+    @property
+    def resident_blocks(self) -> int | None:
+        return None if self.kv_resident_tokens is None else self.kv_resident_tokens // self.block_size
 
     @property
     def torch_dtype(self) -> torch.dtype:
