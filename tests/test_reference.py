@@ -62,12 +62,12 @@ def test_prefill_logits_match_transformers(engine, reference, num_tokens):
         first = len(ids) // 2 if len(ids) > 64 else len(ids)
         batch = ScheduledBatch()
         batch.add(seq, first)
-        logits = engine.runner.run(batch)
+        logits, _ = engine.runner.run(batch)
         if first < len(ids):
             seq.num_computed_tokens = first
             batch = ScheduledBatch()
             batch.add(seq, len(ids) - first)
-            logits = engine.runner.run(batch)
+            logits, _ = engine.runner.run(batch)
     finally:
         engine.pool.free(seq.block_table)
     assert (logits[0] - expected).abs().max().item() < 1e-3

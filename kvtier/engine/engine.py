@@ -16,6 +16,7 @@ from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.sequence import Sequence
 from kvtier.engine.tiering import Tiering, build_tiers
 from kvtier.kv.keys import block_key, namespace
+from kvtier.kv.pager import CAPTURE_ROWS, Pager, PinRefused
 from kvtier.kv.pool import KVPool, default_pool_tokens
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import load_model, resolve_model_path
@@ -45,12 +46,21 @@ class LLMEngine:
                            pool_tokens, config.torch_dtype, self.device, ns, config.prefix_cache)
         log.info("KV pool: %d blocks of %d tokens (%.2f GiB)", self.pool.num_blocks, config.block_size,
                  self.pool.kv_cache.numel() * self.pool.kv_cache.element_size() / 2**30)
-        self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.pool, self.device)
         self.transfer = build_tiers(config, self.pool)
+        self.pager = self._build_pager(config, loaded.fingerprint) if config.resident_blocks else None
+        self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs, self.pager)
+        self.runner = ModelRunner(self.model, self.pool, self.device)
         self.tiering = Tiering(self.transfer, self.pool, self.scheduler) if self.transfer else None
         self._arrivals = itertools.count()
         self._aborted: list[Sequence] = []
+
+    def _build_pager(self, config: Config, fingerprint: str) -> Pager:
+        mode = (f"bounded(blocks={config.resident_blocks},sink={config.kv_sink_blocks},tail={config.kv_tail_blocks},"
+                f"policy={config.kv_policy},every={config.kv_reselect_every})")
+        return Pager(self.pool, self.transfer.host, config.resident_blocks, config.kv_sink_blocks,
+                     config.kv_tail_blocks, config.kv_policy, config.kv_reselect_every,
+                     self.model_config.head_dim ** -0.5, self.pool.namespace,
+                     namespace(fingerprint, config.dtype, config.block_size, KVPool.LAYOUT, mode))
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise RequestRejected if this request could never run. Reads only fixed state: thread-safe."""
@@ -62,15 +72,35 @@ class LLMEngine:
                 f"this model's maximum context length is {self.max_model_len} tokens, but the request needs "
                 f"{total} ({num_prompt_tokens} in the prompt + {params.max_tokens} max_tokens); "
                 "shorten the prompt or lower max_tokens")
-        if self.pool.blocks_for(total) > self.pool.num_blocks:
+        blocks = self.pool.blocks_for(total)
+        if self.pager:
+            self._check_paged_out_room(blocks - self.pager.budget_blocks)
+            blocks = min(blocks, self.pager.budget_blocks)
+        if blocks > self.pool.num_blocks:
             raise RequestRejected(
-                f"the request needs {total} tokens of KV but the whole pool holds "
+                f"the request needs {blocks * self.pool.block_size} tokens of device KV but the whole pool holds "
                 f"{self.pool.num_blocks * self.pool.block_size}; raise --kv-pool-tokens or shorten the request")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _check_paged_out_room(self, num_blocks: int) -> None:
+        host = self.transfer.host
+        need = num_blocks * self.pool.block_bytes
+        if need > host.budget_bytes:
+            raise RequestRejected(
+                f"the request would page {need / 2**30:.2f} GiB of KV out to the host tier, whose budget is "
+                f"{host.budget_bytes / 2**30:.2f} GiB; raise --kv-host-gib or shorten the request")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    pins: list[tuple[int, int]] | None = None) -> None:
+        """pins: half-open token ranges of the prompt kept resident under bounded residency."""
         self.check_request(len(prompt_token_ids), params)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        self.scheduler.add(Sequence(request_id, prompt_token_ids, params, detok, next(self._arrivals)))
+        seq = Sequence(request_id, prompt_token_ids, params, detok, next(self._arrivals))
+        if self.pager:
+            try:
+                seq.residency = self.pager.new_residency(pins, len(prompt_token_ids))
+            except PinRefused as e:
+                raise RequestRejected(str(e)) from None
+        self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         if self.tiering and self.tiering.abort(request_id):
@@ -97,9 +127,15 @@ class LLMEngine:
             if self.tiering and self.tiering.busy and not outputs:
                 self.transfer.wait(timeout=0.05)   # nothing to compute: sleep until a copy lands
             return outputs
-        logits = self.runner.run(batch)
+        capture = [CAPTURE_ROWS if seq.residency else 0 for seq in batch.seqs]
+        logits, queries = self.runner.run(batch, capture)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            decoded = seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             seq.num_computed_tokens += n
+            if seq.residency and self.pager.after_step(seq, queries[i], seq.num_uncomputed_tokens == 0
+                                                       and not decoded, decoded):
+                seq.num_computed_tokens -= n    # the prompt's last chunk again, over the blocks it selected
+                continue
             self._seal_full_blocks(seq)
             if seq.num_uncomputed_tokens == 0:      # prompt done or last token fed: sample the next one
                 self._append_token(seq, logits[i])
@@ -111,10 +147,12 @@ class LLMEngine:
         bs = self.pool.block_size
         first = len(seq.block_keys)
         for i in range(first, seq.num_computed_tokens // bs):
-            key = block_key(seq.block_keys[-1] if seq.block_keys else None,
-                            seq.token_ids[i * bs:(i + 1) * bs], self.pool.namespace)
+            ns = self.pager.namespace_for(i) if seq.residency else self.pool.namespace
+            key = block_key(seq.block_keys[-1] if seq.block_keys else None, seq.token_ids[i * bs:(i + 1) * bs], ns)
             self.pool.seal(seq.block_table[i], key)
             seq.block_keys.append(key)
+        if seq.residency:
+            self.pager.sealed(seq)
         if self.tiering and len(seq.block_keys) > first:
             self.tiering.save(seq.block_keys[first:], seq.block_table[first:len(seq.block_keys)])
 
@@ -163,4 +201,6 @@ class LLMEngine:
                  "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting)}
         if self.tiering:
             stats.update(self.tiering.stats())
+        if self.pager:
+            stats["residency"] = dict(self.pager.stats)
         return stats

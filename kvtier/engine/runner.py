@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.engine.scheduler import ScheduledBatch
+from kvtier.kv.pager import NOT_RESIDENT
 from kvtier.kv.pool import KVPool
 from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from kvtier.models.decoder import Decoder
@@ -16,57 +17,70 @@ class ModelRunner:
         self.device = device
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        """Pool slots of positions start..end-1 of a sequence."""
+        """Pool slots of positions start..end-1 of a sequence, leaving out blocks that are not resident."""
         bs = self.pool.block_size
         blocks = torch.tensor(block_table[start // bs: -(-end // bs)], dtype=torch.long)
-        slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()
         offset = start // bs * bs
-        return slots[start - offset: end - offset]
+        slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()[start - offset: end - offset]
+        if (blocks == NOT_RESIDENT).any():
+            slots = slots[(blocks != NOT_RESIDENT).repeat_interleave(bs)[start - offset: end - offset]]
+        return slots
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
-        """Flat token ids, metadata, and the row of the last token of each sequence."""
-        token_ids, positions, slot_mapping, prefills, last_rows = [], [], [], [], []
-        decode_rows, decode_tables, decode_lens = [], [], []
+    def prepare(self, batch: ScheduledBatch, capture: list[int] | None = None
+                ) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
+        """Flat token ids, metadata, and the row of the last token of each sequence. capture[i]:
+        how many of sequence i's last rows should hand back their queries."""
+        token_ids, positions, slot_mapping, prefills, last_rows, capture_rows = [], [], [], [], [], []
+        decode_rows, decode_slots = [], []
         row = 0
-        for seq, n in zip(batch.seqs, batch.num_tokens):
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             token_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slot_mapping.append(self._slots(seq.block_table, start, end))
             if n == 1 and start > 0:
                 decode_rows.append(row)
-                decode_tables.append(seq.block_table)
-                decode_lens.append(end)
+                decode_slots.append(self._slots(seq.block_table, 0, end))
             else:
                 prefix = self._slots(seq.block_table, 0, start).to(self.device) if start > 0 else None
                 prefills.append(PrefillSeq(row, n, prefix))
             row += n
             last_rows.append(row - 1)
+            if capture and capture[i]:
+                capture_rows += range(row - min(capture[i], n), row)
         meta = AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             slot_mapping=torch.cat(slot_mapping).to(self.device),
             prefills=prefills,
-            decode=self._decode_group(decode_rows, decode_tables, decode_lens),
+            decode=self._decode_group(decode_rows, decode_slots),
+            capture_rows=torch.tensor(capture_rows, dtype=torch.long, device=self.device) if capture_rows else None,
         )
         return torch.tensor(token_ids, dtype=torch.long, device=self.device), meta, last_rows
 
-    def _decode_group(self, rows, tables, lens) -> DecodeGroup | None:
+    def _decode_group(self, rows: list[int], slots: list[torch.Tensor]) -> DecodeGroup | None:
         if not rows:
             return None
-        bs = self.pool.block_size
-        max_blocks = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-        slots = (padded[:, :, None] * bs + torch.arange(bs)).flatten(1)     # [B, max_blocks * bs]
-        max_len = max(lens)
-        slots = slots[:, :max_len]
-        mask = torch.arange(max_len)[None, :] < torch.tensor(lens)[:, None]
+        lens = torch.tensor([len(s) for s in slots])
+        padded = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)     # [B, max_len], padded with slot 0
+        mask = torch.arange(padded.shape[1])[None, :] < lens[:, None]
         return DecodeGroup(query_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
-                           kv_slots=slots.to(self.device),
+                           kv_slots=padded.to(self.device),
                            mask=mask[:, None, None, :].to(self.device))
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Forward the batch; logits [num_seqs, vocab] at each sequence's last scheduled token."""
-        token_ids, meta, last_rows = self.prepare(batch)
+    def run(self, batch: ScheduledBatch, capture: list[int] | None = None
+            ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Forward the batch. Returns logits [num_seqs, vocab] at each sequence's last scheduled token,
+        and per sequence its captured queries [rows, layers, heads, head_dim] (None where capture is 0)."""
+        token_ids, meta, last_rows = self.prepare(batch, capture)
         hidden = self.model(token_ids, self.pool.kv_cache, meta)
-        return self.model.logits(hidden[last_rows])
+        queries = [None] * len(batch.seqs)
+        if meta.capture_rows is not None:
+            stacked = torch.stack(meta.captured, 1)          # [rows, layers, heads, head_dim]
+            offset = 0
+            for i, (n, wanted) in enumerate(zip(batch.num_tokens, capture)):
+                if wanted:
+                    rows = min(wanted, n)
+                    queries[i] = stacked[offset:offset + rows]
+                    offset += rows
+        return self.model.logits(hidden[last_rows]), queries

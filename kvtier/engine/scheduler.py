@@ -3,7 +3,8 @@
 Each step: running decodes first (one token each, oldest first), then prefill chunks of
 running sequences, then new admissions while budget, sequence slots and free blocks last.
 When the pool runs dry, the newest unscheduled running sequence is preempted: its blocks
-are freed and it goes back to the front of the queue to be recomputed later.
+are freed and it goes back to the front of the queue to be recomputed later. Under bounded
+residency the pager sizes each chunk and pages blocks out before new ones are reserved.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvtier.engine.sequence import Sequence, SequenceStatus
+from kvtier.kv.pager import NOT_RESIDENT, Pager
 from kvtier.kv.pool import KVPool
 
 
@@ -29,8 +31,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, max_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, pool: KVPool, max_batched_tokens: int, max_num_seqs: int, pager: Pager | None = None):
         self.pool = pool
+        self.pager = pager
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
@@ -60,7 +63,7 @@ class Scheduler:
         for seq in prefilling:
             if budget == 0:
                 break
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._chunk(seq, budget)
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, n, batch):
                 batch.add(seq, n)
                 budget -= n
@@ -69,10 +72,11 @@ class Scheduler:
             if seq.block_table:     # restored from a lower tier: it already holds its prefix blocks
                 cached, keys = [], seq.block_keys
             else:
-                cached, keys = self.pool.match_prefix(seq.token_ids)
+                limit = self.pager.max_shared_blocks if self.pager else None
+                cached, keys = self.pool.match_prefix(seq.token_ids, limit)
                 seq.num_computed_tokens = len(cached) * self.pool.block_size
             held = seq.block_table + cached
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._chunk(seq, budget)
             need = max(0, self.pool.blocks_for(seq.num_computed_tokens + n) - len(held))
             if not self.pool.can_allocate(need):
                 self.pool.free(cached)
@@ -90,8 +94,14 @@ class Scheduler:
         self.running.sort(key=lambda s: s.arrival)
         return batch
 
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed_tokens, budget)
+        return self.pager.limit_chunk(seq, seq.num_computed_tokens, n) if seq.residency else n
+
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Give seq blocks for n more tokens, preempting newer unscheduled sequences if needed."""
+        if seq.residency:
+            self.pager.make_room(seq, seq.num_computed_tokens + n)
         need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
         while not self.pool.can_allocate(need):
             victims = [s for s in self.running if s.arrival > seq.arrival and s not in batch.seqs]
@@ -109,7 +119,9 @@ class Scheduler:
         batch.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table)
+        if seq.residency:
+            self.pager.release(seq)
+        self.pool.free([b for b in seq.block_table if b != NOT_RESIDENT])
         seq.block_table = []
         if seq in self.running:
             self.running.remove(seq)

@@ -32,6 +32,7 @@ class Sequence:
         self.num_computed_tokens = 0            # tokens whose K/V are in the pool
         self.num_cached_tokens = 0              # prompt tokens served from the prefix cache
         self.tier_tokens: dict[str, int] = {}   # of those, how many came from which tier
+        self.residency = None                   # the pager's state under bounded residency, else None
         self.finish_reason: str | None = None
         self.generator = None
         if params.seed is not None:

@@ -58,13 +58,16 @@ class Tiering:
             if seq.request_id in self._looked_up or seq.block_table:
                 continue
             self._looked_up.add(seq.request_id)
-            on_device, device_keys = self.pool.match_prefix(seq.token_ids)
-            keys = chain_keys(seq.token_ids[:-1], self.pool.block_size, self.pool.namespace)[len(on_device):]
+            limit = self.scheduler.pager.max_shared_blocks if self.scheduler.pager else None
+            on_device, device_keys = self.pool.match_prefix(seq.token_ids, limit)
+            keys = chain_keys(seq.token_ids[:-1], self.pool.block_size, self.pool.namespace)[len(on_device):limit]
             on_host, on_disk = self.transfer.lookup(keys)
             count = on_host + on_disk
             # reserve blocks for the whole prompt, so that a restored request never waits for more
             # blocks while holding some (two such requests could otherwise starve each other)
             need = self.pool.blocks_for(len(seq)) - len(on_device)
+            if limit is not None:     # bounded residency: never more than the budget
+                need = min(self.pool.blocks_for(len(seq)), self.scheduler.pager.budget_blocks) - len(on_device)
             if count == 0 or not self.pool.can_allocate(need):
                 self.pool.free(on_device)     # the scheduler matches the device part again at admission
                 continue

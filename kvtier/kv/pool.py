@@ -109,17 +109,21 @@ class KVPool:
         self.kv_cache[:, :, block * bs:(block + 1) * bs].copy_(payload)
 
     @property
+    def block_bytes(self) -> int:
+        return self.kv_cache[:, :, :self.block_size].numel() * self.kv_cache.element_size()
+
+    @property
     def block_shape(self) -> tuple[int, ...]:
         two, layers, _, heads, dim = self.kv_cache.shape
         return (two, layers, self.block_size, heads, dim)
 
-    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
-        """The longest run of cached blocks holding a prefix of token_ids, referenced for the caller.
-        The last token is never matched: it must be computed to give fresh logits."""
+    def match_prefix(self, token_ids: list[int], max_blocks: int | None = None) -> tuple[list[int], list[bytes]]:
+        """The longest run (up to max_blocks) of cached blocks holding a prefix of token_ids, referenced
+        for the caller. The last token is never matched: it must be computed to give fresh logits."""
         if not self.prefix_cache:
             return [], []
         blocks, keys = [], []
-        for key in chain_keys(token_ids[:-1], self.block_size, self.namespace):
+        for key in chain_keys(token_ids[:-1], self.block_size, self.namespace)[:max_blocks]:
             block = self.cached.get(key)
             if block is None:
                 break

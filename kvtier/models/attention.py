@@ -1,11 +1,13 @@
 """Attention over the paged KV pool.
 
 The model sees the pool only through `AttentionMetadata`: where each new token's K/V
-goes (`slot_mapping`) and, per sequence, which slots hold its whole context.
+goes (`slot_mapping`) and, per sequence, which slots hold its context (all of it, or under
+bounded residency the resident part). It can also hand back some rows' queries, which the
+pager scores blocks with.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +23,7 @@ class PrefillSeq:
 @dataclass
 class DecodeGroup:
     query_rows: torch.Tensor  # [B] rows of the flat batch that decode one token each
-    kv_slots: torch.Tensor    # [B, max_kv_len] pool slots, padded with slot 0
+    kv_slots: torch.Tensor    # [B, max_kv_len] pool slots of each context, padded with slot 0
     mask: torch.Tensor        # [B, 1, 1, max_kv_len] bool, True where a real slot is
 
 
@@ -31,12 +33,16 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor    # [T] pool slot where each token's K/V is written
     prefills: list[PrefillSeq]
     decode: DecodeGroup | None
+    capture_rows: torch.Tensor | None = None   # rows whose queries each layer appends to `captured`
+    captured: list[torch.Tensor] = field(default_factory=list)   # per layer [len(capture_rows), H, D]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]. Returns [T, H, D]."""
+    if meta.capture_rows is not None:
+        meta.captured.append(q.index_select(0, meta.capture_rows))
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)

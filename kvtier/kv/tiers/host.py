@@ -1,4 +1,7 @@
-"""Host RAM tier: block payloads by content key, LRU under a byte budget. Thread-safe."""
+"""Host RAM tier: block payloads by content key, LRU under a byte budget. Thread-safe.
+
+A block can be pinned (counted): the pager pins the blocks a live bounded sequence paged
+out, so they are never evicted while it may page them back in."""
 from __future__ import annotations
 
 import threading
@@ -14,6 +17,7 @@ class HostTier:
         self.budget_bytes = budget_bytes
         self.bytes_used = 0
         self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()   # least recently used first
+        self._pins: dict[bytes, int] = {}
         self._lock = threading.Lock()
         self.stats = {"lookups": 0, "hit_blocks": 0, "bytes_read": 0, "bytes_written": 0, "evictions": 0}
 
@@ -33,20 +37,50 @@ class HostTier:
                 n += 1
             return n
 
-    def put(self, key: bytes, payload: torch.Tensor) -> None:
-        """Store a payload (the caller gives up the tensor: it is kept, not copied)."""
+    def put(self, key: bytes, payload: torch.Tensor, pin: bool = False) -> bool:
+        """Store a payload (the caller gives up the tensor: it is kept, not copied); with pin, also
+        pin it. False if it could not be stored (larger than the budget, unless pinned)."""
         size = payload.numel() * payload.element_size()
-        if size > self.budget_bytes:
-            return
+        if size > self.budget_bytes and not pin:
+            return False
         with self._lock:
+            if pin:
+                self._pins[key] = self._pins.get(key, 0) + 1
             if key in self._blocks:
                 self._blocks.move_to_end(key)
-                return
+                return True
             self._blocks[key] = payload
             self.bytes_used += size
             self.stats["bytes_written"] += size
-            while self.bytes_used > self.budget_bytes:
-                _, old = self._blocks.popitem(last=False)
+            self._evict()
+            return True
+
+    def pin(self, key: bytes) -> bool:
+        """Pin a block already held here; False if it is not."""
+        with self._lock:
+            if key not in self._blocks:
+                return False
+            self._pins[key] = self._pins.get(key, 0) + 1
+            return True
+
+    def unpin(self, key: bytes) -> None:
+        with self._lock:
+            count = self._pins.pop(key) - 1
+            if count:
+                self._pins[key] = count
+            self._evict()
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        runs = self.get_run([key])
+        return runs[0] if runs else None
+
+    def _evict(self) -> None:
+        """Drop least recently used unpinned blocks until within budget (pinned blocks may exceed it)."""
+        for key in list(self._blocks):
+            if self.bytes_used <= self.budget_bytes:
+                return
+            if key not in self._pins:
+                old = self._blocks.pop(key)
                 self.bytes_used -= old.numel() * old.element_size()
                 self.stats["evictions"] += 1
 

@@ -1,0 +1,222 @@
+"""Bounded residency: at most `budget_blocks` of a sequence's blocks are on the device.
+
+A block table entry of -1 means "not resident": that block's payload waits in the host tier,
+pinned there for as long as the sequence lives. Always resident: the sink blocks (the
+first), the tail (the last, including the one being filled) and blocks overlapping a
+pinned token range. The rest of the budget goes to the best-scoring sealed blocks.
+
+- `limit_chunk` keeps prefill chunks inside the budget: up to the budget's edge in one
+  go, then at most a tail's worth of blocks at a time;
+- `make_room` pages out the lowest-scoring blocks before a step adds new ones;
+- `reselect` scores every sealed block, pages out the losers and pages in the winners:
+  every `reselect_every` decode tokens, and once at the end of the prompt with the
+  prompt's own last queries (the caller then recomputes that last chunk over the new set).
+
+Blocks 0 .. budget_blocks-1 are computed before anything was paged out, so their KV is
+exact and keyed in the exact namespace; later blocks are keyed in the bounded namespace.
+Works on any object with `block_table`, `block_keys` and `residency` (the engine's Sequence).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.kv.pool import KVPool
+from kvtier.kv.scorer import BlockSummaries, attention_share
+from kvtier.kv.tiers.host import HostTier
+
+NOT_RESIDENT = -1
+CAPTURE_ROWS = 16     # the last queries of a prefill chunk kept for scoring
+
+
+class PinRefused(ValueError):
+    """Pinned ranges that leave no room in the budget, or that fall outside the prompt."""
+
+
+@dataclass
+class Residency:
+    """One sequence's pager state: the pins and the score ledger."""
+    pins: list[tuple[int, int]] = field(default_factory=list)   # half-open token ranges
+    summaries: BlockSummaries = field(default_factory=BlockSummaries)
+    stamps: list[int] = field(default_factory=list)             # per sealed block: when it last became resident
+    offloaded: set[int] = field(default_factory=set)            # blocks whose payload is pinned in the host tier
+    queries: torch.Tensor | None = None                         # the latest queries seen [rows, layers, heads, dim]
+    scores: torch.Tensor | None = None                          # the latest scores, per sealed block
+    decoded_since_reselect: int = 0
+    prompt_reselected: bool = False
+
+
+class Pager:
+    def __init__(self, pool: KVPool, host: HostTier, budget_blocks: int, sink_blocks: int, tail_blocks: int,
+                 policy: str, reselect_every: int, scale: float, exact_namespace: bytes, bounded_namespace: bytes):
+        self.pool, self.host = pool, host
+        self.budget_blocks, self.sink_blocks, self.tail_blocks = budget_blocks, sink_blocks, tail_blocks
+        self.policy, self.reselect_every, self.scale = policy, reselect_every, scale
+        self.exact_namespace, self.bounded_namespace = exact_namespace, bounded_namespace
+        self.stats = {"page_ins": 0, "page_outs": 0, "reselects": 0, "reselect_seconds": 0.0,
+                      "max_resident_blocks": 0}
+        self._tick = 0
+
+    # --- admission -------------------------------------------------------------------------------
+
+    def new_residency(self, pins: list[tuple[int, int]] | None, num_prompt_tokens: int) -> Residency:
+        """A sequence's pager state; raises PinRefused for pins it cannot honour."""
+        pins = [tuple(p) for p in pins or []]
+        for start, end in pins:
+            if not 0 <= start < end <= num_prompt_tokens:
+                raise PinRefused(f"pin [{start}, {end}) is not a non-empty range inside the "
+                                 f"{num_prompt_tokens}-token prompt")
+        res = Residency(pins=pins)
+        pinned = self._pinned_blocks(res) - set(range(self.sink_blocks))
+        if self.sink_blocks + self.tail_blocks + len(pinned) + 1 > self.budget_blocks:
+            raise PinRefused(
+                f"the pins cover {len(pinned)} blocks of {self.pool.block_size} tokens; with {self.sink_blocks} sink "
+                f"and {self.tail_blocks} tail blocks the residency budget of {self.budget_blocks} blocks would leave "
+                "no room for a scored block; pin less or raise --kv-resident-tokens")
+        return res
+
+    @property
+    def max_shared_blocks(self) -> int:
+        """Blocks a new sequence may take from a prefix cache: its first chunk must still fit the budget."""
+        return self.budget_blocks - self.tail_blocks
+
+    def namespace_for(self, block: int) -> bytes:
+        return self.exact_namespace if block < self.budget_blocks else self.bounded_namespace
+
+    # --- scheduling ------------------------------------------------------------------------------
+
+    def limit_chunk(self, seq, num_computed: int, n: int) -> int:
+        bs = self.pool.block_size
+        edge = self.budget_blocks * bs
+        if num_computed < edge:                   # exact so far: run up to the edge of the budget
+            return min(n, edge - num_computed)
+        return min(n, self.tail_blocks * bs - num_computed % bs)
+
+    def make_room(self, seq, end: int) -> None:
+        """Page out blocks so that the sequence stays in budget once it holds tokens 0 .. end-1."""
+        num_blocks = self.pool.blocks_for(end)
+        resident = self._resident(seq)
+        over = len(resident) + max(0, num_blocks - len(seq.block_table)) - self.budget_blocks
+        if over <= 0:
+            return
+        protected = self._protected(seq.residency, num_blocks)
+        candidates = [i for i in resident if i not in protected and i < len(seq.block_keys)]
+        if len(candidates) < over:
+            raise RuntimeError(f"{len(candidates)} evictable blocks, {over} needed: the budget checks failed")
+        scores = self._scores(seq)
+        for i in sorted(candidates, key=lambda i: scores[i])[:over]:
+            self._page_out(seq, i)
+
+    # --- after a step ----------------------------------------------------------------------------
+
+    def sealed(self, seq) -> None:
+        """Summarize the sequence's sealed blocks that have no key summary yet: just computed, or taken
+        from a prefix cache (read from the device, kept on the device)."""
+        bs, res = self.pool.block_size, seq.residency
+        for i in range(len(res.summaries), len(seq.block_keys)):
+            physical = seq.block_table[i]
+            res.summaries.add(self.pool.kv_cache[0, :, physical * bs:(physical + 1) * bs])
+            res.stamps.append(self._next_tick())
+        self.stats["max_resident_blocks"] = max(self.stats["max_resident_blocks"], len(self._resident(seq)))
+
+    def after_step(self, seq, queries: torch.Tensor | None, prompt_done: bool, decoded: bool) -> bool:
+        """Keep the step's queries; reselect when due. True if the chunk just computed must be
+        computed again over the reselected blocks (the prompt's last chunk, once)."""
+        res = seq.residency
+        if queries is not None:
+            res.queries = queries
+        if not self._is_over(seq):
+            return False
+        if prompt_done and not res.prompt_reselected:
+            res.prompt_reselected = True
+            return self.reselect(seq)
+        if decoded:
+            res.decoded_since_reselect += 1
+            if res.decoded_since_reselect >= self.reselect_every:
+                res.decoded_since_reselect = 0
+                self.reselect(seq)
+        return False
+
+    def reselect(self, seq) -> bool:
+        """Resident set := protected blocks + the best-scoring others. True if any block came in."""
+        start = time.perf_counter()
+        res = seq.residency
+        num_blocks = len(seq.block_table)
+        protected = self._protected(res, num_blocks)
+        room = self.budget_blocks - len(protected & set(range(num_blocks)))
+        candidates = [i for i in range(len(seq.block_keys)) if i not in protected]
+        scores = self._scores(seq)
+        winners = set(sorted(candidates, key=lambda i: scores[i], reverse=True)[:room])
+        for i in candidates:
+            if i not in winners and seq.block_table[i] != NOT_RESIDENT:
+                self._page_out(seq, i)
+        came_in = False
+        for i in sorted(winners):
+            if seq.block_table[i] == NOT_RESIDENT and self.pool.can_allocate(1):
+                self._page_in(seq, i)
+                came_in = True
+        self.stats["reselects"] += 1
+        self.stats["reselect_seconds"] += time.perf_counter() - start
+        return came_in
+
+    def release(self, seq) -> None:
+        """The sequence is gone or starts over: unpin its host copies and forget its ledger."""
+        res = seq.residency
+        for i in res.offloaded:
+            self.host.unpin(seq.block_keys[i])
+        seq.residency = Residency(pins=res.pins)
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _scores(self, seq) -> torch.Tensor:
+        self.sealed(seq)
+        res = seq.residency
+        if self.policy == "lru" or res.queries is None or not len(res.summaries):
+            res.scores = torch.tensor(res.stamps, dtype=torch.float32)   # recency
+        else:
+            res.scores = attention_share(self.policy, res.summaries, res.queries, self.scale).cpu()
+        return res.scores
+
+    def _page_out(self, seq, i: int) -> None:
+        res = seq.residency
+        physical = seq.block_table[i]
+        if i not in res.offloaded:        # a block paged out before is still pinned in the host tier
+            key = seq.block_keys[i]
+            if not self.host.pin(key):    # usually the background save has put it there already
+                self.host.put(key, self.pool.read_block(physical), pin=True)
+            res.offloaded.add(i)
+        self.pool.free([physical])
+        seq.block_table[i] = NOT_RESIDENT
+        self.stats["page_outs"] += 1
+
+    def _page_in(self, seq, i: int) -> None:
+        key = seq.block_keys[i]
+        payload = self.host.get(key)
+        if payload is None:
+            raise RuntimeError("a paged-out block left the host tier while pinned")
+        physical = self.pool.allocate(1)[0]
+        self.pool.write_block(physical, payload)
+        self.pool.seal(physical, key)
+        seq.block_table[i] = physical
+        seq.residency.stamps[i] = self._next_tick()
+        self.stats["page_ins"] += 1
+
+    def _resident(self, seq) -> list[int]:
+        return [i for i, b in enumerate(seq.block_table) if b != NOT_RESIDENT]
+
+    def _is_over(self, seq) -> bool:
+        return len(seq.block_table) > self.budget_blocks
+
+    def _pinned_blocks(self, res: Residency) -> set[int]:
+        bs = self.pool.block_size
+        return {b for start, end in res.pins for b in range(start // bs, -(-end // bs))}
+
+    def _protected(self, res: Residency, num_blocks: int) -> set[int]:
+        return (set(range(min(self.sink_blocks, num_blocks))) | set(range(max(0, num_blocks - self.tail_blocks),
+                                                                          num_blocks)) | self._pinned_blocks(res))
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick

@@ -1,0 +1,56 @@
+"""Which of a sequence's blocks the current queries would attend to most.
+
+Each sealed block gets a summary of its keys, kept on the device beside the pool: per layer,
+KV head and channel, the min, the max and the mean key. A policy turns queries into one
+score per block:
+  quest    an upper bound of q·k over the block's keys, from the per-channel min and max;
+  meankey  q · the block's mean key.
+Per layer and KV head the bound is taken over the queries given and the query heads of the
+head's group, then turned into the block's share of attention (softmax over blocks); a
+block's score is that share summed over layers and heads. (`lru` needs no summaries: the
+pager scores by recency.)
+"""
+from __future__ import annotations
+
+import torch
+
+
+class BlockSummaries:
+    """Key summaries of one sequence's sealed blocks, in block order."""
+
+    def __init__(self):
+        self.kmin: list[torch.Tensor] = []    # each [layers, kv_heads, head_dim]
+        self.kmax: list[torch.Tensor] = []
+        self.kmean: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return len(self.kmin)
+
+    def add(self, keys: torch.Tensor) -> None:
+        """keys: [layers, block_size, kv_heads, head_dim], one block's keys after RoPE."""
+        keys = keys.float()
+        self.kmin.append(keys.amin(1))
+        self.kmax.append(keys.amax(1))
+        self.kmean.append(keys.mean(1))
+
+    def clear(self) -> None:
+        self.kmin.clear()
+        self.kmax.clear()
+        self.kmean.clear()
+
+
+def attention_share(policy: str, summaries: BlockSummaries, queries: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scores [num_blocks] for queries [rows, layers, heads, head_dim] (after RoPE)."""
+    rows, layers, heads, dim = queries.shape
+    kv_heads = summaries.kmin[0].shape[1]
+    q = queries.float().reshape(rows, layers, kv_heads, heads // kv_heads, dim)
+    if policy == "quest":
+        # max over a block's keys of q·k ≤ Σ_d max(q_d·min_d, q_d·max_d)
+        logits = (torch.einsum("nlkd,rlkgd->nlkrg", torch.stack(summaries.kmax), q.clamp(min=0))
+                  + torch.einsum("nlkd,rlkgd->nlkrg", torch.stack(summaries.kmin), q.clamp(max=0)))
+    elif policy == "meankey":
+        logits = torch.einsum("nlkd,rlkgd->nlkrg", torch.stack(summaries.kmean), q)
+    else:
+        raise ValueError(f"no key summaries for policy {policy!r}")
+    logits = logits.flatten(3).amax(3) * scale               # [blocks, layers, kv_heads]
+    return logits.softmax(0).sum((1, 2))

@@ -1,0 +1,146 @@
+"""Bounded residency: exact while it fits, budgets, sinks, tails and pins hold, pages round-trip."""
+import pytest
+import torch
+
+from conftest import run_greedy as run
+from kvtier.config import Config, ConfigError
+from kvtier.engine.engine import LLMEngine
+from kvtier.engine.outputs import RequestRejected
+from kvtier.engine.sampling_params import SamplingParams
+from kvtier.kv.keys import chain_keys
+from kvtier.kv.pager import NOT_RESIDENT
+
+BS = 16
+BUDGET = 8            # blocks: 1 sink + 4 tail + 3 scored
+BASE = dict(block_size=BS, kv_pool_tokens=120 * BS, max_batched_tokens=64, kv_disk=False)
+
+
+def prompt(n, salt=0):
+    return [(13 * i + salt) % 900 + 20 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def exact(tiny_model_dir):
+    return LLMEngine(Config(model=tiny_model_dir, **BASE))
+
+
+@pytest.fixture(scope="module", params=["lru", "quest", "meankey"])
+def bounded(request, tiny_model_dir):
+    return LLMEngine(Config(model=tiny_model_dir, kv_resident_tokens=BUDGET * BS, kv_policy=request.param,
+                            kv_reselect_every=4, **BASE))
+
+
+def step_all(engine, check=lambda seq: None) -> dict[str, list[int]]:
+    """Step until done, calling check(seq) on every running sequence after each step; tokens per request."""
+    tokens = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        for seq in engine.scheduler.running:
+            check(seq)
+    return tokens
+
+
+def test_exact_while_everything_fits(exact, bounded):
+    p = prompt(90)             # 90 + 20 tokens: 7 blocks, under the budget of 8
+    cold_tokens, cold_logprobs, _ = run(exact, p, max_tokens=20)
+    tokens, logprobs, _ = run(bounded, p, max_tokens=20)
+    assert tokens == cold_tokens
+    for a, b in zip(logprobs, cold_logprobs):
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) < 1e-5
+    assert bounded.stats()["residency"]["page_outs"] == 0
+
+
+def test_budget_sinks_tail_and_pins_hold(bounded):
+    pins = [(100, 120)]                                  # blocks 6 and 7
+    seen = {"checks": 0, "decode_kv": 0}
+
+    def check(seq):
+        table = seq.block_table
+        resident = [i for i, b in enumerate(table) if b != NOT_RESIDENT]
+        assert len(resident) <= BUDGET
+        assert table[0] != NOT_RESIDENT                                  # sink
+        assert all(b != NOT_RESIDENT for b in table[-4:])                # tail
+        if len(table) > 7:
+            assert table[6] != NOT_RESIDENT and table[7] != NOT_RESIDENT  # pinned
+        seen["checks"] += 1
+
+    bounded.add_request("long", prompt(500), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), pins=pins)
+    tokens = step_all(bounded, check)
+    assert len(tokens["long"]) == 40 and seen["checks"] > 40
+    stats = bounded.stats()["residency"]
+    assert stats["page_outs"] > 0 and stats["reselects"] > 0 and stats["max_resident_blocks"] <= BUDGET
+    # the pool and the host pins return to idle
+    assert bounded.pool.num_free_blocks == bounded.pool.num_blocks
+    assert not bounded.transfer.host._pins
+
+
+def test_decode_attends_to_the_budget_only(bounded):
+    bounded.add_request("d", prompt(600, salt=3), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    lengths = []
+    prepare = bounded.runner.prepare
+
+    def spy(batch, capture=None):
+        token_ids, meta, last = prepare(batch, capture)
+        if meta.decode is not None:
+            lengths.append(int(meta.decode.mask.sum()))
+        for p in meta.prefills:
+            if p.prefix_slots is not None:
+                lengths.append(len(p.prefix_slots))
+        return token_ids, meta, last
+
+    bounded.runner.prepare = spy
+    try:
+        step_all(bounded)
+    finally:
+        del bounded.runner.prepare
+    assert lengths and max(lengths) <= BUDGET * BS
+
+
+def test_page_out_and_in_is_byte_exact(bounded):
+    pager, pool = bounded.pager, bounded.pool
+    bounded.add_request("p", prompt(300, salt=5), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    while not any(len(s.block_keys) >= 6 for s in bounded.scheduler.running):
+        bounded.step()
+    seq = bounded.scheduler.running[0]
+    i = next(i for i in range(1, len(seq.block_keys)) if seq.block_table[i] != NOT_RESIDENT
+             and i < len(seq.block_table) - 4)
+    before = pool.read_block(seq.block_table[i])
+    pager._page_out(seq, i)
+    assert seq.block_table[i] == NOT_RESIDENT
+    pager._page_in(seq, i)
+    assert torch.equal(pool.read_block(seq.block_table[i]), before)
+    step_all(bounded)
+
+
+def test_exact_and_bounded_blocks_never_share_a_key(exact, bounded):
+    p = prompt(400, salt=7)
+    run(exact, p, max_tokens=1)
+    run(bounded, p, max_tokens=1)
+    exact_keys = chain_keys(p, BS, exact.pool.namespace)
+    bounded_keys = set(bounded.pool.cached) | set(bounded.transfer.host._blocks)
+    assert all(k in bounded_keys for k in exact_keys[:BUDGET])           # computed while everything fit: exact
+    assert not any(k in bounded_keys for k in exact_keys[BUDGET:])
+    # a fresh exact request reuses only the exact blocks of the bounded run
+    assert bounded.pager.namespace_for(BUDGET) != exact.pool.namespace
+    assert bounded.pager.namespace_for(BUDGET - 1) == exact.pool.namespace
+
+
+def test_refused_pins(bounded):
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(RequestRejected, match="no room for a scored block"):
+        bounded.add_request("x", prompt(300), params, pins=[(20, 20 + 3 * BS)])     # 1 + 4 + 3 + 1 > 8
+    with pytest.raises(RequestRejected, match="inside the 300-token prompt"):
+        bounded.add_request("y", prompt(300), params, pins=[(290, 310)])
+    bounded.add_request("z", prompt(300), params, pins=[(20, 20 + 2 * BS - 4)])      # 2 blocks: accepted
+    step_all(bounded)
+
+
+def test_config_checks(tiny_model_dir):
+    with pytest.raises(ConfigError, match="no room for a scored block"):
+        Config(model=tiny_model_dir, block_size=BS, kv_resident_tokens=5 * BS)
+    with pytest.raises(ConfigError, match="kv_policy"):
+        Config(model=tiny_model_dir, block_size=BS, kv_resident_tokens=8 * BS, kv_policy="random")
+    with pytest.raises(ConfigError, match="kv_host_gib"):
+        Config(model=tiny_model_dir, block_size=BS, kv_resident_tokens=8 * BS, kv_host_gib=0)
