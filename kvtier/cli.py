@@ -12,7 +12,7 @@ import sys
 
 log = logging.getLogger("kvtier")
 
-BENCHMARKS = ("throughput", "ttft")   # kvtier bench NAME → kvtier.bench.NAME.main(argv)
+BENCHMARKS = ("throughput", "ttft", "niah")   # kvtier bench NAME → kvtier.bench.NAME.main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,9 @@
 """Which of a sequence's blocks the current queries would attend to most.
 
-Each sealed block gets a summary of its keys, kept on the device beside the pool: per layer,
-KV head and channel, the min, the max and the mean key. A policy turns queries into one
-score per block:
+Each sealed block gets a summary of its keys, kept on the device beside the pool: per
+16-token sub-block, layer, KV head and channel, the min, the max and the mean key (bounds
+over 64 varied tokens are too loose to tell a needle from hay). A policy turns queries
+into one score per sub-block and a block takes its best sub-block's:
   quest    an upper bound of q·k over the block's keys, from the per-channel min and max;
   meankey  q · the block's mean key.
 Per layer and KV head the bound is taken over the queries given and the query heads of the
@@ -15,11 +16,14 @@ from __future__ import annotations
 import torch
 
 
+SUB_BLOCK = 16
+
+
 class BlockSummaries:
     """Key summaries of one sequence's sealed blocks, in block order."""
 
     def __init__(self):
-        self.kmin: list[torch.Tensor] = []    # each [layers, kv_heads, head_dim]
+        self.kmin: list[torch.Tensor] = []    # each [sub_blocks, layers, kv_heads, head_dim]
         self.kmax: list[torch.Tensor] = []
         self.kmean: list[torch.Tensor] = []
 
@@ -28,10 +32,12 @@ class BlockSummaries:
 
     def add(self, keys: torch.Tensor) -> None:
         """keys: [layers, block_size, kv_heads, head_dim], one block's keys after RoPE."""
-        keys = keys.float()
-        self.kmin.append(keys.amin(1))
-        self.kmax.append(keys.amax(1))
-        self.kmean.append(keys.mean(1))
+        layers, size, kv_heads, dim = keys.shape
+        sub = min(SUB_BLOCK, size)
+        keys = keys.float().reshape(layers, size // sub, sub, kv_heads, dim).transpose(0, 1)
+        self.kmin.append(keys.amin(2))
+        self.kmax.append(keys.amax(2))
+        self.kmean.append(keys.mean(2))
 
     def clear(self) -> None:
         self.kmin.clear()
@@ -42,15 +48,15 @@ class BlockSummaries:
 def attention_share(policy: str, summaries: BlockSummaries, queries: torch.Tensor, scale: float) -> torch.Tensor:
     """Scores [num_blocks] for queries [rows, layers, heads, head_dim] (after RoPE)."""
     rows, layers, heads, dim = queries.shape
-    kv_heads = summaries.kmin[0].shape[1]
+    kv_heads = summaries.kmin[0].shape[2]
     q = queries.float().reshape(rows, layers, kv_heads, heads // kv_heads, dim)
     if policy == "quest":
         # max over a block's keys of q·k ≤ Σ_d max(q_d·min_d, q_d·max_d)
-        logits = (torch.einsum("nlkd,rlkgd->nlkrg", torch.stack(summaries.kmax), q.clamp(min=0))
-                  + torch.einsum("nlkd,rlkgd->nlkrg", torch.stack(summaries.kmin), q.clamp(max=0)))
+        logits = (torch.einsum("nslkd,rlkgd->nslkrg", torch.stack(summaries.kmax), q.clamp(min=0))
+                  + torch.einsum("nslkd,rlkgd->nslkrg", torch.stack(summaries.kmin), q.clamp(max=0)))
     elif policy == "meankey":
-        logits = torch.einsum("nlkd,rlkgd->nlkrg", torch.stack(summaries.kmean), q)
+        logits = torch.einsum("nslkd,rlkgd->nslkrg", torch.stack(summaries.kmean), q)
     else:
         raise ValueError(f"no key summaries for policy {policy!r}")
-    logits = logits.flatten(3).amax(3) * scale               # [blocks, layers, kv_heads]
+    logits = logits.flatten(4).amax(4).amax(1) * scale      # [blocks, layers, kv_heads]
     return logits.softmax(0).sum((1, 2))
