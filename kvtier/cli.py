@@ -47,6 +47,16 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--kv-disk-gib", type=float, metavar="GIB", help="disk tier budget (default: 20)")
     group.add_argument("--no-kv-disk", dest="kv_disk", action="store_false", default=None,
                        help="disable the disk tier")
+    group = engine.add_argument_group("bounded residency (long context in little device memory)")
+    group.add_argument("--kv-resident-tokens", type=int, metavar="N",
+                       help="tokens of one sequence's KV kept on the device; the rest is paged to the host tier "
+                            "(default: unlimited, exact attention)")
+    group.add_argument("--kv-sink-blocks", type=int, metavar="N", help="first blocks always resident (default: 1)")
+    group.add_argument("--kv-tail-blocks", type=int, metavar="N", help="last blocks always resident (default: 4)")
+    group.add_argument("--kv-policy", choices=("lru", "quest", "meankey"),
+                       help="how the other resident blocks are chosen (default: quest)")
+    group.add_argument("--kv-reselect-every", type=int, metavar="N",
+                       help="decode tokens between reselections (default: 16)")
 
     serve = commands.add_parser("serve", parents=[engine], help="run the OpenAI-compatible HTTP server")
     group = serve.add_argument_group("server")

@@ -52,19 +52,47 @@ def tiny_model_dir(make_tiny_model, bundled_tokenizer) -> str:
         bos_token_id=1, eos_token_id=2))
 
 
-def run_greedy(engine, prompt, **kw):
-    """One request through a synchronous engine: (tokens, logprobs, cached tokens). Stepping until nothing
-    is unfinished also waits for background saves to land."""
+class GreedyRun:
+    """What run_greedy saw; unpacks as (tokens, logprobs, cached tokens)."""
+
+    def __init__(self, tokens, logprobs, cached, first_logits):
+        self.tokens, self.logprobs, self.cached, self.first_logits = tokens, logprobs, cached, first_logits
+
+    def __iter__(self):
+        return iter((self.tokens, self.logprobs, self.cached))
+
+
+def run_greedy(engine, prompt, **kw) -> GreedyRun:
+    """One request through a synchronous engine. Stepping until nothing is unfinished also waits for
+    background saves to land. first_logits: the raw logits the first output token was sampled from."""
     from kvtier.engine.sampling_params import SamplingParams
     params = SamplingParams(**{"max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "logprobs": 20, **kw})
     engine.add_request("r", prompt, params)
-    tokens, logprobs, cached = [], [], None
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            logprobs += out.logprobs or []
-            cached = out.num_cached_tokens
-    return tokens, logprobs, cached
+    tokens, logprobs, cached, step_logits = [], [], None, []
+    run = engine.runner.run
+
+    def keep_logits(batch, capture=None):
+        logits, queries = run(batch, capture)
+        step_logits.append(logits[0].clone())
+        return logits, queries
+
+    engine.runner.run = keep_logits
+    first = None
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.new_token_ids and not tokens:
+                    first = step_logits[-1]
+                tokens += out.new_token_ids
+                logprobs += out.logprobs or []
+                cached = out.num_cached_tokens
+    finally:
+        del engine.runner.run
+    return GreedyRun(tokens, logprobs, cached, first)
+
+
+def max_logit_diff(a: GreedyRun, b: GreedyRun) -> float:
+    return (a.first_logits - b.first_logits).abs().max().item()
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

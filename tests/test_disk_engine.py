@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from conftest import run_greedy as run
+from conftest import max_logit_diff, run_greedy as run
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 
@@ -29,12 +29,11 @@ def restart(engine, model_dir, disk_dir, **kw):
 def test_disk_hit_after_restart_warm_equals_cold(tiny_model_dir, tmp_path):
     eng = make_engine(tiny_model_dir, tmp_path)
     p = prompt(150)
-    cold_tokens, cold_lp, _ = run(eng, p)
+    cold = run(eng, p)
     eng = restart(eng, tiny_model_dir, tmp_path)
-    warm_tokens, warm_lp, cached = run(eng, p)
-    assert cached == 144 and warm_tokens == cold_tokens
-    a, b = dict(cold_lp[0].top), dict(warm_lp[0].top)
-    assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
+    warm = run(eng, p)
+    assert warm.cached == 144 and warm.tokens == cold.tokens
+    assert max_logit_diff(cold, warm) < 1e-4
     assert eng.transfer.disk.stats["hit_blocks"] == 9
 
 

@@ -1,7 +1,7 @@
 """Host RAM tier: saves in the background, restores after device eviction, warm equals cold."""
 import pytest
 
-from conftest import run_greedy as run
+from conftest import max_logit_diff, run_greedy as run
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
@@ -29,12 +29,6 @@ def prompt(n, salt=0):
     return [(17 * i + salt) % 900 + 20 for i in range(n)]
 
 
-def max_logprob_diff(a, b):
-    a, b = dict(a.top), dict(b.top)
-    assert a.keys() == b.keys()
-    return max(abs(a[t] - b[t]) for t in a)
-
-
 def test_host_tier_lru_budget():
     tier = HostTier(budget_bytes=3 * 64)
     import torch
@@ -49,7 +43,7 @@ def test_host_tier_lru_budget():
 def test_host_hit_warm_equals_cold(tiny_model_dir, prefix_cache):
     eng = make_engine(tiny_model_dir, prefix_cache=prefix_cache)
     p = prompt(150)
-    cold_tokens, cold_lp, cold_cached = run(eng, p)
+    cold = run(eng, p)
     settle(eng)
     assert len(eng.transfer.host) >= 150 // BS
     if prefix_cache:
@@ -57,10 +51,10 @@ def test_host_hit_warm_equals_cold(tiny_model_dir, prefix_cache):
             run(eng, prompt(300, salt=salt))
             settle(eng)
         assert chain_keys(p, BS, eng.pool.namespace)[0] not in eng.pool.cached   # gone from the device
-    warm_tokens, warm_lp, warm_cached = run(eng, p)
-    assert cold_cached == 0 and warm_cached == 144
-    assert warm_tokens == cold_tokens
-    assert max_logprob_diff(cold_lp[0], warm_lp[0]) < 1e-4
+    warm = run(eng, p)
+    assert cold.cached == 0 and warm.cached == 144
+    assert warm.tokens == cold.tokens
+    assert max_logit_diff(cold, warm) < 1e-4
     assert eng.transfer.host.stats["hit_blocks"] >= 9
     settle(eng)
     assert eng.pool.num_free_blocks == eng.pool.num_blocks

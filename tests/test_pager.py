@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import run_greedy as run
+from conftest import max_logit_diff, run_greedy as run
 from kvtier.config import Config, ConfigError
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.outputs import RequestRejected
@@ -43,10 +43,11 @@ def step_all(engine, check=lambda seq: None) -> dict[str, list[int]]:
 
 def test_exact_while_everything_fits(exact, bounded):
     p = prompt(90)             # 90 + 20 tokens: 7 blocks, under the budget of 8
-    cold_tokens, cold_logprobs, _ = run(exact, p, max_tokens=20)
-    tokens, logprobs, _ = run(bounded, p, max_tokens=20)
-    assert tokens == cold_tokens
-    for a, b in zip(logprobs, cold_logprobs):
+    cold = run(exact, p, max_tokens=20)
+    warm = run(bounded, p, max_tokens=20)
+    assert warm.tokens == cold.tokens
+    assert max_logit_diff(cold, warm) < 1e-5
+    for a, b in zip(warm.logprobs, cold.logprobs):
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
         assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) < 1e-5
     assert bounded.stats()["residency"]["page_outs"] == 0
@@ -144,3 +145,43 @@ def test_config_checks(tiny_model_dir):
         Config(model=tiny_model_dir, block_size=BS, kv_resident_tokens=8 * BS, kv_policy="random")
     with pytest.raises(ConfigError, match="kv_host_gib"):
         Config(model=tiny_model_dir, block_size=BS, kv_resident_tokens=8 * BS, kv_host_gib=0)
+
+
+def manifest_engine(model_dir, disk_dir):
+    return LLMEngine(Config(model=model_dir, kv_resident_tokens=BUDGET * BS, kv_policy="quest", kv_reselect_every=4,
+                            **{**BASE, "kv_disk": True}, kv_disk_dir=str(disk_dir)))
+
+
+def test_manifest_round_trip_continues_like_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    p = prompt(300, salt=11)          # 300 + 5 - 1 = 19 full blocks when the first run stops
+    whole = run(manifest_engine(tiny_model_dir, tmp_path / "a"), p, max_tokens=30).tokens
+
+    first = manifest_engine(tiny_model_dir, tmp_path / "b")
+    head = run(first, p, max_tokens=5).tokens
+    first.transfer.shutdown()         # a restart: only the disk tier (blocks and manifest) remains
+    assert head == whole[:5] and len(list((tmp_path / "b" / "manifests").glob("*.kvm"))) == 1
+
+    second = manifest_engine(tiny_model_dir, tmp_path / "b")
+    jobs, load = [], second.transfer.load
+    second.transfer.load = lambda job: (jobs.append(job), load(job))
+    rest = run(second, p + head, max_tokens=25)
+    assert rest.cached == 19 * BS
+    assert rest.tokens == whole[5:]
+    # the restore moved only the resident blocks, at most the budget, to the device
+    (job,) = jobs
+    assert job.manifest is not None and len(job.keys) == 19
+    assert sum(job.manifest.resident) <= BUDGET and job.bytes == sum(job.manifest.resident) * second.pool.block_bytes
+
+
+def test_damaged_manifest_is_a_miss(tiny_model_dir, tmp_path):
+    p = prompt(300, salt=13)
+    first = manifest_engine(tiny_model_dir, tmp_path)
+    head = run(first, p, max_tokens=5).tokens
+    first.transfer.shutdown()
+    (path,) = (tmp_path / "manifests").glob("*.kvm")
+    path.write_bytes(path.read_bytes()[:100])
+    second = manifest_engine(tiny_model_dir, tmp_path)
+    rest = run(second, p + head, max_tokens=3)
+    assert len(rest.tokens) == 3
+    assert rest.cached == (BUDGET - 4) * BS      # only the exact prefix: bounded blocks need their manifest
+    assert not path.exists()

@@ -48,7 +48,7 @@ class StubEngine:
         self.running: set[str] = set()
         self.requests: list[tuple[list[int], object]] = []
 
-    async def generate(self, request_id, prompt_token_ids, params):
+    async def generate(self, request_id, prompt_token_ids, params, pins=None):
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise RequestRejected("too long for the stub")
         self.requests.append((prompt_token_ids, params))

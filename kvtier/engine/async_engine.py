@@ -26,12 +26,12 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
         self._thread.start()
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       pins: list[tuple[int, int]] | None = None) -> AsyncIterator[RequestOutput]:
         self.engine.check_request(len(prompt_token_ids), params)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._inbox.put(("add", request_id, prompt_token_ids, params))
+        self._inbox.put(("add", request_id, prompt_token_ids, params, pins))
         finished = False
         try:
             while not finished:
@@ -82,9 +82,9 @@ class AsyncEngine:
 
     def _handle(self, msg) -> None:
         if msg[0] == "add":
-            _, request_id, prompt, params = msg
+            _, request_id, prompt, params, pins = msg
             try:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, pins)
             except Exception as e:
                 self._deliver(request_id, e)
         else:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 
 import torch
 
@@ -16,6 +17,7 @@ from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.sequence import Sequence
 from kvtier.engine.tiering import Tiering, build_tiers
 from kvtier.kv.keys import block_key, namespace
+from kvtier.kv.manifest import ManifestStore
 from kvtier.kv.pager import CAPTURE_ROWS, Pager, PinRefused
 from kvtier.kv.pool import KVPool, default_pool_tokens
 from kvtier.models.decoder import Decoder
@@ -48,6 +50,10 @@ class LLMEngine:
                  self.pool.kv_cache.numel() * self.pool.kv_cache.element_size() / 2**30)
         self.transfer = build_tiers(config, self.pool)
         self.pager = self._build_pager(config, loaded.fingerprint) if config.resident_blocks else None
+        if self.pager:
+            disk = self.transfer.disk
+            self.transfer.manifests = ManifestStore(self.pager.bounded_namespace,
+                                                    os.path.join(disk.directory, "manifests") if disk else None)
         self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs, self.pager)
         self.runner = ModelRunner(self.model, self.pool, self.device)
         self.tiering = Tiering(self.transfer, self.pool, self.scheduler) if self.transfer else None
@@ -60,7 +66,7 @@ class LLMEngine:
         return Pager(self.pool, self.transfer.host, config.resident_blocks, config.kv_sink_blocks,
                      config.kv_tail_blocks, config.kv_policy, config.kv_reselect_every,
                      self.model_config.head_dim ** -0.5, self.pool.namespace,
-                     namespace(fingerprint, config.dtype, config.block_size, KVPool.LAYOUT, mode))
+                     namespace(fingerprint, config.dtype, config.block_size, KVPool.LAYOUT, mode), self.transfer.disk)
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise RequestRejected if this request could never run. Reads only fixed state: thread-safe."""
@@ -164,11 +170,16 @@ class LLMEngine:
         if params.logprobs is not None:
             seq.pending_logprobs.append(token_logprob(logits, token_id, params.logprobs))
         if token_id in self.tokenizer.eos_token_ids and not params.ignore_eos:
-            self.scheduler.finish(seq, "stop")
+            self._finish(seq, "stop")
         elif seq.detokenizer.add_token(token_id):
-            self.scheduler.finish(seq, "stop")
+            self._finish(seq, "stop")
         elif seq.num_output_tokens >= params.max_tokens:
-            self.scheduler.finish(seq, "length")
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.residency:
+            self.tiering.save_manifest(seq)
+        self.scheduler.finish(seq, reason)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         out = RequestOutput(

@@ -77,6 +77,9 @@ class Scheduler:
                 seq.num_computed_tokens = len(cached) * self.pool.block_size
             held = seq.block_table + cached
             n = self._chunk(seq, budget)
+            if seq.residency and seq.block_table:     # restored over its budget: make room before growing
+                self.pager.make_room(seq, seq.num_computed_tokens + n)
+                held = seq.block_table
             need = max(0, self.pool.blocks_for(seq.num_computed_tokens + n) - len(held))
             if not self.pool.can_allocate(need):
                 self.pool.free(cached)

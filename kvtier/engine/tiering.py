@@ -58,6 +58,8 @@ class Tiering:
             if seq.request_id in self._looked_up or seq.block_table:
                 continue
             self._looked_up.add(seq.request_id)
+            if seq.residency and self._start_manifest_load(seq):
+                continue
             limit = self.scheduler.pager.max_shared_blocks if self.scheduler.pager else None
             on_device, device_keys = self.pool.match_prefix(seq.token_ids, limit)
             keys = chain_keys(seq.token_ids[:-1], self.pool.block_size, self.pool.namespace)[len(on_device):limit]
@@ -77,10 +79,34 @@ class Tiering:
             seq.num_cached_tokens = len(on_device) * self.pool.block_size
             seq.tier_tokens = {"device": seq.num_cached_tokens, "host": on_host * self.pool.block_size,
                                "disk": on_disk * self.pool.block_size}
-            seq.status = SequenceStatus.LOADING
-            self.scheduler.waiting.remove(seq)
-            self.loading[seq.request_id] = seq
-            self.transfer.load(LoadJob(seq.request_id, keys[:count], on_host, blocks[:count]))
+            self._begin_load(seq, LoadJob(seq.request_id, keys[:count], blocks[:count]))
+
+    def _start_manifest_load(self, seq: Sequence) -> bool:
+        """A bounded sequence continuing a saved one: reserve room for the resident blocks and load them."""
+        pager, manifests = self.scheduler.pager, self.transfer.manifests
+        keys = pager.chain_keys(seq.token_ids[:-1])
+        count = next((n for n in range(len(keys), pager.max_shared_blocks, -1) if keys[n - 1] in manifests), 0)
+        if not count or not all(self.transfer.holds(key) for key in keys[:count]):
+            return False
+        need = min(count, pager.budget_blocks)
+        if not self.pool.can_allocate(need):
+            return False
+        on_host = sum(self.transfer.host.contains(key) for key in keys[:count])
+        seq.tier_tokens = {"host": on_host * self.pool.block_size, "disk": (count - on_host) * self.pool.block_size}
+        seq.block_table = self.pool.allocate(need)     # until the load lands: freed by an abort or a miss
+        self._begin_load(seq, LoadJob(seq.request_id, keys[:count], seq.block_table, keys[count - 1]))
+        return True
+
+    def _begin_load(self, seq: Sequence, job: LoadJob) -> None:
+        seq.status = SequenceStatus.LOADING
+        self.scheduler.waiting.remove(seq)
+        self.loading[seq.request_id] = seq
+        self.transfer.load(job)
+
+    def save_manifest(self, seq: Sequence) -> None:
+        """A bounded sequence that went over its budget leaves its pager state beside its blocks."""
+        if seq.block_keys and len(seq.block_table) > self.scheduler.pager.budget_blocks:
+            self.transfer.save_manifest(seq.block_keys[-1], self.scheduler.pager.manifest(seq))
 
     def poll(self) -> list[Sequence]:
         """Apply finished copies; returns loading requests that were aborted meanwhile."""
@@ -98,7 +124,9 @@ class Tiering:
                 seq.block_table = []
                 aborted.append(seq)
                 continue
-            if job.ok:
+            if job.ok and job.manifest is not None:
+                self._take_manifest(seq, job)
+            elif job.ok:
                 for block, key in zip(job.blocks, job.keys):
                     self.pool.seal(block, key)
                 seq.block_keys += job.keys
@@ -109,10 +137,22 @@ class Tiering:
                     self._warned = True
                 self.pool.free(seq.block_table)
                 seq.block_table, seq.block_keys, seq.num_cached_tokens, seq.tier_tokens = [], [], 0, {}
-                self._looked_up.add(seq.request_id)   # don't try the tiers again for this request
+                if job.manifest_key is None:
+                    self._looked_up.add(seq.request_id)   # don't try the tiers again for this request
+                # else the manifest is gone from the store: the next lookup restores the exact prefix only
             seq.status = SequenceStatus.WAITING
             self.scheduler.waiting.appendleft(seq)
         return aborted
+
+    def _take_manifest(self, seq: Sequence, job: LoadJob) -> None:
+        resident = [i for i, r in enumerate(job.manifest.resident) if r]
+        placed = dict(zip(resident, job.blocks))
+        for i, block in placed.items():
+            self.pool.seal(block, job.keys[i])
+        self.pool.free(job.blocks[len(resident):])      # reserved, not needed
+        seq.block_keys = list(job.keys)
+        self.scheduler.pager.restore(seq, job.manifest, placed)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(job.keys) * self.pool.block_size
 
     def _observe_load(self, seconds: float) -> None:
         self.load_counts[next((i for i, le in enumerate(LOAD_BUCKETS) if seconds <= le), len(LOAD_BUCKETS))] += 1

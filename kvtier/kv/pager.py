@@ -10,7 +10,10 @@ pinned token range. The rest of the budget goes to the best-scoring sealed block
 - `make_room` pages out the lowest-scoring blocks before a step adds new ones;
 - `reselect` scores every sealed block, pages out the losers and pages in the winners:
   every `reselect_every` decode tokens, and once at the end of the prompt with the
-  prompt's own last queries (the caller then recomputes that last chunk over the new set).
+  prompt's own last queries (the caller then recomputes that last chunk over the new set);
+- `manifest` / `restore` save and bring back a sequence's pager state (see manifest.py):
+  only resident blocks return to the device, the others are paged in when selected, from
+  the host tier or, failing that, the disk tier.
 
 Blocks 0 .. budget_blocks-1 are computed before anything was paged out, so their KV is
 exact and keyed in the exact namespace; later blocks are keyed in the bounded namespace.
@@ -18,14 +21,19 @@ Works on any object with `block_table`, `block_keys` and `residency` (the engine
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.kv.keys import chain_keys
+from kvtier.kv.manifest import Manifest
 from kvtier.kv.pool import KVPool
 from kvtier.kv.scorer import BlockSummaries, attention_share
 from kvtier.kv.tiers.host import HostTier
+
+log = logging.getLogger("kvtier.kv.pager")
 
 NOT_RESIDENT = -1
 CAPTURE_ROWS = 16     # the last queries of a prefill chunk kept for scoring
@@ -50,8 +58,9 @@ class Residency:
 
 class Pager:
     def __init__(self, pool: KVPool, host: HostTier, budget_blocks: int, sink_blocks: int, tail_blocks: int,
-                 policy: str, reselect_every: int, scale: float, exact_namespace: bytes, bounded_namespace: bytes):
-        self.pool, self.host = pool, host
+                 policy: str, reselect_every: int, scale: float, exact_namespace: bytes, bounded_namespace: bytes,
+                 disk=None):
+        self.pool, self.host, self.disk = pool, host, disk
         self.budget_blocks, self.sink_blocks, self.tail_blocks = budget_blocks, sink_blocks, tail_blocks
         self.policy, self.reselect_every, self.scale = policy, reselect_every, scale
         self.exact_namespace, self.bounded_namespace = exact_namespace, bounded_namespace
@@ -84,6 +93,46 @@ class Pager:
 
     def namespace_for(self, block: int) -> bytes:
         return self.exact_namespace if block < self.budget_blocks else self.bounded_namespace
+
+    def chain_keys(self, token_ids: list[int]) -> list[bytes]:
+        """Keys of every full block of token_ids as a bounded sequence seals them."""
+        bs = self.pool.block_size
+        exact = chain_keys(token_ids[:self.budget_blocks * bs], bs, self.exact_namespace)
+        if len(exact) < self.budget_blocks:
+            return exact
+        return exact + chain_keys(token_ids[len(exact) * bs:], bs, self.bounded_namespace, parent=exact[-1])
+
+    # --- manifests -------------------------------------------------------------------------------
+
+    def manifest(self, seq) -> Manifest:
+        res = seq.residency
+        scores = self._scores(seq)        # also brings the summaries up to date
+        tensors = {"kmin": torch.stack(res.summaries.kmin), "kmax": torch.stack(res.summaries.kmax),
+                   "kmean": torch.stack(res.summaries.kmean), "scores": scores}
+        if res.queries is not None:
+            tensors["queries"] = res.queries
+        return Manifest(list(seq.block_keys), [b != NOT_RESIDENT for b in seq.block_table[:len(seq.block_keys)]],
+                        list(res.stamps), res.decoded_since_reselect, list(res.pins), tensors)
+
+    def restore(self, seq, manifest: Manifest, placed: dict[int, int]) -> None:
+        """Take up a saved sequence's state; placed: block → device block for the resident ones."""
+        res, device = seq.residency, self.pool.kv_cache.device
+        for name, parts in (("kmin", res.summaries.kmin), ("kmax", res.summaries.kmax),
+                            ("kmean", res.summaries.kmean)):
+            parts[:] = list(manifest.tensors[name].to(device).unbind(0))
+        res.stamps = list(manifest.stamps)
+        self._tick = max([self._tick, *res.stamps])
+        queries = manifest.tensors.get("queries")
+        res.queries = None if queries is None else queries.to(device)
+        res.decoded_since_reselect = manifest.decoded_since_reselect
+        res.pins = res.pins or list(manifest.pins)
+        # a plain continuation (nothing new but the last sampled token) goes on as if never interrupted;
+        # new prompt text gets its own reselection when it is done
+        res.prompt_reselected = len(seq.token_ids) - len(manifest.keys) * self.pool.block_size <= 1
+        seq.block_table = [placed.get(i, NOT_RESIDENT) for i in range(len(manifest.keys))]
+        for i, key in enumerate(manifest.keys):
+            if i not in placed and self.host.pin(key):
+                res.offloaded.add(i)
 
     # --- scheduling ------------------------------------------------------------------------------
 
@@ -132,7 +181,7 @@ class Pager:
         if prompt_done and not res.prompt_reselected:
             res.prompt_reselected = True
             return self.reselect(seq)
-        if decoded:
+        if decoded or prompt_done:     # a restored continuation's one-token prompt is its next decode step
             res.decoded_since_reselect += 1
             if res.decoded_since_reselect >= self.reselect_every:
                 res.decoded_since_reselect = 0
@@ -155,8 +204,7 @@ class Pager:
         came_in = False
         for i in sorted(winners):
             if seq.block_table[i] == NOT_RESIDENT and self.pool.can_allocate(1):
-                self._page_in(seq, i)
-                came_in = True
+                came_in |= self._page_in(seq, i)
         self.stats["reselects"] += 1
         self.stats["reselect_seconds"] += time.perf_counter() - start
         return came_in
@@ -191,17 +239,24 @@ class Pager:
         seq.block_table[i] = NOT_RESIDENT
         self.stats["page_outs"] += 1
 
-    def _page_in(self, seq, i: int) -> None:
-        key = seq.block_keys[i]
+    def _page_in(self, seq, i: int) -> bool:
+        key, res = seq.block_keys[i], seq.residency
         payload = self.host.get(key)
+        if payload is None and self.disk is not None:    # restored from a manifest, left on disk until now
+            payload = (self.disk.get_run([key]) or [None])[0]
+            if payload is not None:
+                self.host.put(key, payload, pin=True)
+                res.offloaded.add(i)
         if payload is None:
-            raise RuntimeError("a paged-out block left the host tier while pinned")
+            log.warning("block %d of %s is in no tier any more; it stays out of attention", i, seq.request_id)
+            return False
         physical = self.pool.allocate(1)[0]
         self.pool.write_block(physical, payload)
         self.pool.seal(physical, key)
         seq.block_table[i] = physical
-        seq.residency.stamps[i] = self._next_tick()
+        res.stamps[i] = self._next_tick()
         self.stats["page_ins"] += 1
+        return True
 
     def _resident(self, seq) -> list[int]:
         return [i for i, b in enumerate(seq.block_table) if b != NOT_RESIDENT]

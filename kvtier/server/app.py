@@ -98,7 +98,7 @@ class _Routes:
         """Shared by chat and completions, streaming or not."""
         params = body.sampling_params(len(prompt), self.engine.max_model_len)
         arrival = time.perf_counter()
-        gen = self.engine.generate(renderer.id, prompt, params)
+        gen = self.engine.generate(renderer.id, prompt, params, body.kvtier.pin if body.kvtier else None)
         # wait for the first output before answering, so a rejected request gets a 400, not a broken stream
         try:
             first = await _unless_disconnected(request, anext(gen))

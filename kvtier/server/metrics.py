@@ -62,10 +62,23 @@ class _EngineCollector:
         yield GaugeMetricFamily("kvtier_kv_pool_blocks_cached", "Device KV blocks published under a content key",
                                 value=s["num_cached_blocks"])
         yield from self._tiers(s)
+        yield from self._residency(s.get("residency"))
         yield GaugeMetricFamily("kvtier_requests_running", "Requests being prefilled or decoded",
                                 value=s["num_running"])
         yield GaugeMetricFamily("kvtier_requests_waiting", "Requests queued for the engine", value=s["num_waiting"])
 
+
+    @staticmethod
+    def _residency(r: dict | None):
+        if r is None:
+            return
+        for name, doc in (("page_ins", "Blocks paged back onto the device under bounded residency"),
+                          ("page_outs", "Blocks paged out to the host tier under bounded residency"),
+                          ("reselects", "Residency reselections (score, page out losers, page in winners)"),
+                          ("reselect_seconds", "Time spent in residency reselections")):
+            yield CounterMetricFamily(f"kvtier_kv_{name}", doc, value=r[name])
+        yield GaugeMetricFamily("kvtier_kv_max_resident_blocks", "Most device blocks one sequence has held",
+                                value=r["max_resident_blocks"])
 
     @staticmethod
     def _tiers(s: dict):

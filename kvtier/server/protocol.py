@@ -54,6 +54,11 @@ class ChatMessage(BaseModel, extra="allow"):   # extra keys (name, tool_calls, .
         return {**self.model_dump(exclude_none=True), "content": self.content or ""}
 
 
+class KvtierOptions(BaseModel):
+    """The `kvtier` request extension (pass it with the openai client's extra_body)."""
+    pin: list[tuple[int, int]] = []   # half-open prompt token ranges kept resident under bounded residency
+
+
 class _GenerationRequest(BaseModel):
     model: str
     max_tokens: int | None = None
@@ -67,6 +72,7 @@ class _GenerationRequest(BaseModel):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    kvtier: KvtierOptions | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -4,7 +4,8 @@ Two worker threads keep tier I/O off the engine loop:
 - the saver copies sealed blocks out of the pool into the host tier and writes each run
   through to disk as one file (write-through: a run's blocks land in one file while they
   are together; writing back on host eviction would scatter them into one file per block);
-- the loader copies a restored prefix from host / disk into device blocks reserved for it.
+- the loader copies a restored prefix from host / disk into device blocks reserved for it
+  (for a bounded sequence with a manifest: only the blocks that were resident).
 The pool is not thread-safe, so workers never touch its bookkeeping: the engine pins
 blocks before handing them over and releases them when `poll` reports the copy done.
 """
@@ -16,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from kvtier.kv.manifest import Manifest, ManifestStore
 from kvtier.kv.pool import KVPool
 from kvtier.kv.tiers.disk import Staging
 
@@ -27,9 +29,10 @@ log = logging.getLogger("kvtier.kv.transfer")
 @dataclass
 class LoadJob:
     request_id: str
-    keys: list[bytes]             # content keys to restore, in prefix order
-    num_from_host: int            # the first keys come from the host tier, the rest from disk
-    blocks: list[int]             # device blocks reserved for them
+    keys: list[bytes]                   # content keys of the prefix to restore, in order
+    blocks: list[int]                   # device blocks reserved for it
+    manifest_key: bytes | None = None   # a bounded sequence: only the manifest's resident blocks go to `blocks`
+    manifest: Manifest | None = None    # read by the loader
     ok: bool = False
     seconds: float = 0.0
     bytes: int = 0
@@ -44,6 +47,7 @@ class TransferEvents:
 class TierTransfer:
     def __init__(self, pool: KVPool, host=None, disk=None):
         self.pool, self.host, self.disk = pool, host, disk
+        self.manifests: ManifestStore | None = None     # set when the engine runs bounded residency
         self._saves: queue.Queue = queue.Queue()
         self._loads: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
@@ -63,9 +67,16 @@ class TierTransfer:
             on_disk = self.disk.match_prefix(keys[on_host:])
         return on_host, on_disk
 
+    def holds(self, key: bytes) -> bool:
+        return any(tier is not None and tier.contains(key) for tier in (self.host, self.disk))
+
     def save(self, keys: list[bytes], blocks: list[int]) -> None:
         """Copy these sealed, pinned blocks out; `poll` reports when they may be unpinned."""
-        self._saves.put((keys, blocks))
+        self._saves.put(("blocks", keys, blocks))
+
+    def save_manifest(self, key: bytes, manifest: Manifest) -> None:
+        """Store a manifest after the blocks queued before it."""
+        self._saves.put(("manifest", key, manifest))
 
     def load(self, job: LoadJob) -> None:
         self._loads.put(job)
@@ -95,7 +106,11 @@ class TierTransfer:
 
     def _save_loop(self) -> None:
         while (item := self._saves.get()) is not None:
-            keys, blocks = item
+            kind, keys, blocks = item
+            if kind == "manifest":
+                self.manifests.put(keys, blocks)
+                self._saves.task_done()
+                continue
             try:
                 payloads = [self.pool.read_block(b) for b in blocks]
             finally:
@@ -121,24 +136,37 @@ class TierTransfer:
             job.seconds = time.perf_counter() - start
             self._done.put(("loaded", job))
             self._landed.set()
-            if job.ok and from_disk and self.host is not None:
+            if job.ok and self.host is not None:
                 # promote after the request has its blocks: the next turn finds them one tier up
-                for key, payload in zip(job.keys[job.num_from_host:], from_disk):
+                for key, payload in from_disk:
                     self.host.put(key, payload.clone())   # off the staging buffer, which the next load reuses
             self._loads.task_done()
 
     def _restore(self, job: LoadJob) -> list | None:
-        """Copy the job's blocks into the pool; returns the payloads read from disk, None on a miss."""
-        from_host = job.keys[:job.num_from_host]
-        payloads = self.host.get_run(from_host) if from_host else []
-        if payloads is None:
-            return None
-        from_disk = []
-        if len(job.keys) > len(from_host):
-            from_disk = self.disk.get_run(job.keys[len(from_host):], self._staging)
-            if from_disk is None:
+        """Copy the job's blocks into the pool; returns the (key, payload)s read from disk, None on a miss."""
+        wanted = job.keys
+        if job.manifest_key is not None:
+            job.manifest = self.manifests.get(job.manifest_key)
+            if job.manifest is None or job.manifest.keys != job.keys:
+                self.manifests.discard(job.manifest_key)     # the retry takes the exact prefix only
                 return None
-        for block, payload in zip(job.blocks, payloads + from_disk):
-            self.pool.write_block(block, payload)
-        job.bytes = sum(p.numel() * p.element_size() for p in payloads + from_disk)
+            wanted = [key for key, resident in zip(job.keys, job.manifest.resident) if resident]
+            if len(wanted) > len(job.blocks):
+                return None
+        payloads = {}
+        for key in wanted:
+            payload = self.host.get(key) if self.host is not None else None
+            if payload is not None:
+                payloads[key] = payload
+        missing = [key for key in wanted if key not in payloads]
+        from_disk = []
+        if missing:
+            got = self.disk.get_run(missing, self._staging) if self.disk is not None else None
+            if got is None:
+                return None
+            from_disk = list(zip(missing, got))
+            payloads.update(from_disk)
+        for block, key in zip(job.blocks, wanted):
+            self.pool.write_block(block, payloads[key])
+        job.bytes = sum(p.numel() * p.element_size() for p in payloads.values())
         return from_disk

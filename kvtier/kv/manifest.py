@@ -1,0 +1,174 @@
+"""Manifests: what a saved bounded sequence needs beyond its blocks.
+
+A bounded sequence that finishes over its budget leaves a manifest, keyed by its last sealed
+block's key (which names the whole prefix): the block keys, which blocks were resident, the
+pager's ledger (stamps, scores, the latest queries, where the reselect clock stood), the key
+summaries and the pins. A later request whose prompt continues that prefix restores the
+resident blocks onto the device and leaves the others in the host or disk tier, to be paged
+in when selected.
+
+Manifests are safetensors files (tensors plus string metadata: magic, version, namespace,
+keys, pins) in DIR/<key hex>.kvm, written atomically, the newest MAX_FILES kept; and the
+most recent ones in memory. A damaged, foreign or mismatched manifest is a miss.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as st_load, save as st_save
+
+log = logging.getLogger("kvtier.kv.manifest")
+
+MAGIC, VERSION, SUFFIX = "kvtier-manifest", 1, ".kvm"
+MAX_FILES = 1024
+MAX_IN_MEMORY = 64
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used: damaged or another format version."""
+
+
+class ForeignManifest(ManifestError):
+    """A sound manifest of another model or residency setting: left alone, never served."""
+
+
+@dataclass
+class Manifest:
+    keys: list[bytes]                   # sealed block keys, in order
+    resident: list[bool]                # per block: on the device when saved
+    stamps: list[int]
+    decoded_since_reselect: int
+    pins: list[tuple[int, int]]
+    tensors: dict[str, torch.Tensor]    # kmin, kmax, kmean [blocks, ...]; scores [blocks]; queries (optional)
+
+    def to_bytes(self, namespace: bytes) -> bytes:
+        meta = {"magic": MAGIC, "version": str(VERSION), "namespace": namespace.hex(),
+                "keys": json.dumps([k.hex() for k in self.keys]), "resident": json.dumps(self.resident),
+                "stamps": json.dumps(self.stamps), "decoded_since_reselect": str(self.decoded_since_reselect),
+                "pins": json.dumps(self.pins)}
+        return st_save({name: t.contiguous().cpu() for name, t in self.tensors.items()}, metadata=meta)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, namespace: bytes) -> Manifest:
+        try:
+            tensors = st_load(data)
+            meta = _metadata(data)
+            if meta.get("magic") != MAGIC or meta.get("version") != str(VERSION):
+                raise ManifestError(f"not a version-{VERSION} kvtier manifest")
+            if meta["namespace"] != namespace.hex():
+                raise ForeignManifest("the manifest belongs to another model or residency setting")
+            keys = [bytes.fromhex(k) for k in json.loads(meta["keys"])]
+            manifest = cls(keys, json.loads(meta["resident"]), json.loads(meta["stamps"]),
+                           int(meta["decoded_since_reselect"]), [tuple(p) for p in json.loads(meta["pins"])], tensors)
+        except ManifestError:
+            raise
+        except Exception as e:     # safetensors, json and key errors: all mean a damaged file
+            raise ManifestError(f"damaged manifest: {e}") from None
+        if not len(keys) == len(manifest.resident) == len(manifest.stamps) == len(tensors.get("kmin", ())):
+            raise ManifestError("damaged manifest: its parts disagree on the number of blocks")
+        return manifest
+
+
+def _metadata(data: bytes) -> dict:
+    """The string metadata of a safetensors buffer: an 8-byte header length, then a JSON header."""
+    size = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + size]).get("__metadata__", {})
+
+
+class ManifestStore:
+    """Manifests by key, in memory and (with a directory) on disk. Thread-safe."""
+
+    def __init__(self, namespace: bytes, directory: str | None):
+        self.namespace, self.directory = namespace, directory
+        self._memory: OrderedDict[bytes, Manifest] = OrderedDict()
+        self._on_disk: set[bytes] = set()
+        self._lock = threading.Lock()
+        if directory is not None:
+            try:
+                os.makedirs(directory, exist_ok=True)
+                self._on_disk = {bytes.fromhex(name[:-len(SUFFIX)]) for name in os.listdir(directory)
+                                 if name.endswith(SUFFIX) and len(name) == 32 + len(SUFFIX)}
+            except (OSError, ValueError) as e:
+                log.warning("manifests stay in memory only: %s", e)
+                self.directory = None
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._memory or key in self._on_disk
+
+    def put(self, key: bytes, manifest: Manifest) -> None:
+        """Keep it in memory and write it to disk (call off the engine loop)."""
+        with self._lock:
+            self._memory[key] = manifest
+            self._memory.move_to_end(key)
+            while len(self._memory) > MAX_IN_MEMORY:
+                self._memory.popitem(last=False)
+        if self.directory is None:
+            return
+        path = self._path(key)
+        try:
+            with open(path + ".tmp", "wb") as f:
+                f.write(manifest.to_bytes(self.namespace))
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            log.warning("could not write manifest %s: %s", path, e)
+            return
+        with self._lock:
+            self._on_disk.add(key)
+        self._trim()
+
+    def get(self, key: bytes) -> Manifest | None:
+        """The manifest, or None (with a warning if a file was there but unusable, which is then removed)."""
+        with self._lock:
+            if key in self._memory:
+                return self._memory[key]
+            if key not in self._on_disk:
+                return None
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return Manifest.from_bytes(f.read(), self.namespace)
+        except (OSError, ManifestError) as e:
+            log.warning("manifest %s is a miss: %s", path, e)
+            with self._lock:
+                self._on_disk.discard(key)
+            if isinstance(e, ManifestError) and not isinstance(e, ForeignManifest):
+                _remove(path)
+            return None
+
+    def discard(self, key: bytes) -> None:
+        """Forget a manifest that did not fit its request (and delete its file)."""
+        with self._lock:
+            self._memory.pop(key, None)
+            on_disk = key in self._on_disk
+            self._on_disk.discard(key)
+        if on_disk:
+            _remove(self._path(key))
+
+    def _trim(self) -> None:
+        """Keep the newest MAX_FILES manifest files."""
+        with self._lock:
+            if len(self._on_disk) <= MAX_FILES:
+                return
+            paths = [self._path(k) for k in self._on_disk]
+        paths.sort(key=lambda p: os.path.getmtime(p) if os.path.exists(p) else 0)
+        for path in paths[:len(paths) - MAX_FILES]:
+            _remove(path)
+            with self._lock:
+                self._on_disk.discard(bytes.fromhex(os.path.basename(path)[:-len(SUFFIX)]))
+
+    def _path(self, key: bytes) -> str:
+        return os.path.join(self.directory, key.hex() + SUFFIX)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

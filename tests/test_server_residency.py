@@ -1,0 +1,45 @@
+"""Through the openai client: a long passkey chat with a small device budget, and the pin extension."""
+import random
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from conftest import kvtier_server
+
+pytestmark = pytest.mark.integration
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def passkey_message(key: int, repeats: int) -> str:
+    parts = [FILLER] * repeats
+    parts.insert(repeats // 3, f"The pass key is {key}. Remember it. {key} is the pass key. ")
+    return ("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+            "I will quiz you about the pass key.\n" + "".join(parts) + "\nWhat is the pass key?")
+
+
+def test_passkey_with_a_512_token_budget_and_pins(tmp_path):
+    args = ["--kv-pool-tokens", "4096", "--max-model-len", "4096", "--kv-resident-tokens", "512", "--no-kv-disk"]
+    key = random.Random(7).randint(10000, 99999)
+    with kvtier_server(args, tmp_path / "server.log") as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        messages = [{"role": "user", "content": passkey_message(key, 100)}]
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                               extra_body={"kvtier": {"pin": [[0, 30]]}})
+        assert reply.usage.prompt_tokens > 2000          # four times the device budget
+        assert str(key) in reply.choices[0].message.content
+
+        with pytest.raises(openai.BadRequestError, match="no room for a scored block"):
+            client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                           extra_body={"kvtier": {"pin": [[0, 200]]}})
+        with pytest.raises(openai.BadRequestError, match="pin"):
+            client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                           extra_body={"kvtier": {"pin": [[100, 50]]}})
+
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "kvtier_kv_page_outs_total" in metrics and "kvtier_kv_reselect_seconds_total" in metrics
+        page_outs = next(line for line in metrics.splitlines() if line.startswith("kvtier_kv_page_outs_total"))
+        assert float(page_outs.split()[-1]) > 0
