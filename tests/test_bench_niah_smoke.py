@@ -64,6 +64,10 @@ def test_niah_bench_runs_every_cell(tiny_model_dir, tmp_path, one_thread):
     # a case is the same prompt in every cell
     keys = {tuple(r["prompt_tokens"] for r in c["runs"]) for c in results["cells"].values() if "runs" in c}
     assert len(keys) == 1
+    # the saved conversation came back through its manifest: only resident blocks, within the budget
+    restore = results["restore"]
+    assert restore["moved_blocks"] is not None and 0 < restore["moved_blocks"] <= restore["budget_blocks"] == 8
+    assert restore["cached"] == restore["manifest_blocks"] * 64 > 0
 
     paths = niah.write_heatmaps(results, str(docs))
     assert sorted(p.name for p in docs.iterdir()) == sorted(
@@ -84,3 +88,4 @@ def test_niah_bench_runs_every_cell(tiny_model_dir, tmp_path, one_thread):
     assert "| 512 | 50% (256) | all | n/a (below the 384-token minimum) |" in text
     assert all(f"(docs/{path.name})" in text for path in docs.iterdir())
     assert text.count("not evaluated") == 4     # one length only: no target can be read
+    assert "moves at most its budget of blocks to the device: met" in text

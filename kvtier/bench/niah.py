@@ -15,7 +15,9 @@ import gc
 import os
 import random
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -152,6 +154,34 @@ def run_cell(args: argparse.Namespace, cases: list[dict], budget: int | None, po
     return {"budget": budget, "runs": runs}
 
 
+def restore_probe(args: argparse.Namespace, case: dict, budget: int) -> dict:
+    """A bounded conversation saved, then continued on a fresh engine over the same disk directory: how many
+    blocks its restore moved to the device, against the budget."""
+    disk_dir = tempfile.mkdtemp(prefix="kvtier-niah-")
+    settings = dict(model=args.model, num_threads=args.threads, kv_pool_tokens=len(case["prompt"]) + 256,
+                    prefix_cache=False, kv_disk_dir=disk_dir, kv_resident_tokens=budget, kv_policy="quest")
+    first = LLMEngine(Config(**settings))
+    first.add_request("saved", case["prompt"], SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0))
+    answer = []
+    while first.has_unfinished():
+        answer += [t for out in first.step() for t in out.new_token_ids]
+    close(first)
+    second = LLMEngine(Config(**settings))
+    jobs, load = [], second.transfer.load
+    second.transfer.load = lambda job: (jobs.append(job), load(job))
+    second.add_request("continued", case["prompt"] + answer, SamplingParams(max_tokens=4, temperature=0.0))
+    cached = 0
+    while second.has_unfinished():
+        cached = max([cached, *(out.num_cached_tokens for out in second.step())])
+    close(second)
+    shutil.rmtree(disk_dir)
+    job = jobs[0] if jobs else None
+    moved = sum(job.manifest.resident) if job and job.manifest else None
+    return {"budget_blocks": budget // second.pool.block_size, "prompt_tokens": len(case["prompt"]) + len(answer), "cached": cached,
+            "manifest_blocks": len(job.keys) if job else 0, "moved_blocks": moved,
+            "moved_bytes": job.bytes if job else 0, "restore_seconds": job.seconds if job else None}
+
+
 def min_budget() -> int:
     """The smallest kv_resident_tokens Config accepts: sink, tail and one scored block."""
     c = Config()
@@ -194,6 +224,10 @@ def measure(args: argparse.Namespace) -> dict:
                     cell = run_cell(args, cases[length], tokens, policy, f"{length}-{budget.slug}-{policy or 'exact'}")
                     done[length, tokens, policy] = cell
                 results["cells"][length, budget.label, policy] = cell
+    if args.fixed_budget:
+        longest = max(args.lengths)
+        results["restore"] = restore_probe(args, cases[longest][len(cases[longest]) // 2], args.fixed_budget)
+        print(f"restore probe: {results['restore']}", flush=True)
     return results
 
 
@@ -346,6 +380,19 @@ def how(results: dict, trials: int, rows: dict) -> str:
         f"page-outs and reselection time are counted over the same span.")
 
 
+def restore_target(results: dict) -> list[str]:
+    r = results.get("restore")
+    if r is None:
+        return []
+    ok = r["moved_blocks"] is not None and r["moved_blocks"] <= r["budget_blocks"]
+    moved = "no manifest restore happened" if r["moved_blocks"] is None else (
+        f"{r['moved_blocks']} of {r['manifest_blocks']} saved blocks ({r['moved_bytes'] / 2**20:.1f} MiB, "
+        f"{r['restore_seconds'] * 1e3:.0f} ms) for a budget of {r['budget_blocks']}; "
+        f"{r['cached']} of {r['prompt_tokens']} prompt tokens cached")
+    return [f"- restoring a bounded {r['prompt_tokens']}-token conversation in a fresh engine moves at most its "
+            f"budget of blocks to the device: {verdict(ok)} ({moved})"]
+
+
 def render(results: dict, args: argparse.Namespace, command: str) -> str:
     rows = {key: summarize(cell, results["block_bytes"], results["block_size"])
             for key, cell in results["cells"].items() if "skipped" not in cell}
@@ -366,6 +413,7 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
         *(recall_target(results, rows, f) for f in RECALL_FRACTIONS),
         bytes_target(results, rows, args.fixed_budget),
         decode_target(results, rows, args.fixed_budget),
+        *restore_target(results),
         "",
         "Heatmaps of recall by depth (rows) and context length (columns), per budget:",
         "",
