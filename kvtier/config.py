@@ -62,7 +62,8 @@ class Config:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_pool_tokens is not None and self.kv_pool_tokens < self.block_size:
-            raise ConfigError(f"kv_pool_tokens must be at least one block ({self.block_size}), got {self.kv_pool_tokens}")
+            raise ConfigError(f"kv_pool_tokens must be at least one block ({self.block_size}), "
+                              f"got {self.kv_pool_tokens}")
         if self.max_batched_tokens < 1:
             raise ConfigError(f"max_batched_tokens must be positive, got {self.max_batched_tokens}")
         if self.kv_host_gib < 0 or self.kv_disk_gib < 0:

@@ -1,9 +1,8 @@
 """Shared fixtures: the bundled tokenizer and tiny random-weight Hugging Face models."""
 from __future__ import annotations
 
-import os
-
 import contextlib
+import os
 import socket
 import subprocess
 import sys

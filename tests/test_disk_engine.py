@@ -3,8 +3,9 @@ import logging
 import pathlib
 
 import pytest
+from conftest import max_logit_diff
+from conftest import run_greedy as run
 
-from conftest import max_logit_diff, run_greedy as run
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 

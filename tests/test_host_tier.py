@@ -1,7 +1,8 @@
 """Host RAM tier: saves in the background, restores after device eviction, warm equals cold."""
 import pytest
+from conftest import max_logit_diff
+from conftest import run_greedy as run
 
-from conftest import max_logit_diff, run_greedy as run
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams

@@ -1,8 +1,9 @@
 """Bounded residency: exact while it fits, budgets, sinks, tails and pins hold, pages round-trip."""
 import pytest
 import torch
+from conftest import max_logit_diff
+from conftest import run_greedy as run
 
-from conftest import max_logit_diff, run_greedy as run
 from kvtier.config import Config, ConfigError
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.outputs import RequestRejected

@@ -1,8 +1,9 @@
 """Device prefix cache: content keys, reuse, eviction, warm equals cold."""
 import pytest
 import torch
+from conftest import max_logit_diff
+from conftest import run_greedy as run
 
-from conftest import max_logit_diff, run_greedy as run
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams

@@ -11,9 +11,8 @@ from fastapi.testclient import TestClient
 from kvtier.config import Config
 from kvtier.engine.outputs import RequestOutput, RequestRejected, TokenLogprob
 from kvtier.server.app import build_app
+from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from kvtier.server.render import ChatRenderer, CompletionRenderer
-from kvtier.server.protocol import (APIError, ChatCompletionRequest,
-                                    CompletionRequest)
 
 MODEL = "stub-model"
 

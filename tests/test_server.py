@@ -7,9 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from openai import OpenAI
-
 from conftest import kvtier_server
+from openai import OpenAI
 
 pytestmark = pytest.mark.integration
 

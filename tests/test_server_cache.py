@@ -1,8 +1,7 @@
 """Through the openai client: cached_tokens grow turn after turn, and survive a server restart."""
 import pytest
-from openai import OpenAI
-
 from conftest import kvtier_server
+from openai import OpenAI
 
 pytestmark = pytest.mark.integration
 

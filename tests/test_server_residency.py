@@ -4,9 +4,8 @@ import random
 import httpx
 import openai
 import pytest
-from openai import OpenAI
-
 from conftest import kvtier_server
+from openai import OpenAI
 
 pytestmark = pytest.mark.integration
 

@@ -177,7 +177,8 @@ def restore_probe(args: argparse.Namespace, case: dict, budget: int) -> dict:
     shutil.rmtree(disk_dir)
     job = jobs[0] if jobs else None
     moved = sum(job.manifest.resident) if job and job.manifest else None
-    return {"budget_blocks": budget // second.pool.block_size, "prompt_tokens": len(case["prompt"]) + len(answer), "cached": cached,
+    return {"budget_blocks": budget // second.pool.block_size, "cached": cached,
+            "prompt_tokens": len(case["prompt"]) + len(answer),
             "manifest_blocks": len(job.keys) if job else 0, "moved_blocks": moved,
             "moved_bytes": job.bytes if job else 0, "restore_seconds": job.seconds if job else None}
 

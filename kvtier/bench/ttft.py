@@ -296,7 +296,8 @@ def measure(args: argparse.Namespace) -> dict:
                       + (f", restored in {load * 1e3:.1f} ms" if load else ""), flush=True)
                 if mode == "disk":
                     runs[turn["length"]]["file_read"].append(file_read_bandwidth(*probe))
-                    print(f"    raw file read right after: {runs[turn['length']]['file_read'][-1]:.2f} GB/s", flush=True)
+                    read = runs[turn["length"]]["file_read"][-1]
+                    print(f"    raw file read right after: {read:.2f} GB/s", flush=True)
     for eng in engines.values():
         close(eng)
     os.remove(probe[0])
@@ -436,8 +437,8 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
          f"with the history (or with an earlier repeat's turn); every warm run is checked to have found exactly "
          f"that many (a run that did not is marked **miss** and gets no ratio). Restore bandwidth = cached tokens "
          f"× bytes per token / the loader's own time for the restore (best of the repeats): the tier read (for "
-         f"disk: file read into a reused, already faulted-in buffer and checksums) plus the copy into the reserved device blocks; it "
-         f"leaves out the hand-offs between the engine loop and the loader, which show in warm tier TTFT − warm "
+         f"disk: file read into a reused, already faulted-in buffer and checksums) plus the copy into the "
+         f"reserved device blocks; it leaves out the hand-offs between the engine loop and the loader, which show in warm tier TTFT − warm "
          f"device TTFT (the same suffix computed, no restore)."),
         "",
     ])

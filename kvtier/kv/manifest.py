@@ -21,13 +21,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load as st_load, save as st_save
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 log = logging.getLogger("kvtier.kv.manifest")
 
 MAGIC, VERSION, SUFFIX = "kvtier-manifest", 1, ".kvm"
 MAX_FILES = 1024
-MAX_IN_MEMORY = 64
+MAX_IN_MEMORY = 8       # each holds its key summaries: ~11 MiB for an 8K-token float32 sequence
 
 
 class ManifestError(ValueError):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-
 SUB_BLOCK = 16
 
 

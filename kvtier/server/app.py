@@ -18,9 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier.engine.outputs import RequestOutput, RequestRejected
 from kvtier.server.metrics import Metrics, RequestCounter
+from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from kvtier.server.render import ChatRenderer, CompletionRenderer
-from kvtier.server.protocol import (APIError, ChatCompletionRequest,
-                                    CompletionRequest, ModelCard, ModelList)
 
 if TYPE_CHECKING:   # the engine pulls in the model code; the app only needs its interface
     from kvtier.config import Config

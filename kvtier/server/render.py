@@ -6,9 +6,20 @@ import uuid
 from collections.abc import Callable
 
 from kvtier.engine.outputs import RequestOutput, TokenLogprob
-from kvtier.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
-                                    ChatDelta, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
-                                    CompletionChoice, CompletionLogprobs, CompletionResponse, Usage)
+from kvtier.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    Usage,
+)
 
 
 class _Renderer:

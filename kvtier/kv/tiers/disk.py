@@ -111,7 +111,8 @@ class DiskTier:
         if token_counts is None:
             token_counts = [0] * len(keys)
         if not len(keys) == len(payloads) == len(token_counts):
-            raise ValueError(f"put_run got {len(keys)} keys, {len(payloads)} payloads, {len(token_counts)} token counts")
+            raise ValueError(f"put_run got {len(keys)} keys, {len(payloads)} payloads, "
+                             f"{len(token_counts)} token counts")
         with self._lock:
             if not self.enabled:
                 return
