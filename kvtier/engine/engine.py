@@ -55,7 +55,7 @@ class LLMEngine:
             self.transfer.manifests = ManifestStore(self.pager.bounded_namespace,
                                                     os.path.join(disk.directory, "manifests") if disk else None)
         self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs, self.pager)
-        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.runner = ModelRunner(self.model, self.pool, self.device, self.pager)
         self.tiering = Tiering(self.transfer, self.pool, self.scheduler) if self.transfer else None
         self._arrivals = itertools.count()
         self._aborted: list[Sequence] = []
@@ -138,10 +138,8 @@ class LLMEngine:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             decoded = seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             seq.num_computed_tokens += n
-            if seq.residency and self.pager.after_step(seq, queries[i], seq.num_uncomputed_tokens == 0
-                                                       and not decoded, decoded):
-                seq.num_computed_tokens -= n    # the prompt's last chunk again, over the blocks it selected
-                continue
+            if seq.residency:
+                self.pager.after_step(seq, queries[i], seq.num_uncomputed_tokens == 0 and not decoded, decoded)
             self._seal_full_blocks(seq)
             if seq.num_uncomputed_tokens == 0:      # prompt done or last token fed: sample the next one
                 self._append_token(seq, logits[i])
@@ -153,7 +151,7 @@ class LLMEngine:
         bs = self.pool.block_size
         first = len(seq.block_keys)
         for i in range(first, seq.num_computed_tokens // bs):
-            ns = self.pager.namespace_for(i) if seq.residency else self.pool.namespace
+            ns = self.pager.namespace_for(seq, i) if seq.residency else self.pool.namespace
             key = block_key(seq.block_keys[-1] if seq.block_keys else None, seq.token_ids[i * bs:(i + 1) * bs], ns)
             self.pool.seal(seq.block_table[i], key)
             seq.block_keys.append(key)

@@ -4,17 +4,18 @@ from __future__ import annotations
 import torch
 
 from kvtier.engine.scheduler import ScheduledBatch
-from kvtier.kv.pager import NOT_RESIDENT
+from kvtier.kv.pager import NOT_RESIDENT, Pager
 from kvtier.kv.pool import KVPool
 from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from kvtier.models.decoder import Decoder
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, pool: KVPool, device: torch.device):
+    def __init__(self, model: Decoder, pool: KVPool, device: torch.device, pager: Pager | None = None):
         self.model = model
         self.pool = pool
         self.device = device
+        self.pager = pager
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Pool slots of positions start..end-1 of a sequence, leaving out blocks that are not resident."""
@@ -43,7 +44,8 @@ class ModelRunner:
                 decode_slots.append(self._slots(seq.block_table, 0, end))
             else:
                 prefix = self._slots(seq.block_table, 0, start).to(self.device) if start > 0 else None
-                prefills.append(PrefillSeq(row, n, prefix))
+                paged_out = self.pager.paged_out_kv(seq, start) if seq.residency and start > 0 else None
+                prefills.append(PrefillSeq(row, n, prefix, paged_out))
             row += n
             last_rows.append(row - 1)
             if capture and capture[i]:

@@ -84,9 +84,12 @@ class Tiering:
     def _start_manifest_load(self, seq: Sequence) -> bool:
         """A bounded sequence continuing a saved one: reserve room for the resident blocks and load them."""
         pager, manifests = self.scheduler.pager, self.transfer.manifests
-        keys = pager.chain_keys(seq.token_ids[:-1])
-        count = next((n for n in range(len(keys), pager.max_shared_blocks, -1) if keys[n - 1] in manifests), 0)
-        if not count or not all(self.transfer.holds(key) for key in keys[:count]):
+        exact = chain_keys(seq.token_ids[:-1], self.pool.block_size, self.pool.namespace)
+        count, keys = len(exact), None
+        while keys is None and count > pager.max_shared_blocks:     # the longest saved prefix
+            keys = manifests.block_keys(pager.manifest_key(exact[count - 1]))
+            count -= keys is None
+        if keys is None or not all(self.transfer.holds(key) for key in keys):
             return False
         need = min(count, pager.budget_blocks)
         if not self.pool.can_allocate(need):
@@ -94,7 +97,7 @@ class Tiering:
         on_host = sum(self.transfer.host.contains(key) for key in keys[:count])
         seq.tier_tokens = {"host": on_host * self.pool.block_size, "disk": (count - on_host) * self.pool.block_size}
         seq.block_table = self.pool.allocate(need)     # until the load lands: freed by an abort or a miss
-        self._begin_load(seq, LoadJob(seq.request_id, keys[:count], seq.block_table, keys[count - 1]))
+        self._begin_load(seq, LoadJob(seq.request_id, keys, seq.block_table, pager.manifest_key(exact[count - 1])))
         return True
 
     def _begin_load(self, seq: Sequence, job: LoadJob) -> None:
@@ -105,8 +108,11 @@ class Tiering:
 
     def save_manifest(self, seq: Sequence) -> None:
         """A bounded sequence that went over its budget leaves its pager state beside its blocks."""
-        if seq.block_keys and len(seq.block_table) > self.scheduler.pager.budget_blocks:
-            self.transfer.save_manifest(seq.block_keys[-1], self.scheduler.pager.manifest(seq))
+        pager = self.scheduler.pager
+        if seq.block_keys and len(seq.block_table) > pager.budget_blocks:
+            bs = self.pool.block_size
+            exact = chain_keys(seq.token_ids[:len(seq.block_keys) * bs], bs, self.pool.namespace)
+            self.transfer.save_manifest(pager.manifest_key(exact[-1]), pager.manifest(seq))
 
     def poll(self) -> list[Sequence]:
         """Apply finished copies; returns loading requests that were aborted meanwhile."""

@@ -47,12 +47,13 @@ class Manifest:
     decoded_since_reselect: int
     pins: list[tuple[int, int]]
     tensors: dict[str, torch.Tensor]    # kmin, kmax, kmean [blocks, ...]; scores [blocks]; queries (optional)
+    bounded_from: int | None = None     # the first token computed over a partial resident set
 
     def to_bytes(self, namespace: bytes) -> bytes:
         meta = {"magic": MAGIC, "version": str(VERSION), "namespace": namespace.hex(),
                 "keys": json.dumps([k.hex() for k in self.keys]), "resident": json.dumps(self.resident),
                 "stamps": json.dumps(self.stamps), "decoded_since_reselect": str(self.decoded_since_reselect),
-                "pins": json.dumps(self.pins)}
+                "pins": json.dumps(self.pins), "bounded_from": json.dumps(self.bounded_from)}
         return st_save({name: t.contiguous().cpu() for name, t in self.tensors.items()}, metadata=meta)
 
     @classmethod
@@ -66,7 +67,8 @@ class Manifest:
                 raise ForeignManifest("the manifest belongs to another model or residency setting")
             keys = [bytes.fromhex(k) for k in json.loads(meta["keys"])]
             manifest = cls(keys, json.loads(meta["resident"]), json.loads(meta["stamps"]),
-                           int(meta["decoded_since_reselect"]), [tuple(p) for p in json.loads(meta["pins"])], tensors)
+                           int(meta["decoded_since_reselect"]), [tuple(p) for p in json.loads(meta["pins"])], tensors,
+                           json.loads(meta["bounded_from"]))
         except ManifestError:
             raise
         except Exception as e:     # safetensors, json and key errors: all mean a damaged file
@@ -82,26 +84,57 @@ def _metadata(data: bytes) -> dict:
     return json.loads(data[8:8 + size]).get("__metadata__", {})
 
 
+def _read_block_keys(path: str, namespace: bytes) -> list[bytes]:
+    """A manifest file's block keys, from its header alone."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            meta = _metadata(head + f.read(int.from_bytes(head, "little")))
+        if meta.get("magic") != MAGIC or meta.get("version") != str(VERSION):
+            raise ForeignManifest(f"not a version-{VERSION} kvtier manifest")
+        if meta["namespace"] != namespace.hex():
+            raise ForeignManifest("the manifest belongs to another model or residency setting")
+        return [bytes.fromhex(k) for k in json.loads(meta["keys"])]
+    except (OSError, ValueError, KeyError) as e:
+        if isinstance(e, ManifestError):
+            raise
+        raise ManifestError(f"damaged manifest header: {e}") from None
+
+
 class ManifestStore:
     """Manifests by key, in memory and (with a directory) on disk. Thread-safe."""
 
     def __init__(self, namespace: bytes, directory: str | None):
         self.namespace, self.directory = namespace, directory
         self._memory: OrderedDict[bytes, Manifest] = OrderedDict()
-        self._on_disk: set[bytes] = set()
+        self._on_disk: dict[bytes, list[bytes]] = {}    # manifest key → its block keys, from the file headers
         self._lock = threading.Lock()
         if directory is not None:
             try:
                 os.makedirs(directory, exist_ok=True)
-                self._on_disk = {bytes.fromhex(name[:-len(SUFFIX)]) for name in os.listdir(directory)
-                                 if name.endswith(SUFFIX) and len(name) == 32 + len(SUFFIX)}
-            except (OSError, ValueError) as e:
+                names = [n for n in os.listdir(directory) if n.endswith(SUFFIX) and len(n) == 32 + len(SUFFIX)]
+            except OSError as e:
                 log.warning("manifests stay in memory only: %s", e)
-                self.directory = None
+                self.directory, names = None, []
+            damaged = []
+            for name in names:
+                path = os.path.join(directory, name)
+                try:
+                    self._on_disk[bytes.fromhex(name[:-len(SUFFIX)])] = _read_block_keys(path, namespace)
+                except ForeignManifest:
+                    continue                       # another model's or setting's: left alone
+                except ManifestError as e:
+                    damaged.append(f"{path}: {e}")
+                    _remove(path)
+            if damaged:
+                log.warning("removed %d damaged manifest(s), e.g. %s", len(damaged), damaged[0])
 
-    def __contains__(self, key: bytes) -> bool:
+    def block_keys(self, key: bytes) -> list[bytes] | None:
+        """The block keys of the manifest stored under key, without reading it; None if there is none."""
         with self._lock:
-            return key in self._memory or key in self._on_disk
+            if key in self._memory:
+                return self._memory[key].keys
+            return self._on_disk.get(key)
 
     def put(self, key: bytes, manifest: Manifest) -> None:
         """Keep it in memory and write it to disk (call off the engine loop)."""
@@ -121,7 +154,7 @@ class ManifestStore:
             log.warning("could not write manifest %s: %s", path, e)
             return
         with self._lock:
-            self._on_disk.add(key)
+            self._on_disk[key] = manifest.keys
         self._trim()
 
     def get(self, key: bytes) -> Manifest | None:
@@ -138,7 +171,7 @@ class ManifestStore:
         except (OSError, ManifestError) as e:
             log.warning("manifest %s is a miss: %s", path, e)
             with self._lock:
-                self._on_disk.discard(key)
+                self._on_disk.pop(key, None)
             if isinstance(e, ManifestError) and not isinstance(e, ForeignManifest):
                 _remove(path)
             return None
@@ -147,8 +180,7 @@ class ManifestStore:
         """Forget a manifest that did not fit its request (and delete its file)."""
         with self._lock:
             self._memory.pop(key, None)
-            on_disk = key in self._on_disk
-            self._on_disk.discard(key)
+            on_disk = self._on_disk.pop(key, None) is not None
         if on_disk:
             _remove(self._path(key))
 
@@ -162,7 +194,7 @@ class ManifestStore:
         for path in paths[:len(paths) - MAX_FILES]:
             _remove(path)
             with self._lock:
-                self._on_disk.discard(bytes.fromhex(os.path.basename(path)[:-len(SUFFIX)]))
+                self._on_disk.pop(bytes.fromhex(os.path.basename(path)[:-len(SUFFIX)]), None)
 
     def _path(self, key: bytes) -> str:
         return os.path.join(self.directory, key.hex() + SUFFIX)

@@ -1,5 +1,9 @@
 """Bounded residency: at most `budget_blocks` of a sequence's blocks are on the device.
 
+Decode steps attend to the resident blocks only: their cost and device memory stop growing
+with the context. Prompt chunks attend to every earlier block, the paged-out ones streamed
+through one layer at a time (`paged_out_kv`), so a prompt's KV and first token are exact.
+
 A block table entry of -1 means "not resident": that block's payload waits in the host tier,
 pinned there for as long as the sequence lives. Always resident: the sink blocks (the
 first), the tail (the last, including the one being filled) and blocks overlapping a
@@ -9,14 +13,14 @@ pinned token range. The rest of the budget goes to the best-scoring sealed block
   go, then at most a tail's worth of blocks at a time;
 - `make_room` pages out the lowest-scoring blocks before a step adds new ones;
 - `reselect` scores every sealed block, pages out the losers and pages in the winners:
-  every `reselect_every` decode tokens, and once at the end of the prompt with the
-  prompt's own last queries (the caller then recomputes that last chunk over the new set);
+  once when the prompt is done, with its last queries, then every `reselect_every`
+  decode tokens;
 - `manifest` / `restore` save and bring back a sequence's pager state (see manifest.py):
   only resident blocks return to the device, the others are paged in when selected, from
   the host tier or, failing that, the disk tier.
 
-Blocks 0 .. budget_blocks-1 are computed before anything was paged out, so their KV is
-exact and keyed in the exact namespace; later blocks are keyed in the bounded namespace.
+A block is exact, and keyed in the exact namespace, until a decode step computes one of its
+tokens over a partial resident set; from that block on, keys are in the bounded namespace.
 Works on any object with `block_table`, `block_keys` and `residency` (the engine's Sequence).
 """
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.kv.keys import chain_keys
+from kvtier.kv.keys import block_key
 from kvtier.kv.manifest import Manifest
 from kvtier.kv.pool import KVPool
 from kvtier.kv.scorer import BlockSummaries, attention_share
@@ -54,6 +58,7 @@ class Residency:
     scores: torch.Tensor | None = None                          # the latest scores, per sealed block
     decoded_since_reselect: int = 0
     prompt_reselected: bool = False
+    bounded_from: int | None = None      # the first token computed over a partial resident set
 
 
 class Pager:
@@ -91,16 +96,23 @@ class Pager:
         """Blocks a new sequence may take from a prefix cache: its first chunk must still fit the budget."""
         return self.budget_blocks - self.tail_blocks
 
-    def namespace_for(self, block: int) -> bytes:
-        return self.exact_namespace if block < self.budget_blocks else self.bounded_namespace
+    def namespace_for(self, seq, block: int) -> bytes:
+        bounded = seq.residency.bounded_from
+        if bounded is not None and (block + 1) * self.pool.block_size > bounded:
+            return self.bounded_namespace
+        return self.exact_namespace
 
-    def chain_keys(self, token_ids: list[int]) -> list[bytes]:
-        """Keys of every full block of token_ids as a bounded sequence seals them."""
+    def manifest_key(self, exact_key: bytes) -> bytes:
+        """Where the manifest of a prefix is stored: by its exact key (its tokens), in the bounded namespace."""
+        return block_key(exact_key, [], self.bounded_namespace)
+
+    def paged_out_kv(self, seq, end: int) -> torch.Tensor | None:
+        """K/V [2, layers, tokens, kv_heads, head_dim] of the paged-out blocks before token `end`, in block order."""
         bs = self.pool.block_size
-        exact = chain_keys(token_ids[:self.budget_blocks * bs], bs, self.exact_namespace)
-        if len(exact) < self.budget_blocks:
-            return exact
-        return exact + chain_keys(token_ids[len(exact) * bs:], bs, self.bounded_namespace, parent=exact[-1])
+        blocks = [i for i, b in enumerate(seq.block_table[:end // bs]) if b == NOT_RESIDENT]
+        if not blocks:
+            return None
+        return torch.cat([self._fetch(seq, i) for i in blocks], dim=2)
 
     # --- manifests -------------------------------------------------------------------------------
 
@@ -112,7 +124,7 @@ class Pager:
         if res.queries is not None:
             tensors["queries"] = res.queries
         return Manifest(list(seq.block_keys), [b != NOT_RESIDENT for b in seq.block_table[:len(seq.block_keys)]],
-                        list(res.stamps), res.decoded_since_reselect, list(res.pins), tensors)
+                        list(res.stamps), res.decoded_since_reselect, list(res.pins), tensors, res.bounded_from)
 
     def restore(self, seq, manifest: Manifest, placed: dict[int, int]) -> None:
         """Take up a saved sequence's state; placed: block → device block for the resident ones."""
@@ -125,6 +137,7 @@ class Pager:
         queries = manifest.tensors.get("queries")
         res.queries = None if queries is None else queries.to(device)
         res.decoded_since_reselect = manifest.decoded_since_reselect
+        res.bounded_from = manifest.bounded_from
         res.pins = res.pins or list(manifest.pins)
         # a plain continuation (nothing new but the last sampled token) goes on as if never interrupted;
         # new prompt text gets its own reselection when it is done
@@ -170,26 +183,26 @@ class Pager:
             res.stamps.append(self._next_tick())
         self.stats["max_resident_blocks"] = max(self.stats["max_resident_blocks"], len(self._resident(seq)))
 
-    def after_step(self, seq, queries: torch.Tensor | None, prompt_done: bool, decoded: bool) -> bool:
-        """Keep the step's queries; reselect when due. True if the chunk just computed must be
-        computed again over the reselected blocks (the prompt's last chunk, once)."""
+    def after_step(self, seq, queries: torch.Tensor | None, prompt_done: bool, decoded: bool) -> None:
+        """Keep the step's queries; reselect when due."""
         res = seq.residency
         if queries is not None:
             res.queries = queries
         if not self._is_over(seq):
-            return False
+            return
+        if decoded and res.bounded_from is None:
+            res.bounded_from = seq.num_computed_tokens - 1
         if prompt_done and not res.prompt_reselected:
             res.prompt_reselected = True
-            return self.reselect(seq)
-        if decoded or prompt_done:     # a restored continuation's one-token prompt is its next decode step
+            self.reselect(seq)
+        elif decoded or prompt_done:     # a restored continuation's one-token prompt is its next decode step
             res.decoded_since_reselect += 1
             if res.decoded_since_reselect >= self.reselect_every:
                 res.decoded_since_reselect = 0
                 self.reselect(seq)
-        return False
 
-    def reselect(self, seq) -> bool:
-        """Resident set := protected blocks + the best-scoring others. True if any block came in."""
+    def reselect(self, seq) -> None:
+        """Resident set := protected blocks + the best-scoring others."""
         start = time.perf_counter()
         res = seq.residency
         num_blocks = len(seq.block_table)
@@ -201,13 +214,11 @@ class Pager:
         for i in candidates:
             if i not in winners and seq.block_table[i] != NOT_RESIDENT:
                 self._page_out(seq, i)
-        came_in = False
         for i in sorted(winners):
             if seq.block_table[i] == NOT_RESIDENT and self.pool.can_allocate(1):
-                came_in |= self._page_in(seq, i)
+                self._page_in(seq, i)
         self.stats["reselects"] += 1
         self.stats["reselect_seconds"] += time.perf_counter() - start
-        return came_in
 
     def release(self, seq) -> None:
         """The sequence is gone or starts over: unpin its host copies and forget its ledger."""
@@ -239,24 +250,29 @@ class Pager:
         seq.block_table[i] = NOT_RESIDENT
         self.stats["page_outs"] += 1
 
-    def _page_in(self, seq, i: int) -> bool:
+    def _fetch(self, seq, i: int) -> torch.Tensor | None:
+        """A paged-out block's payload: from the host tier or, for one restored from a manifest and left
+        on disk until now, from the disk tier (then pinned in the host tier)."""
         key, res = seq.block_keys[i], seq.residency
         payload = self.host.get(key)
-        if payload is None and self.disk is not None:    # restored from a manifest, left on disk until now
+        if payload is None and self.disk is not None:
             payload = (self.disk.get_run([key]) or [None])[0]
             if payload is not None:
                 self.host.put(key, payload, pin=True)
                 res.offloaded.add(i)
         if payload is None:
-            log.warning("block %d of %s is in no tier any more; it stays out of attention", i, seq.request_id)
-            return False
+            raise RuntimeError(f"block {i} of {seq.request_id} is in no tier any more")
+        return payload
+
+    def _page_in(self, seq, i: int) -> None:
+        key, res = seq.block_keys[i], seq.residency
+        payload = self._fetch(seq, i)
         physical = self.pool.allocate(1)[0]
         self.pool.write_block(physical, payload)
         self.pool.seal(physical, key)
         seq.block_table[i] = physical
         res.stamps[i] = self._next_tick()
         self.stats["page_ins"] += 1
-        return True
 
     def _resident(self, seq) -> list[int]:
         return [i for i, b in enumerate(seq.block_table) if b != NOT_RESIDENT]

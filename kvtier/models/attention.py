@@ -1,9 +1,10 @@
 """Attention over the paged KV pool.
 
 The model sees the pool only through `AttentionMetadata`: where each new token's K/V
-goes (`slot_mapping`) and, per sequence, which slots hold its context (all of it, or under
-bounded residency the resident part). It can also hand back some rows' queries, which the
-pager scores blocks with.
+goes (`slot_mapping`) and, per sequence, which slots hold its context. Under bounded
+residency a decode attends to the resident slots only, while a prefill chunk also gets the
+paged-out blocks' K/V, streamed to the device one layer at a time, so prompts are computed
+exactly. It can also hand back some rows' queries, which the pager scores blocks with.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ class PrefillSeq:
     query_start: int                  # first row of this sequence in the flat token batch
     query_len: int
     prefix_slots: torch.Tensor | None  # pool slots of the positions before this chunk; None if there are none
+    # K/V of the blocks before this chunk that are not resident [2, layers, tokens, kv_heads, head_dim], in host
+    # memory; each layer's slice visits the device only while that layer attends (bounded residency)
+    paged_out: torch.Tensor | None = None
 
 
 @dataclass
@@ -35,6 +39,7 @@ class AttentionMetadata:
     decode: DecodeGroup | None
     capture_rows: torch.Tensor | None = None   # rows whose queries each layer appends to `captured`
     captured: list[torch.Tensor] = field(default_factory=list)   # per layer [len(capture_rows), H, D]
+    layer: int = 0                             # the layer being computed, set by the decoder
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -53,7 +58,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if seq.prefix_slots is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            kp, vp = (c[seq.prefix_slots].transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))
+            kp, vp = (c[seq.prefix_slots] for c in (k_cache, v_cache))
+            if seq.paged_out is not None:     # prompt tokens attend to every earlier block, resident or not
+                kp = torch.cat([kp, seq.paged_out[0, meta.layer].to(kp.device, non_blocking=True)])
+                vp = torch.cat([vp, seq.paged_out[1, meta.layer].to(vp.device, non_blocking=True)])
+            kp, vp = (x.transpose(0, 1).unsqueeze(0) for x in (kp, vp))
             o = _attention_after_prefix(qs, ks, vs, kp, vp, scale)
         out[rows] = o.squeeze(0).transpose(0, 1)
     if meta.decode is not None:

@@ -185,6 +185,7 @@ class Decoder(nn.Module):
         x = self.model.embed_tokens(token_ids)
         rope = self.rope(meta.positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
+            meta.layer = i
             x = layer(x, rope, kv_cache[0, i], kv_cache[1, i], meta)
         return self.model.norm(x)
 
