@@ -186,7 +186,22 @@ def test_damaged_manifest_is_a_miss(tiny_model_dir, tmp_path, caplog):
     second = manifest_engine(tiny_model_dir, tmp_path)
     rest = run(second, p + head, max_tokens=3)
     assert len(rest.tokens) == 3
-    assert rest.cached == (BUDGET - 4) * BS      # only the exact prefix: bounded blocks need their manifest
+    assert rest.cached == 300 // BS * BS         # the exact prompt blocks only: decoded ones need their manifest
     assert any("damaged manifest" in r.getMessage() for r in caplog.records)
     second.transfer.shutdown()
     assert path.stat().st_size > 100             # removed at start-up, then written again by this run
+
+
+def test_a_long_exact_prefix_restores_with_only_sink_and_tail_resident(tiny_model_dir, tmp_path):
+    p = prompt(400, salt=17)
+    exact = LLMEngine(Config(model=tiny_model_dir, **{**BASE, "kv_disk": True}, kv_disk_dir=str(tmp_path)))
+    cold = run(exact, p, max_tokens=8)
+    exact.transfer.shutdown()
+    bounded = manifest_engine(tiny_model_dir, tmp_path)
+    jobs, load = [], bounded.transfer.load
+    bounded.transfer.load = lambda job: (jobs.append(job), load(job))
+    warm = run(bounded, p, max_tokens=8)
+    assert warm.cached == 384 and max_logit_diff(cold, warm) < 1e-4
+    (job,) = jobs
+    assert job.bytes == 5 * bounded.pool.block_bytes          # 1 sink + 4 tail blocks of 24 went to the device
+    assert warm.tokens[0] == cold.tokens[0]

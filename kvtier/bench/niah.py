@@ -101,8 +101,8 @@ def make_case(tokenizer, context: int, depth: float, seed: str) -> dict:
 
 def engine(args: argparse.Namespace, pool_tokens: int, budget: int | None, policy: str | None) -> LLMEngine:
     eng = LLMEngine(Config(model=args.model, num_threads=args.threads, kv_pool_tokens=pool_tokens,
-                           prefix_cache=False, kv_disk=False, kv_host_gib=4.0, kv_resident_tokens=budget,
-                           kv_policy=policy or Config.kv_policy))
+                           prefix_cache=False, kv_disk_dir=args.kv_dir, kv_disk_gib=64.0, kv_host_gib=4.0,
+                           kv_resident_tokens=budget, kv_policy=policy or Config.kv_policy))
     # a first request below one block: later timings pay no first-call costs
     ask(eng, "warm-up", eng.tokenizer.encode(" ".join(FILLER))[:40], max_tokens=3)
     return eng
@@ -137,9 +137,9 @@ def ask(eng: LLMEngine, request_id: str, prompt: list[int], max_tokens: int = AN
 
 
 def run_cell(args: argparse.Namespace, cases: list[dict], budget: int | None, policy: str | None, tag: str) -> dict:
-    """Every case of a cell on one engine. Cases share their haystack up to the needle, and the host tier
-    (which bounded residency needs) serves that shared prefix to later cases: exact blocks only, so the
-    answers are those of a cold run, and the decode being timed is unchanged."""
+    """Every case of a cell on one engine. Prompts are computed exactly in every mode, so the exact cell,
+    run first, saves each prompt's blocks to a disk tier shared by all cells, and later cells restore them
+    instead of prefilling again: the answers are those of a cold run, and the decode being timed is the same."""
     eng = engine(args, max(len(c["prompt"]) for c in cases) + ANSWER_TOKENS + 64, budget, policy)
     runs = []
     for i, case in enumerate(cases):
@@ -210,6 +210,7 @@ def measure(args: argparse.Namespace) -> dict:
                                 f"{length}-{depth}-{trial}")
                       for depth in args.depths for trial in range(args.trials)] for length in args.lengths}
     del probe
+    args.kv_dir = tempfile.mkdtemp(prefix="kvtier-niah-kv-")
     done: dict[tuple, dict] = {}
     for length in args.lengths:
         print(f"context {length}: prompts of {min(len(c['prompt']) for c in cases[length])}-"
@@ -229,6 +230,7 @@ def measure(args: argparse.Namespace) -> dict:
         longest = max(args.lengths)
         results["restore"] = restore_probe(args, cases[longest][len(cases[longest]) // 2], args.fixed_budget)
         print(f"restore probe: {results['restore']}", flush=True)
+    shutil.rmtree(args.kv_dir)
     return results
 
 
@@ -370,8 +372,11 @@ def how(results: dict, trials: int, rows: dict) -> str:
         f"needle \"{NEEDLE.format(key=71432)}\" with a seeded random 5-digit key between two sentences at the depth, "
         f"then \"{QUESTION}\"; the answer begun with \"{ANSWER_START}\") of at most the context length in tokens, "
         f"capped at the model's {results['max_model_len']} minus {ANSWER_TOKENS} answer tokens (prompt tokens per "
-        f"length: {prompts}). Every cell runs the same cases, each on a fresh engine (prefix cache and disk tier "
-        f"off, host tier 4 GiB: nothing is restored, every prompt is computed), greedy, {ANSWER_TOKENS} tokens; a "
+        f"length: {prompts}). Every cell runs the same cases on one engine per cell (device prefix cache off, "
+        f"host tier 4 GiB, a disk tier shared by all cells). Prompts are computed exactly in every mode (bounded "
+        f"residency streams paged-out blocks through prefill), so the exact cell computes each prompt once and "
+        f"later cells restore its blocks from the disk tier: bounded ones with only the sink and tail resident, the "
+        f"rest paged out, as if prefilled there. Greedy, {ANSWER_TOKENS} tokens; a "
         f"case is recalled when the answer (up to end-of-sequence) contains the key. A budget is a share of the "
         f"context length rounded down to whole {results['block_size']}-token blocks, or a fixed number of tokens; "
         f"budgets below {results['min_budget']} tokens (sink, tail and one scored block) are not run, and cells "

@@ -60,6 +60,8 @@ class Tiering:
             self._looked_up.add(seq.request_id)
             if seq.residency and self._start_manifest_load(seq):
                 continue
+            if seq.residency and self._start_long_prefix_load(seq):
+                continue
             limit = self.scheduler.pager.max_shared_blocks if self.scheduler.pager else None
             on_device, device_keys = self.pool.match_prefix(seq.token_ids, limit)
             keys = chain_keys(seq.token_ids[:-1], self.pool.block_size, self.pool.namespace)[len(on_device):limit]
@@ -98,6 +100,23 @@ class Tiering:
         seq.tier_tokens = {"host": on_host * self.pool.block_size, "disk": (count - on_host) * self.pool.block_size}
         seq.block_table = self.pool.allocate(need)     # until the load lands: freed by an abort or a miss
         self._begin_load(seq, LoadJob(seq.request_id, keys, seq.block_table, pager.manifest_key(exact[count - 1])))
+        return True
+
+    def _start_long_prefix_load(self, seq: Sequence) -> bool:
+        """A bounded sequence whose exact prefix in the tiers is longer than its budget: restore it with the
+        sink and tail blocks resident and the rest paged out, as if it had been prefilled here."""
+        pager = self.scheduler.pager
+        keys = chain_keys(seq.token_ids[:-1], self.pool.block_size, self.pool.namespace)
+        on_host, on_disk = self.transfer.lookup(keys)
+        count = on_host + on_disk
+        if count <= pager.max_shared_blocks:
+            return False
+        resident = [i < pager.sink_blocks or i >= count - pager.tail_blocks for i in range(count)]
+        if not self.pool.can_allocate(sum(resident)):
+            return False
+        seq.tier_tokens = {"host": on_host * self.pool.block_size, "disk": on_disk * self.pool.block_size}
+        seq.block_table = self.pool.allocate(sum(resident))
+        self._begin_load(seq, LoadJob(seq.request_id, keys[:count], seq.block_table, resident=resident))
         return True
 
     def _begin_load(self, seq: Sequence, job: LoadJob) -> None:

@@ -17,8 +17,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from kvtier.kv.manifest import Manifest, ManifestStore
 from kvtier.kv.pool import KVPool
+from kvtier.kv.scorer import BlockSummaries
 from kvtier.kv.tiers.disk import Staging
 
 STAGING_MAX_BYTES = 1 << 30
@@ -32,7 +35,8 @@ class LoadJob:
     keys: list[bytes]                   # content keys of the prefix to restore, in order
     blocks: list[int]                   # device blocks reserved for it
     manifest_key: bytes | None = None   # a bounded sequence: only the manifest's resident blocks go to `blocks`
-    manifest: Manifest | None = None    # read by the loader
+    resident: list[bool] | None = None  # a bounded sequence without a manifest: these blocks go to `blocks`
+    manifest: Manifest | None = None    # read, or for `resident` made, by the loader
     ok: bool = False
     seconds: float = 0.0
     bytes: int = 0
@@ -145,6 +149,8 @@ class TierTransfer:
     def _restore(self, job: LoadJob) -> list | None:
         """Copy the job's blocks into the pool; returns the (key, payload)s read from disk, None on a miss."""
         wanted = job.keys
+        if job.resident is not None:
+            return self._restore_unmanifested(job)
         if job.manifest_key is not None:
             job.manifest = self.manifests.get(job.manifest_key)
             if job.manifest is None or job.manifest.keys != job.keys:
@@ -153,20 +159,47 @@ class TierTransfer:
             wanted = [key for key, resident in zip(job.keys, job.manifest.resident) if resident]
             if len(wanted) > len(job.blocks):
                 return None
-        payloads = {}
-        for key in wanted:
-            payload = self.host.get(key) if self.host is not None else None
-            if payload is not None:
-                payloads[key] = payload
-        missing = [key for key in wanted if key not in payloads]
-        from_disk = []
-        if missing:
-            got = self.disk.get_run(missing, self._staging) if self.disk is not None else None
-            if got is None:
-                return None
-            from_disk = list(zip(missing, got))
-            payloads.update(from_disk)
+        fetched = self._fetch(wanted)
+        if fetched is None:
+            return None
+        payloads, from_disk = fetched
         for block, key in zip(job.blocks, wanted):
             self.pool.write_block(block, payloads[key])
         job.bytes = sum(p.numel() * p.element_size() for p in payloads.values())
         return from_disk
+
+    def _restore_unmanifested(self, job: LoadJob) -> list | None:
+        """A bounded sequence restoring an exact prefix longer than its budget: every block is read once to
+        summarize its keys, the resident ones go to the device, the others stay in the host tier."""
+        fetched = self._fetch(job.keys)
+        if fetched is None:
+            return None
+        payloads, from_disk = fetched
+        summaries = BlockSummaries()
+        for key in job.keys:
+            summaries.add(payloads[key][0])
+        resident = [key for key, r in zip(job.keys, job.resident) if r]
+        for block, key in zip(job.blocks, resident):
+            self.pool.write_block(block, payloads[key])
+        job.bytes = len(resident) * self.pool.block_bytes
+        device = self.pool.kv_cache.device
+        tensors = {name: torch.stack(getattr(summaries, name)).to(device) for name in ("kmin", "kmax", "kmean")}
+        tensors["scores"] = torch.zeros(len(job.keys))
+        job.manifest = Manifest(job.keys, job.resident, list(range(len(job.keys))), 0, [], tensors)
+        return from_disk
+
+    def _fetch(self, keys: list[bytes]) -> tuple[dict, list] | None:
+        """Payloads by key from the host tier, else the disk tier; and the (key, payload)s read from disk."""
+        payloads = {}
+        for key in keys:
+            payload = self.host.get(key) if self.host is not None else None
+            if payload is not None:
+                payloads[key] = payload
+        missing = [key for key in keys if key not in payloads]
+        if not missing:
+            return payloads, []
+        got = self.disk.get_run(missing, self._staging) if self.disk is not None else None
+        if got is None:
+            return None
+        payloads.update(zip(missing, got))
+        return payloads, list(zip(missing, got))
