@@ -438,8 +438,8 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
          f"that many (a run that did not is marked **miss** and gets no ratio). Restore bandwidth = cached tokens "
          f"× bytes per token / the loader's own time for the restore (best of the repeats): the tier read (for "
          f"disk: file read into a reused, already faulted-in buffer and checksums) plus the copy into the "
-         f"reserved device blocks; it leaves out the hand-offs between the engine loop and the loader, which show in warm tier TTFT − warm "
-         f"device TTFT (the same suffix computed, no restore)."),
+         f"reserved device blocks; it leaves out the hand-offs between the engine loop and the loader, which "
+         f"show in warm tier TTFT − warm device TTFT (the same suffix computed, no restore)."),
         "",
     ])
 
