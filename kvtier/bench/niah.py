@@ -169,7 +169,7 @@ def restore_probe(args: argparse.Namespace, case: dict, budget: int) -> dict:
     second = LLMEngine(Config(**settings))
     jobs, load = [], second.transfer.load
     second.transfer.load = lambda job: (jobs.append(job), load(job))
-    second.add_request("continued", case["prompt"] + answer, SamplingParams(max_tokens=4, temperature=0.0))
+    second.add_request("continued", case["prompt"] + answer, SamplingParams(max_tokens=1, temperature=0.0))
     cached = 0
     while second.has_unfinished():
         cached = max([cached, *(out.num_cached_tokens for out in second.step())])
@@ -210,6 +210,10 @@ def measure(args: argparse.Namespace) -> dict:
                                 f"{length}-{depth}-{trial}")
                       for depth in args.depths for trial in range(args.trials)] for length in args.lengths}
     del probe
+    if args.fixed_budget:      # first, so that a failure here costs minutes, not the whole run
+        longest = max(args.lengths)
+        results["restore"] = restore_probe(args, cases[longest][len(cases[longest]) // 2], args.fixed_budget)
+        print(f"restore probe: {results['restore']}", flush=True)
     args.kv_dir = tempfile.mkdtemp(prefix="kvtier-niah-kv-")
     done: dict[tuple, dict] = {}
     for length in args.lengths:
@@ -226,10 +230,6 @@ def measure(args: argparse.Namespace) -> dict:
                     cell = run_cell(args, cases[length], tokens, policy, f"{length}-{budget.slug}-{policy or 'exact'}")
                     done[length, tokens, policy] = cell
                 results["cells"][length, budget.label, policy] = cell
-    if args.fixed_budget:
-        longest = max(args.lengths)
-        results["restore"] = restore_probe(args, cases[longest][len(cases[longest]) // 2], args.fixed_budget)
-        print(f"restore probe: {results['restore']}", flush=True)
     shutil.rmtree(args.kv_dir)
     return results
 
