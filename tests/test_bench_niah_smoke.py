@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvtier.bench import niah
+from kvtier.bench.report import write_section
 from kvtier.config import KV_POLICIES
 
 
@@ -80,7 +81,7 @@ def test_niah_bench_runs_every_cell(tiny_model_dir, tmp_path, one_thread):
     out.write_text("# Benchmarks\n\n## Throughput (kvtier vs transformers)\n\nkeep me\n\n"
                    f"{niah.SECTION}\n\nstale numbers\n\n## Multi-turn TTFT (cold vs warm tiers)\n\nkeep me too\n")
     section = niah.render(results, args, "python -m kvtier.bench.niah")
-    niah.write_section(str(out), section)
+    write_section(str(out), section)
     text = out.read_text()
     assert text.startswith("# Benchmarks\n\n## Throughput (kvtier vs transformers)\n\nkeep me\n\n")
     assert text.endswith("## Multi-turn TTFT (cold vs warm tiers)\n\nkeep me too\n")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvtier.bench import ttft
+from kvtier.bench.report import write_section
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def test_ttft_bench_measures_every_tier(tiny_model_dir, tmp_path, one_thread):
     out = tmp_path / "BENCHMARKS.md"
     out.write_text("# Benchmarks\n\n## Throughput (kvtier vs transformers)\n\nkeep me\n\n"
                    f"{ttft.SECTION}\n\nstale numbers\n")
-    ttft.write_section(str(out), ttft.render(results, args, "python -m kvtier.bench.ttft"))
+    write_section(str(out), ttft.render(results, args, "python -m kvtier.bench.ttft"))
     text = out.read_text()
     assert text.startswith("# Benchmarks\n\n## Throughput (kvtier vs transformers)\n\nkeep me\n\n")
     assert "stale numbers" not in text and text.count(ttft.SECTION) == 1

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.bench.heatmap import write_heatmap
-from kvtier.bench.report import cpu_model, header, int_list, verdict, write_section
+from kvtier.bench.report import add_output_args, cpu_model, header, int_list, publish, verdict
 from kvtier.config import KV_POLICIES, Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
@@ -448,9 +448,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fixed-budget", type=int, default=512, help="a budget in tokens at every length; 0: none")
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the bundled SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
-    p.add_argument("--output", default="docs/BENCHMARKS.md")
+    add_output_args(p)
     p.add_argument("--docs-dir", default="docs", help="where the heatmap PNGs go")
-    p.add_argument("--no-write", action="store_true", help="only print the table")
     args = p.parse_args(argv)
     unknown = set(args.policies) - set(KV_POLICIES)
     if unknown:
@@ -466,13 +465,10 @@ def main(argv: list[str] | None = None) -> None:
     command = shlex.join(["python", "-m", "kvtier.bench.niah", *argv])
     results = measure(args)
     section = render(results, args, command)
-    print()
-    print(section)
     if not args.no_write:
         for path in write_heatmaps(results, args.docs_dir):
             print(f"wrote {path}")
-        write_section(args.output, section)
-        print(f"wrote {args.output}")
+    publish(section, args)
 
 
 if __name__ == "__main__":

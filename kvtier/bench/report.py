@@ -1,6 +1,7 @@
 """What the benchmarks share: the machine's description, verdicts, and their section of docs/BENCHMARKS.md."""
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -46,3 +47,17 @@ def write_section(path: str, section: str) -> None:
 
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", default="docs/BENCHMARKS.md")
+    parser.add_argument("--no-write", action="store_true", help="only print the table")
+
+
+def publish(section: str, args: argparse.Namespace) -> None:
+    """Print a benchmark's section and, unless --no-write, put it in its place in --output."""
+    print()
+    print(section)
+    if not args.no_write:
+        write_section(args.output, section)
+        print(f"wrote {args.output}")

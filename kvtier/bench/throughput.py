@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from kvtier.bench.report import cpu_model, header, int_list, verdict, write_section
+from kvtier.bench.report import add_output_args, cpu_model, header, int_list, publish, verdict
 from kvtier.config import DTYPES, Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
@@ -210,8 +210,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-batch", type=int_list, default=[1, 8], help="comma-separated batch sizes")
     p.add_argument("--decode-context", type=int, default=128, help="prompt length of the decode runs")
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement; the best is reported")
-    p.add_argument("--output", default="docs/BENCHMARKS.md")
-    p.add_argument("--no-write", action="store_true", help="only print the table")
+    add_output_args(p)
     args = p.parse_args(argv)
     if args.decode_tokens < 2:
         p.error("--decode-tokens must be at least 2 (the first token comes from the prefill)")
@@ -234,11 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     hf = load_hf(resolve_model_path(args.model), DTYPES[args.dtype], device)
     print(f"kvtier vs transformers: {eng.model_name}, {args.dtype}, {args.device}, {args.threads} threads", flush=True)
     section = render(measure(args, eng, hf, device), args, eng, command)
-    print()
-    print(section)
-    if not args.no_write:
-        write_section(args.output, section)
-        print(f"wrote {args.output}")
+    publish(section, args)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from kvtier.bench.report import cpu_model, header, int_list, verdict, write_section
+from kvtier.bench.report import add_output_args, cpu_model, header, int_list, publish, verdict
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
@@ -453,8 +453,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     p.add_argument("--disk-dir", default=None, help="disk tier directory (default: a new temporary directory)")
     p.add_argument("--probe-mib", type=int, default=256, help="size of the raw bandwidth probes")
-    p.add_argument("--output", default="docs/BENCHMARKS.md")
-    p.add_argument("--no-write", action="store_true", help="only print the table")
+    add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -465,11 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     command = shlex.join(["python", "-m", "kvtier.bench.ttft", *argv])
     section = render(measure(args), args, command)
-    print()
-    print(section)
-    if not args.no_write:
-        write_section(args.output, section)
-        print(f"wrote {args.output}")
+    publish(section, args)
 
 
 if __name__ == "__main__":

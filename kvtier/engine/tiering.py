@@ -58,13 +58,12 @@ class Tiering:
             if seq.request_id in self._looked_up or seq.block_table:
                 continue
             self._looked_up.add(seq.request_id)
-            if seq.residency and self._start_manifest_load(seq):
-                continue
-            if seq.residency and self._start_long_prefix_load(seq):
+            exact = chain_keys(seq.token_ids[:-1], self.pool.block_size, self.pool.namespace)
+            if seq.residency and (self._start_manifest_load(seq, exact) or self._start_long_prefix_load(seq, exact)):
                 continue
             limit = self.scheduler.pager.max_shared_blocks if self.scheduler.pager else None
             on_device, device_keys = self.pool.match_prefix(seq.token_ids, limit)
-            keys = chain_keys(seq.token_ids[:-1], self.pool.block_size, self.pool.namespace)[len(on_device):limit]
+            keys = exact[len(on_device):limit]
             on_host, on_disk = self.transfer.lookup(keys)
             count = on_host + on_disk
             # reserve blocks for the whole prompt, so that a restored request never waits for more
@@ -83,10 +82,10 @@ class Tiering:
                                "disk": on_disk * self.pool.block_size}
             self._begin_load(seq, LoadJob(seq.request_id, keys[:count], blocks[:count]))
 
-    def _start_manifest_load(self, seq: Sequence) -> bool:
-        """A bounded sequence continuing a saved one: reserve room for the resident blocks and load them."""
+    def _start_manifest_load(self, seq: Sequence, exact: list[bytes]) -> bool:
+        """A bounded sequence continuing a saved one: reserve room for the resident blocks and load them.
+        exact: the prompt's block keys in the exact namespace (a manifest is found by its prefix's)."""
         pager, manifests = self.scheduler.pager, self.transfer.manifests
-        exact = chain_keys(seq.token_ids[:-1], self.pool.block_size, self.pool.namespace)
         count, keys = len(exact), None
         while keys is None and count > pager.max_shared_blocks:     # the longest saved prefix
             keys = manifests.block_keys(pager.manifest_key(exact[count - 1]))
@@ -96,17 +95,16 @@ class Tiering:
         need = min(count, pager.budget_blocks)
         if not self.pool.can_allocate(need):
             return False
-        on_host = sum(self.transfer.host.contains(key) for key in keys[:count])
+        on_host = sum(self.transfer.host.contains(key) for key in keys)
         seq.tier_tokens = {"host": on_host * self.pool.block_size, "disk": (count - on_host) * self.pool.block_size}
         seq.block_table = self.pool.allocate(need)     # until the load lands: freed by an abort or a miss
         self._begin_load(seq, LoadJob(seq.request_id, keys, seq.block_table, pager.manifest_key(exact[count - 1])))
         return True
 
-    def _start_long_prefix_load(self, seq: Sequence) -> bool:
+    def _start_long_prefix_load(self, seq: Sequence, keys: list[bytes]) -> bool:
         """A bounded sequence whose exact prefix in the tiers is longer than its budget: restore it with the
         sink and tail blocks resident and the rest paged out, as if it had been prefilled here."""
         pager = self.scheduler.pager
-        keys = chain_keys(seq.token_ids[:-1], self.pool.block_size, self.pool.namespace)
         on_host, on_disk = self.transfer.lookup(keys)
         count = on_host + on_disk
         if count <= pager.max_shared_blocks:

@@ -32,11 +32,11 @@ MAX_IN_MEMORY = 8       # each holds its key summaries: ~11 MiB for an 8K-token 
 
 
 class ManifestError(ValueError):
-    """A manifest that cannot be used: damaged or another format version."""
+    """A damaged manifest."""
 
 
 class ForeignManifest(ManifestError):
-    """A sound manifest of another model or residency setting: left alone, never served."""
+    """A manifest of another format version, model or residency setting: left alone, never served."""
 
 
 @dataclass
@@ -61,17 +61,14 @@ class Manifest:
         try:
             tensors = st_load(data)
             meta = _metadata(data)
-            if meta.get("magic") != MAGIC or meta.get("version") != str(VERSION):
-                raise ManifestError(f"not a version-{VERSION} kvtier manifest")
-            if meta["namespace"] != namespace.hex():
-                raise ForeignManifest("the manifest belongs to another model or residency setting")
-            keys = [bytes.fromhex(k) for k in json.loads(meta["keys"])]
+        except Exception as e:     # safetensors and json errors: a damaged file
+            raise ManifestError(f"damaged manifest: {e}") from None
+        keys = _block_keys(meta, namespace)
+        try:
             manifest = cls(keys, json.loads(meta["resident"]), json.loads(meta["stamps"]),
                            int(meta["decoded_since_reselect"]), [tuple(p) for p in json.loads(meta["pins"])], tensors,
                            json.loads(meta["bounded_from"]))
-        except ManifestError:
-            raise
-        except Exception as e:     # safetensors, json and key errors: all mean a damaged file
+        except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"damaged manifest: {e}") from None
         if not len(keys) == len(manifest.resident) == len(manifest.stamps) == len(tensors.get("kmin", ())):
             raise ManifestError("damaged manifest: its parts disagree on the number of blocks")
@@ -84,21 +81,27 @@ def _metadata(data: bytes) -> dict:
     return json.loads(data[8:8 + size]).get("__metadata__", {})
 
 
+def _block_keys(meta: dict, namespace: bytes) -> list[bytes]:
+    """A manifest's block keys, once its metadata shows it is ours (ForeignManifest if it is not)."""
+    if meta.get("magic") != MAGIC or meta.get("version") != str(VERSION):
+        raise ForeignManifest(f"not a version-{VERSION} kvtier manifest")
+    if meta.get("namespace") != namespace.hex():
+        raise ForeignManifest("the manifest belongs to another model or residency setting")
+    try:
+        return [bytes.fromhex(k) for k in json.loads(meta["keys"])]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ManifestError(f"damaged manifest: {e}") from None
+
+
 def _read_block_keys(path: str, namespace: bytes) -> list[bytes]:
     """A manifest file's block keys, from its header alone."""
     try:
         with open(path, "rb") as f:
             head = f.read(8)
             meta = _metadata(head + f.read(int.from_bytes(head, "little")))
-        if meta.get("magic") != MAGIC or meta.get("version") != str(VERSION):
-            raise ForeignManifest(f"not a version-{VERSION} kvtier manifest")
-        if meta["namespace"] != namespace.hex():
-            raise ForeignManifest("the manifest belongs to another model or residency setting")
-        return [bytes.fromhex(k) for k in json.loads(meta["keys"])]
-    except (OSError, ValueError, KeyError) as e:
-        if isinstance(e, ManifestError):
-            raise
+    except (OSError, ValueError, AttributeError) as e:
         raise ManifestError(f"damaged manifest header: {e}") from None
+    return _block_keys(meta, namespace)
 
 
 class ManifestStore:

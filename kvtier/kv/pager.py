@@ -55,7 +55,6 @@ class Residency:
     stamps: list[int] = field(default_factory=list)             # per sealed block: when it last became resident
     offloaded: set[int] = field(default_factory=set)            # blocks whose payload is pinned in the host tier
     queries: torch.Tensor | None = None                         # the latest queries seen [rows, layers, heads, dim]
-    scores: torch.Tensor | None = None                          # the latest scores, per sealed block
     decoded_since_reselect: int = 0
     prompt_reselected: bool = False
     bounded_from: int | None = None      # the first token computed over a partial resident set
@@ -177,10 +176,13 @@ class Pager:
         """Summarize the sequence's sealed blocks that have no key summary yet: just computed, or taken
         from a prefix cache (read from the device, kept on the device)."""
         bs, res = self.pool.block_size, seq.residency
+        if len(res.summaries) == len(seq.block_keys):
+            return
         for i in range(len(res.summaries), len(seq.block_keys)):
             physical = seq.block_table[i]
             res.summaries.add(self.pool.kv_cache[0, :, physical * bs:(physical + 1) * bs])
             res.stamps.append(self._next_tick())
+        # residency only grows by new blocks, which are sealed once full: the peak is seen here
         self.stats["max_resident_blocks"] = max(self.stats["max_resident_blocks"], len(self._resident(seq)))
 
     def after_step(self, seq, queries: torch.Tensor | None, prompt_done: bool, decoded: bool) -> None:
@@ -230,13 +232,12 @@ class Pager:
     # --- internals -------------------------------------------------------------------------------
 
     def _scores(self, seq) -> torch.Tensor:
+        """One score per sealed block, higher is better."""
         self.sealed(seq)
         res = seq.residency
         if self.policy == "lru" or res.queries is None or not len(res.summaries):
-            res.scores = torch.tensor(res.stamps, dtype=torch.float32)   # recency
-        else:
-            res.scores = attention_share(self.policy, res.summaries, res.queries, self.scale).cpu()
-        return res.scores
+            return torch.tensor(res.stamps, dtype=torch.float32)   # recency
+        return attention_share(self.policy, res.summaries, res.queries, self.scale).cpu()
 
     def _page_out(self, seq, i: int) -> None:
         res = seq.residency
@@ -250,7 +251,7 @@ class Pager:
         seq.block_table[i] = NOT_RESIDENT
         self.stats["page_outs"] += 1
 
-    def _fetch(self, seq, i: int) -> torch.Tensor | None:
+    def _fetch(self, seq, i: int) -> torch.Tensor:
         """A paged-out block's payload: from the host tier or, for one restored from a manifest and left
         on disk until now, from the disk tier (then pinned in the host tier)."""
         key, res = seq.block_keys[i], seq.residency
@@ -285,8 +286,9 @@ class Pager:
         return {b for start, end in res.pins for b in range(start // bs, -(-end // bs))}
 
     def _protected(self, res: Residency, num_blocks: int) -> set[int]:
-        return (set(range(min(self.sink_blocks, num_blocks))) | set(range(max(0, num_blocks - self.tail_blocks),
-                                                                          num_blocks)) | self._pinned_blocks(res))
+        sinks = range(min(self.sink_blocks, num_blocks))
+        tail = range(max(0, num_blocks - self.tail_blocks), num_blocks)
+        return {*sinks, *tail} | self._pinned_blocks(res)
 
     def _next_tick(self) -> int:
         self._tick += 1

@@ -76,6 +76,8 @@ class HostTier:
 
     def _evict(self) -> None:
         """Drop least recently used unpinned blocks until within budget (pinned blocks may exceed it)."""
+        if self.bytes_used <= self.budget_bytes:
+            return
         for key in list(self._blocks):
             if self.bytes_used <= self.budget_bytes:
                 return

@@ -147,46 +147,38 @@ class TierTransfer:
             self._loads.task_done()
 
     def _restore(self, job: LoadJob) -> list | None:
-        """Copy the job's blocks into the pool; returns the (key, payload)s read from disk, None on a miss."""
-        wanted = job.keys
-        if job.resident is not None:
-            return self._restore_unmanifested(job)
+        """Copy the job's resident blocks into the pool; returns the (key, payload)s read from disk, None on a
+        miss. Without a manifest, a bounded sequence's blocks are all read once, to summarize their keys."""
+        resident = [True] * len(job.keys) if job.resident is None else job.resident
         if job.manifest_key is not None:
             job.manifest = self.manifests.get(job.manifest_key)
             if job.manifest is None or job.manifest.keys != job.keys:
                 self.manifests.discard(job.manifest_key)     # the retry takes the exact prefix only
                 return None
-            wanted = [key for key, resident in zip(job.keys, job.manifest.resident) if resident]
-            if len(wanted) > len(job.blocks):
-                return None
-        fetched = self._fetch(wanted)
+            resident = job.manifest.resident
+        wanted = [key for key, r in zip(job.keys, resident) if r]
+        if len(wanted) > len(job.blocks):
+            return None
+        fetched = self._fetch(job.keys if job.resident is not None else wanted)
         if fetched is None:
             return None
         payloads, from_disk = fetched
         for block, key in zip(job.blocks, wanted):
             self.pool.write_block(block, payloads[key])
-        job.bytes = sum(p.numel() * p.element_size() for p in payloads.values())
+        job.bytes = len(wanted) * self.pool.block_bytes
+        if job.resident is not None:
+            job.manifest = self._summarized(job.keys, job.resident, payloads)
         return from_disk
 
-    def _restore_unmanifested(self, job: LoadJob) -> list | None:
-        """A bounded sequence restoring an exact prefix longer than its budget: every block is read once to
-        summarize its keys, the resident ones go to the device, the others stay in the host tier."""
-        fetched = self._fetch(job.keys)
-        if fetched is None:
-            return None
-        payloads, from_disk = fetched
+    def _summarized(self, keys: list[bytes], resident: list[bool], payloads: dict) -> Manifest:
+        """The pager state of a bounded sequence restored without a manifest: key summaries, nothing else."""
         summaries = BlockSummaries()
-        for key in job.keys:
+        for key in keys:
             summaries.add(payloads[key][0])
-        resident = [key for key, r in zip(job.keys, job.resident) if r]
-        for block, key in zip(job.blocks, resident):
-            self.pool.write_block(block, payloads[key])
-        job.bytes = len(resident) * self.pool.block_bytes
         device = self.pool.kv_cache.device
         tensors = {name: torch.stack(getattr(summaries, name)).to(device) for name in ("kmin", "kmax", "kmean")}
-        tensors["scores"] = torch.zeros(len(job.keys))
-        job.manifest = Manifest(job.keys, job.resident, list(range(len(job.keys))), 0, [], tensors)
-        return from_disk
+        tensors["scores"] = torch.zeros(len(keys))
+        return Manifest(keys, resident, list(range(len(keys))), 0, [], tensors)
 
     def _fetch(self, keys: list[bytes]) -> tuple[dict, list] | None:
         """Payloads by key from the host tier, else the disk tier; and the (key, payload)s read from disk."""
