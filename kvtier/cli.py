@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                                        "(default: the bundled SmolLM2-135M-Instruct)")
     group.add_argument("--device", help="cpu or cuda[:N] (default: cpu)")
     group.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32)")
+    group.add_argument("--block-size", type=int, metavar="N",
+                       help="tokens per KV block (default: 64, or 16 with --kv-resident-tokens)")
     group.add_argument("--kv-pool-tokens", type=int, metavar="N", help="tokens of KV the device pool holds "
                                                          "(default: a share of free device memory)")
     group.add_argument("--max-batched-tokens", type=int, metavar="N", help="tokens per engine step (default: 2048)")
@@ -55,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--kv-sink-blocks", type=int, metavar="N", help="first blocks always resident (default: 1)")
     group.add_argument("--kv-tail-blocks", type=int, metavar="N", help="last blocks always resident (default: 4)")
     group.add_argument("--kv-policy", choices=("lru", "quest", "meankey"),
-                       help="how the other resident blocks are chosen (default: quest)")
+                       help="how the other resident blocks are chosen (default: meankey)")
     group.add_argument("--kv-reselect-every", type=int, metavar="N",
                        help="decode tokens between reselections (default: 16)")
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 KV_POLICIES = ("lru", "quest", "meankey")
+EXACT_BLOCK_SIZE = 64       # tokens per block: large runs for the tiers
+BOUNDED_BLOCK_SIZE = 16     # under bounded residency: pages small enough that a needle is not diluted in hay
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -25,7 +27,7 @@ class Config:
     model: str | None = None              # HF directory or GGUF file; None → bundled SmolLM2
     device: str = "cpu"
     dtype: str = "float32"
-    block_size: int = 64
+    block_size: int | None = None         # None → 64, or 16 under bounded residency
     kv_pool_tokens: int | None = None     # None → a share of free device memory
     max_batched_tokens: int = 2048        # per-step token budget (prefill chunks + decodes)
     max_num_seqs: int = 64                # sequences running at once
@@ -40,7 +42,7 @@ class Config:
     kv_resident_tokens: int | None = None
     kv_sink_blocks: int = 1               # first blocks, always resident
     kv_tail_blocks: int = 4               # last blocks, always resident
-    kv_policy: str = "quest"              # how the other resident blocks are chosen
+    kv_policy: str = "meankey"            # how the other resident blocks are chosen
     kv_reselect_every: int = 16           # decode tokens between reselections
     # server
     host: str = "127.0.0.1"
@@ -59,6 +61,8 @@ class Config:
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
+        if self.block_size is None:
+            self.block_size = EXACT_BLOCK_SIZE if self.kv_resident_tokens is None else BOUNDED_BLOCK_SIZE
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_pool_tokens is not None and self.kv_pool_tokens < self.block_size:

@@ -42,15 +42,15 @@ def png_pixels(path) -> tuple[int, int, bytes]:
 def test_niah_bench_runs_every_cell(tiny_model_dir, tmp_path, one_thread):
     out, docs = tmp_path / "BENCHMARKS.md", tmp_path / "docs"
     args = niah.parse_args(["--model", tiny_model_dir, "--lengths", "512", "--depths", "0,1", "--trials", "1",
-                            "--budgets", "0.75,0.5", "--threads", str(one_thread), "--output", str(out),
+                            "--budgets", "0.75,0.125", "--chat-length", "400", "--threads", str(one_thread), "--output", str(out),
                             "--docs-dir", str(docs), "--no-write"])
     results = niah.measure(args)
 
-    bounded = {(512, label, policy) for label in ("75%", "50%", "512 tokens") for policy in KV_POLICIES}
+    bounded = {(512, label, policy) for label in ("75%", "12.5%", "512 tokens") for policy in KV_POLICIES}
     assert set(results["cells"]) == {(512, "full", None)} | bounded
     for (_, label, policy), cell in results["cells"].items():
-        if label == "50%":      # 256 tokens: below sink + tail + one scored block
-            assert cell == {"budget": 256, "skipped": "below the 384-token minimum"}
+        if label == "12.5%":      # 64 tokens: below sink + tail + one scored block
+            assert cell == {"budget": 64, "skipped": "below the 96-token minimum"}
             continue
         assert cell["budget"] == {"full": None, "75%": 384, "512 tokens": 512}[label]
         assert [r["depth"] for r in cell["runs"]] == [0.0, 1.0]
@@ -61,18 +61,24 @@ def test_niah_bench_runs_every_cell(tiny_model_dir, tmp_path, one_thread):
         assert 0 <= row["recall"] <= 1 and row["decode_tps"] > 0
         if cell["budget"] is not None:      # the engine's residency counters reached the report
             assert all(r["traffic"] is not None for r in cell["runs"])
-            assert 0 < row["kv_bytes"] <= cell["budget"] // 64 * results["block_bytes"]
+            assert 0 < row["kv_bytes"] <= cell["budget"] // results["block_size"] * results["block_bytes"]
     # a case is the same prompt in every cell
     keys = {tuple(r["prompt_tokens"] for r in c["runs"]) for c in results["cells"].values() if "runs" in c}
     assert len(keys) == 1
     # the saved conversation came back through its manifest: only resident blocks, within the budget
     restore = results["restore"]
-    assert restore["moved_blocks"] is not None and 0 < restore["moved_blocks"] <= restore["budget_blocks"] == 8
-    assert restore["cached"] == restore["manifest_blocks"] * 64 > 0
+    assert restore["moved_blocks"] is not None and 0 < restore["moved_blocks"] <= restore["budget_blocks"] == 32
+    assert restore["cached"] == restore["manifest_blocks"] * results["block_size"] > 0
+    # the chat probe: the same chats, exact and with every policy at the fixed budget
+    chat = results["chat_probe"]
+    assert set(chat) == {None, *KV_POLICIES}
+    for runs in chat.values():
+        assert [r["depth"] for r in runs] == list(niah.CHAT_TURNS)
+        assert all(400 < r["prompt_tokens"] < 600 for r in runs), [r["prompt_tokens"] for r in runs]
 
     paths = niah.write_heatmaps(results, str(docs))
     assert sorted(p.name for p in docs.iterdir()) == sorted(
-        ["niah-full.png"] + [f"niah-{p}-{b}.png" for p in KV_POLICIES for b in ("75", "50", "512tok")])
+        ["niah-full.png"] + [f"niah-{p}-{b}.png" for p in KV_POLICIES for b in ("75", "12.5", "512tok")])
     assert len(paths) == 10
     for path in docs.iterdir():
         width, height, pixels = png_pixels(path)
@@ -86,7 +92,8 @@ def test_niah_bench_runs_every_cell(tiny_model_dir, tmp_path, one_thread):
     assert text.startswith("# Benchmarks\n\n## Throughput (kvtier vs transformers)\n\nkeep me\n\n")
     assert text.endswith("## Multi-turn TTFT (cold vs warm tiers)\n\nkeep me too\n")
     assert "stale numbers" not in text and text.count(niah.SECTION) == 1
-    assert "| 512 | 50% (256) | all | n/a (below the 384-token minimum) |" in text
+    assert "| 512 | 12.5% (64) | all | n/a (below the 96-token minimum) |" in text
+    assert "the chat probe with a 512-token budget recalls the key wherever exact attention does" in text
     assert all(f"(docs/{path.name})" in text for path in docs.iterdir())
     assert text.count("not evaluated") == 4     # one length only: no target can be read
     assert "moves at most its budget of blocks to the device: met" in text

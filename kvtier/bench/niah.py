@@ -6,6 +6,11 @@ same cases run with exact attention and with every policy at each residency budg
 context length, and a fixed number of tokens), each case on a fresh engine. Recall is whether the greedy
 answer contains the key; decode is timed from the first token to the last.
 
+A chat probe asks the same of a natural multi-turn conversation at the fixed budget: the key is told
+in one user turn and asked for at the end, and nothing begins the answer, so the pager has to bring
+the key's blocks back while the answer is decoded (in the passkey prompt, the begun answer is part of
+the prompt, which is computed exactly).
+
     python -m kvtier.bench.niah [--lengths 1024,2048,4096,8192] [--depths 0,0.25,0.5,0.75,1] [--trials 3] [--no-write]
 """
 from __future__ import annotations
@@ -25,7 +30,8 @@ import torch
 
 from kvtier.bench.heatmap import write_heatmap
 from kvtier.bench.report import add_output_args, cpu_model, header, int_list, publish, verdict
-from kvtier.config import KV_POLICIES, Config
+from kvtier.bench.ttft import conversation
+from kvtier.config import BOUNDED_BLOCK_SIZE, KV_POLICIES, Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.kv.pool import KVPool
@@ -43,6 +49,9 @@ FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key?"
 ANSWER_START = "The pass key is"     # the answer is begun for the model
+CHAT_TURNS = (0.25, 0.5, 0.75)       # where the chat probe tells the key, as a share of the turns
+CHAT_KEY = "Before we go on, please remember this: the pass key is {key}. "
+CHAT_QUESTION = "What is the pass key I asked you to remember? Answer with the number only."
 
 
 @dataclass(frozen=True)
@@ -97,12 +106,22 @@ def make_case(tokenizer, context: int, depth: float, seed: str) -> dict:
     return {"depth": depth, "key": key, "prompt": passkey_prompt(tokenizer, filler[:lo], depth, key)}
 
 
+def recall_chat(tokenizer, length: int, key: int, where: float) -> list[dict]:
+    """A multi-turn chat of about `length` tokens whose user turn at `where` (a share of the turns) first tells
+    the pass key, then the question."""
+    messages = conversation(tokenizer, length, seed=3)
+    i = int(where * len(messages)) // 2 * 2        # user turns sit at even indexes
+    messages[i] = {"role": "user", "content": CHAT_KEY.format(key=key) + messages[i]["content"]}
+    return messages + [{"role": "user", "content": CHAT_QUESTION}]
+
+
 # --- the run ------------------------------------------------------------------------------------
 
 def engine(args: argparse.Namespace, pool_tokens: int, budget: int | None, policy: str | None) -> LLMEngine:
     eng = LLMEngine(Config(model=args.model, num_threads=args.threads, kv_pool_tokens=pool_tokens,
-                           prefix_cache=False, kv_disk_dir=args.kv_dir, kv_disk_gib=64.0, kv_host_gib=4.0,
-                           kv_resident_tokens=budget, kv_policy=policy or Config.kv_policy))
+                           block_size=BOUNDED_BLOCK_SIZE, prefix_cache=False, kv_disk_dir=args.kv_dir,
+                           kv_disk_gib=64.0, kv_host_gib=4.0, kv_resident_tokens=budget,
+                           kv_policy=policy or Config.kv_policy))
     # a first request below one block: later timings pay no first-call costs
     ask(eng, "warm-up", eng.tokenizer.encode(" ".join(FILLER))[:40], max_tokens=3)
     return eng
@@ -159,7 +178,7 @@ def restore_probe(args: argparse.Namespace, case: dict, budget: int) -> dict:
     blocks its restore moved to the device, against the budget."""
     disk_dir = tempfile.mkdtemp(prefix="kvtier-niah-")
     settings = dict(model=args.model, num_threads=args.threads, kv_pool_tokens=len(case["prompt"]) + 256,
-                    prefix_cache=False, kv_disk_dir=disk_dir, kv_resident_tokens=budget, kv_policy="quest")
+                    prefix_cache=False, kv_disk_dir=disk_dir, kv_resident_tokens=budget)
     first = LLMEngine(Config(**settings))
     first.add_request("saved", case["prompt"], SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0))
     answer = []
@@ -183,9 +202,16 @@ def restore_probe(args: argparse.Namespace, case: dict, budget: int) -> dict:
             "moved_bytes": job.bytes if job else 0, "restore_seconds": job.seconds if job else None}
 
 
+def chat_probe(args: argparse.Namespace, cases: list[dict], budget: int) -> dict:
+    """The chat cases with exact attention (first: its prompt blocks go to the disk tier), then at the budget
+    with every policy: policy (None: exact) → runs."""
+    return {policy: run_cell(args, cases, None if policy is None else budget, policy,
+                             f"chat-{policy or 'exact'}")["runs"] for policy in [None, *args.policies]}
+
+
 def min_budget() -> int:
     """The smallest kv_resident_tokens Config accepts: sink, tail and one scored block."""
-    c = Config()
+    c = Config(block_size=BOUNDED_BLOCK_SIZE)
     return (c.kv_sink_blocks + c.kv_tail_blocks + 1) * c.block_size
 
 
@@ -198,7 +224,7 @@ def measure(args: argparse.Namespace) -> dict:
     """Per (length, budget label, policy; None for exact attention) cell: its runs, one per depth and trial,
     or the reason it was skipped. Cells with the same resident tokens at a length are run once."""
     probe = LLMEngine(Config(model=args.model, num_threads=args.threads, kv_pool_tokens=64, prefix_cache=False,
-                             kv_disk=False, kv_host_gib=0))
+                             kv_disk=False, kv_host_gib=0, block_size=BOUNDED_BLOCK_SIZE))
     mc, block_size = probe.model_config, probe.config.block_size
     results = {"model": probe.model_name, "dtype": probe.config.dtype, "threads": torch.get_num_threads(),
                "block_bytes": block_size * KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
@@ -209,12 +235,18 @@ def measure(args: argparse.Namespace) -> dict:
     cases = {length: [make_case(probe.tokenizer, min(length, probe.max_model_len - ANSWER_TOKENS), depth,
                                 f"{length}-{depth}-{trial}")
                       for depth in args.depths for trial in range(args.trials)] for length in args.lengths}
+    chat_length = min(args.chat_length, probe.max_model_len - 3 * ANSWER_TOKENS)
+    chat_cases = [{"depth": where, "key": (key := random.Random(f"chat-{where}").randint(10000, 99999)),
+                   "prompt": probe.tokenizer.apply_chat_template(recall_chat(probe.tokenizer, chat_length, key, where))}
+                  for where in CHAT_TURNS] if args.chat_length and probe.tokenizer.hf.chat_template else []
     del probe
     if args.fixed_budget:      # first, so that a failure here costs minutes, not the whole run
         longest = max(args.lengths)
         results["restore"] = restore_probe(args, cases[longest][len(cases[longest]) // 2], args.fixed_budget)
         print(f"restore probe: {results['restore']}", flush=True)
     args.kv_dir = tempfile.mkdtemp(prefix="kvtier-niah-kv-")
+    if args.fixed_budget and chat_cases:
+        results["chat_probe"] = chat_probe(args, chat_cases, args.fixed_budget)
     done: dict[tuple, dict] = {}
     for length in args.lengths:
         print(f"context {length}: prompts of {min(len(c['prompt']) for c in cases[length])}-"
@@ -386,6 +418,37 @@ def how(results: dict, trials: int, rows: dict) -> str:
         f"page-outs and reselection time are counted over the same span.")
 
 
+def chat_lines(results: dict, fixed: int) -> list[str]:
+    chat = results.get("chat_probe")
+    if not chat:
+        return []
+    runs = chat[None]
+    lines = [f"Chat probe: a {runs[0]['prompt_tokens']}-token multi-turn chat that tells the key in one user "
+             f"turn (\"{CHAT_KEY.format(key=71432).strip()}\") and ends with \"{CHAT_QUESTION}\"; nothing begins "
+             f"the answer. Greedy answers:", "",
+             "| key told in the turn at | exact | " + " | ".join(f"{p}, {fixed} tokens" for p in results["policies"])
+             + " |", "| ---: | :--- |" + " :--- |" * len(results["policies"])]
+    for i, run in enumerate(runs):
+        cells = [chat[policy][i] for policy in [None, *results["policies"]]]
+        lines.append(f"| {run['depth']:.0%} of the turns | "
+                     + " | ".join(f"{'✓' if c['correct'] else '✗'} {c['answer'].strip()!r}" for c in cells) + " |")
+    return [*lines, ""]
+
+
+def chat_target(results: dict, fixed: int) -> list[str]:
+    chat = results.get("chat_probe")
+    if not chat:
+        return []
+    exact = [r["correct"] for r in chat[None]]
+    parts = []
+    for policy in results["policies"]:
+        mine = [r["correct"] for r in chat[policy]]
+        ok = all(m or not e for m, e in zip(mine, exact))
+        parts.append(f"{policy} {verdict(ok)} ({sum(mine)} of {len(mine)}, exact {sum(exact)})")
+    return [f"- the chat probe with a {fixed}-token budget recalls the key wherever exact attention does: "
+            + "; ".join(parts)]
+
+
 def restore_target(results: dict) -> list[str]:
     r = results.get("restore")
     if r is None:
@@ -420,7 +483,9 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
         bytes_target(results, rows, args.fixed_budget),
         decode_target(results, rows, args.fixed_budget),
         *restore_target(results),
+        *chat_target(results, args.fixed_budget),
         "",
+        *chat_lines(results, args.fixed_budget),
         "Heatmaps of recall by depth (rows) and context length (columns), per budget:",
         "",
         *(f"- {label}: {' · '.join(maps)}" for label, maps in links.items()),
@@ -446,6 +511,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budgets", type=float_list, default=[0.25, 0.125, 0.0625],
                    help="resident-token budgets as fractions of the context length, comma-separated")
     p.add_argument("--fixed-budget", type=int, default=512, help="a budget in tokens at every length; 0: none")
+    p.add_argument("--chat-length", type=int, default=8000,
+                   help="tokens of the chat probe, run at the fixed budget; 0: no chat probe")
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the bundled SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     add_output_args(p)
