@@ -78,6 +78,20 @@ def test_budget_sinks_tail_and_pins_hold(bounded):
     assert not bounded.transfer.host._pins
 
 
+def test_long_prompt_chunks_stay_in_budget(tiny_model_dir):
+    """Chunks as large as the budget allows: the blocks a chunk fills are sealed after the end-of-prompt
+    reselection, which must count them."""
+    engine = LLMEngine(Config(model=tiny_model_dir, kv_resident_tokens=BUDGET * BS,
+                              **{**BASE, "max_batched_tokens": 512}))
+
+    def check(seq):
+        assert sum(b != NOT_RESIDENT for b in seq.block_table) <= BUDGET
+
+    engine.add_request("long", prompt(570), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert len(step_all(engine, check)["long"]) == 8
+    assert engine.stats()["residency"]["max_resident_blocks"] <= BUDGET
+
+
 def test_decode_attends_to_the_budget_only(bounded):
     bounded.add_request("d", prompt(600, salt=3), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     lengths = []

@@ -10,7 +10,7 @@ first), the tail (the last, including the one being filled) and blocks overlappi
 pinned token range. The rest of the budget goes to the best-scoring sealed blocks.
 
 - `limit_chunk` keeps prefill chunks inside the budget: up to the budget's edge in one
-  go, then at most a tail's worth of blocks at a time;
+  go, then as many blocks as the budget holds beside the sink and the pins;
 - `make_room` pages out the lowest-scoring blocks before a step adds new ones;
 - `reselect` scores every sealed block, pages out the losers and pages in the winners:
   once when the prompt is done, with its last queries, then every `reselect_every`
@@ -158,7 +158,9 @@ class Pager:
         edge = self.budget_blocks * bs
         if num_computed < edge:                   # exact so far: run up to the edge of the budget
             return min(n, edge - num_computed)
-        return min(n, self.tail_blocks * bs - num_computed % bs)
+        # beyond it, every block the chunk writes is resident beside the sink and the pinned blocks
+        held = len(self._pinned_blocks(seq.residency) | set(range(self.sink_blocks)))
+        return min(n, (num_computed // bs + self.budget_blocks - held) * bs - num_computed)
 
     def make_room(self, seq, end: int) -> None:
         """Page out blocks so that the sequence stays in budget once it holds tokens 0 .. end-1."""
@@ -216,7 +218,8 @@ class Pager:
         start = time.perf_counter()
         res = seq.residency
         num_blocks = len(seq.block_table)
-        protected = self._protected(res, num_blocks)
+        # blocks a prompt chunk has just filled are sealed after this: they stay, like the tail
+        protected = self._protected(res, num_blocks) | set(range(len(seq.block_keys), num_blocks))
         room = self.budget_blocks - len(protected & set(range(num_blocks)))
         candidates = [i for i in range(len(seq.block_keys)) if i not in protected]
         scores = self._scores(seq) if scores is None else scores
@@ -245,7 +248,10 @@ class Pager:
         res = seq.residency
         if self.policy == "lru" or res.queries is None or not len(res.summaries):
             return torch.tensor(res.stamps, dtype=torch.float32)   # recency
-        return attention_share(self.policy, res.summaries, res.queries, self.scale).cpu()
+        shares = attention_share(self.policy, res.summaries, res.queries, self.scale).cpu()
+        # what is read is read on into the next block (a key, a quote): a block scores at least its predecessor's
+        shares[1:] = torch.maximum(shares[1:], shares[:-1].clone())
+        return shares
 
     def _query_shifted(self, seq, scores: torch.Tensor) -> bool:
         if self.policy == "lru":      # recency scores say nothing about the queries
