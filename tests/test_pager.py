@@ -207,7 +207,7 @@ def test_damaged_manifest_is_a_miss(tiny_model_dir, tmp_path, caplog):
 
 
 def test_a_long_exact_prefix_restores_with_only_sink_and_tail_resident(tiny_model_dir, tmp_path):
-    p = prompt(400, salt=17)
+    p = prompt(390, salt=17)         # no block seals after the restore: only the reselection reaches the budget
     exact = LLMEngine(Config(model=tiny_model_dir, **{**BASE, "kv_disk": True}, kv_disk_dir=str(tmp_path)))
     cold = run(exact, p, max_tokens=8)
     exact.transfer.shutdown()
@@ -219,3 +219,5 @@ def test_a_long_exact_prefix_restores_with_only_sink_and_tail_resident(tiny_mode
     (job,) = jobs
     assert job.bytes == 5 * bounded.pool.block_bytes          # 1 sink + 4 tail blocks of 24 went to the device
     assert warm.tokens[0] == cold.tokens[0]
+    # the end-of-prompt reselection paged the best blocks in up to the budget, and the peak counter saw it
+    assert bounded.stats()["residency"]["max_resident_blocks"] == BUDGET

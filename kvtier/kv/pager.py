@@ -15,7 +15,8 @@ pinned token range. The rest of the budget goes to the best-scoring sealed block
 - `reselect` scores every sealed block, pages out the losers and pages in the winners:
   once when the prompt is done, with its last queries, then every `reselect_every`
   decode tokens, or at once when a decode step's queries give a paged-out block a large
-  share of some head's attention (the answer to a question turns to where it was said);
+  share of some head's attention (the answer to a question turns to where it was said).
+  Scores are kept in a ledger that fades by LEDGER_DECAY per step;
 - `manifest` / `restore` save and bring back a sequence's pager state (see manifest.py):
   only resident blocks return to the device, the others are paged in when selected, from
   the host tier or, failing that, the disk tier.
@@ -196,8 +197,7 @@ class Pager:
             physical = seq.block_table[i]
             res.summaries.add(self.pool.kv_cache[0, :, physical * bs:(physical + 1) * bs])
             res.stamps.append(self._next_tick())
-        # residency only grows by new blocks, which are sealed once full: the peak is seen here
-        self.stats["max_resident_blocks"] = max(self.stats["max_resident_blocks"], len(self._resident(seq)))
+        self._note_peak(seq)
 
     def after_step(self, seq, queries: torch.Tensor | None, prompt_done: bool, decoded: bool) -> None:
         """Keep the step's queries; reselect when due."""
@@ -242,6 +242,7 @@ class Pager:
         for i in sorted(winners):
             if seq.block_table[i] == NOT_RESIDENT and self.pool.can_allocate(1):
                 self._page_in(seq, i)
+        self._note_peak(seq)
         self.stats["reselects"] += 1
         self.stats["reselect_seconds"] += time.perf_counter() - start
 
@@ -310,6 +311,10 @@ class Pager:
         seq.block_table[i] = physical
         res.stamps[i] = self._next_tick()
         self.stats["page_ins"] += 1
+
+    def _note_peak(self, seq) -> None:
+        """Residency grows only when blocks seal or are paged in: the peak is seen by calling this then."""
+        self.stats["max_resident_blocks"] = max(self.stats["max_resident_blocks"], len(self._resident(seq)))
 
     def _resident(self, seq) -> list[int]:
         return [i for i, b in enumerate(seq.block_table) if b != NOT_RESIDENT]
