@@ -42,8 +42,8 @@ def png_pixels(path) -> tuple[int, int, bytes]:
 def test_niah_bench_runs_every_cell(tiny_model_dir, tmp_path, one_thread):
     out, docs = tmp_path / "BENCHMARKS.md", tmp_path / "docs"
     args = niah.parse_args(["--model", tiny_model_dir, "--lengths", "512", "--depths", "0,1", "--trials", "1",
-                            "--budgets", "0.75,0.125", "--chat-length", "400", "--threads", str(one_thread), "--output", str(out),
-                            "--docs-dir", str(docs), "--no-write"])
+                            "--budgets", "0.75,0.125", "--chat-length", "400", "--threads", str(one_thread),
+                            "--output", str(out), "--docs-dir", str(docs), "--no-write"])
     results = niah.measure(args)
 
     bounded = {(512, label, policy) for label in ("75%", "12.5%", "512 tokens") for policy in KV_POLICIES}

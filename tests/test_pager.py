@@ -79,8 +79,8 @@ def test_budget_sinks_tail_and_pins_hold(bounded):
 
 
 def test_long_prompt_chunks_stay_in_budget(tiny_model_dir):
-    """Chunks as large as the budget allows: the blocks a chunk fills are sealed after the end-of-prompt
-    reselection, which must count them."""
+    """Chunks as large as the budget allows (seven blocks here): the last one fills three blocks before the
+    tail, sealed only after the end-of-prompt reselection, which must count them."""
     engine = LLMEngine(Config(model=tiny_model_dir, kv_resident_tokens=BUDGET * BS,
                               **{**BASE, "max_batched_tokens": 512}))
 
