@@ -10,7 +10,7 @@ For every layer, query head and query row the logits become the blocks' shares o
 head's attention (softmax over blocks); a block's score is the largest share any head
 gives it. Recall of a fact is the work of a few retrieval heads: summed over all heads,
 their votes drown in the others' (measured on an 8K chat: the needle's block ranked 13th
-summed, first by the largest share). (`lru` needs no summaries: the pager scores by recency.)
+summed, second by the largest share). (`lru` needs no summaries: the pager scores by recency.)
 """
 from __future__ import annotations
 
