@@ -36,7 +36,7 @@ import torch
 from kvtier.kv.keys import block_key
 from kvtier.kv.manifest import Manifest
 from kvtier.kv.pool import KVPool
-from kvtier.kv.scorer import BlockSummaries, attention_share
+from kvtier.kv.scorer import SUMMARIES, BlockSummaries, attention_share
 from kvtier.kv.tiers.host import HostTier
 
 log = logging.getLogger("kvtier.kv.pager")
@@ -130,8 +130,7 @@ class Pager:
         res = seq.residency
         self.sealed(seq)                  # brings the summaries up to date
         scores = res.ledger if res.ledger is not None else torch.zeros(len(res.summaries))
-        tensors = {"kmin": torch.stack(res.summaries.kmin), "kmax": torch.stack(res.summaries.kmax),
-                   "kmean": torch.stack(res.summaries.kmean), "scores": scores}
+        tensors = {**{name: getattr(res.summaries, name).clone() for name in SUMMARIES}, "scores": scores}
         if res.queries is not None:
             tensors["queries"] = res.queries
         return Manifest(list(seq.block_keys), [b != NOT_RESIDENT for b in seq.block_table[:len(seq.block_keys)]],
@@ -140,9 +139,8 @@ class Pager:
     def restore(self, seq, manifest: Manifest, placed: dict[int, int]) -> None:
         """Take up a saved sequence's state; placed: block → device block for the resident ones."""
         res, device = seq.residency, self.pool.kv_cache.device
-        for name, parts in (("kmin", res.summaries.kmin), ("kmax", res.summaries.kmax),
-                            ("kmean", res.summaries.kmean)):
-            parts[:] = list(manifest.tensors[name].to(device).unbind(0))
+        res.summaries = BlockSummaries()
+        res.summaries.extend({name: manifest.tensors[name].to(device) for name in SUMMARIES})
         res.stamps = list(manifest.stamps)
         res.ledger = manifest.tensors["scores"].cpu()
         self._tick = max([self._tick, *res.stamps])
@@ -225,7 +223,7 @@ class Pager:
             res.decoded_since_reselect = 0
             self.reselect(seq, scores)
 
-    def reselect(self, seq, scores: torch.Tensor | None = None) -> None:
+    def reselect(self, seq, scores: torch.Tensor) -> None:
         """Resident set := protected blocks + the best-scoring others."""
         start = time.perf_counter()
         res = seq.residency
@@ -234,7 +232,6 @@ class Pager:
         protected = self._protected(res, num_blocks) | set(range(len(seq.block_keys), num_blocks))
         room = self.budget_blocks - len(protected & set(range(num_blocks)))
         candidates = [i for i in range(len(seq.block_keys)) if i not in protected]
-        scores = self._scores(seq) if scores is None else scores
         winners = set(sorted(candidates, key=lambda i: scores[i], reverse=True)[:room])
         for i in candidates:
             if i not in winners and seq.block_table[i] != NOT_RESIDENT:

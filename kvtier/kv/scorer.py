@@ -17,45 +17,65 @@ from __future__ import annotations
 import torch
 
 SUB_BLOCK = 16
+SUMMARIES = ("kmin", "kmax", "kmean")
 
 
 class BlockSummaries:
-    """Key summaries of one sequence's sealed blocks, in block order."""
+    """Key summaries of one sequence's sealed blocks, in block order: `kmin`, `kmax` and `kmean`, each
+    [blocks, sub_blocks, layers, kv_heads, head_dim]. They grow in buffers that double when full, so that
+    scoring, every decode step, reads them without stacking per-block tensors again."""
 
     def __init__(self):
-        self.kmin: list[torch.Tensor] = []    # each [sub_blocks, layers, kv_heads, head_dim]
-        self.kmax: list[torch.Tensor] = []
-        self.kmean: list[torch.Tensor] = []
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._len = 0
 
     def __len__(self) -> int:
-        return len(self.kmin)
+        return self._len
+
+    @property
+    def kmin(self) -> torch.Tensor:
+        return self._buffers["kmin"][:self._len]
+
+    @property
+    def kmax(self) -> torch.Tensor:
+        return self._buffers["kmax"][:self._len]
+
+    @property
+    def kmean(self) -> torch.Tensor:
+        return self._buffers["kmean"][:self._len]
 
     def add(self, keys: torch.Tensor) -> None:
         """keys: [layers, block_size, kv_heads, head_dim], one block's keys after RoPE."""
         layers, size, kv_heads, dim = keys.shape
         sub = min(SUB_BLOCK, size)
         keys = keys.float().reshape(layers, size // sub, sub, kv_heads, dim).transpose(0, 1)
-        self.kmin.append(keys.amin(2))
-        self.kmax.append(keys.amax(2))
-        self.kmean.append(keys.mean(2))
+        self.extend({"kmin": keys.amin(2)[None], "kmax": keys.amax(2)[None], "kmean": keys.mean(2)[None]})
 
-    def clear(self) -> None:
-        self.kmin.clear()
-        self.kmax.clear()
-        self.kmean.clear()
+    def extend(self, parts: dict[str, torch.Tensor]) -> None:
+        """Append more blocks' summaries: {name: [blocks, ...]} for each of SUMMARIES."""
+        end = self._len + len(parts["kmin"])
+        for name in SUMMARIES:
+            buffer = self._buffers.get(name)
+            if buffer is None or len(buffer) < end:
+                grown = parts[name].new_empty((max(end, 2 * self._len), *parts[name].shape[1:]))
+                if buffer is not None:
+                    grown[:self._len] = buffer[:self._len]
+                self._buffers[name] = buffer = grown
+            buffer[self._len:end] = parts[name]
+        self._len = end
 
 
 def attention_share(policy: str, summaries: BlockSummaries, queries: torch.Tensor, scale: float) -> torch.Tensor:
     """Scores [num_blocks] for queries [rows, layers, heads, head_dim] (after RoPE)."""
     rows, layers, heads, dim = queries.shape
-    kv_heads = summaries.kmin[0].shape[2]
+    kv_heads = summaries.kmin.shape[3]
     q = queries.float().reshape(rows, layers, kv_heads, heads // kv_heads, dim)
     if policy == "quest":
         # max over a block's keys of q·k ≤ Σ_d max(q_d·min_d, q_d·max_d)
-        logits = (torch.einsum("nslkd,rlkgd->nslkrg", torch.stack(summaries.kmax), q.clamp(min=0))
-                  + torch.einsum("nslkd,rlkgd->nslkrg", torch.stack(summaries.kmin), q.clamp(max=0)))
+        logits = (torch.einsum("nslkd,rlkgd->nslkrg", summaries.kmax, q.clamp(min=0))
+                  + torch.einsum("nslkd,rlkgd->nslkrg", summaries.kmin, q.clamp(max=0)))
     elif policy == "meankey":
-        logits = torch.einsum("nslkd,rlkgd->nslkrg", torch.stack(summaries.kmean), q)
+        logits = torch.einsum("nslkd,rlkgd->nslkrg", summaries.kmean, q)
     else:
         raise ValueError(f"no key summaries for policy {policy!r}")
     shares = (logits.amax(1) * scale).softmax(0)      # [blocks, layers, kv_heads, rows, group]

@@ -21,7 +21,7 @@ import torch
 
 from kvtier.kv.manifest import Manifest, ManifestStore
 from kvtier.kv.pool import KVPool
-from kvtier.kv.scorer import BlockSummaries
+from kvtier.kv.scorer import SUMMARIES, BlockSummaries
 from kvtier.kv.tiers.disk import Staging
 
 STAGING_MAX_BYTES = 1 << 30
@@ -176,7 +176,7 @@ class TierTransfer:
         for key in keys:
             summaries.add(payloads[key][0])
         device = self.pool.kv_cache.device
-        tensors = {name: torch.stack(getattr(summaries, name)).to(device) for name in ("kmin", "kmax", "kmean")}
+        tensors = {name: getattr(summaries, name).to(device) for name in SUMMARIES}
         tensors["scores"] = torch.zeros(len(keys))
         return Manifest(keys, resident, list(range(len(keys))), 0, [], tensors)
 
