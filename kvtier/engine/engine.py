@@ -13,7 +13,7 @@ from kvtier.engine.outputs import RequestOutput, RequestRejected
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampler import sample, token_logprob
 from kvtier.engine.sampling_params import SamplingParams
-from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.scheduler import ScheduledBatch, Scheduler
 from kvtier.engine.sequence import Sequence
 from kvtier.engine.tiering import Tiering, build_tiers
 from kvtier.kv.keys import block_key, namespace
@@ -58,7 +58,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.pool, self.device, self.pager)
         self.tiering = Tiering(self.transfer, self.pool, self.scheduler) if self.transfer else None
         self._arrivals = itertools.count()
-        self._aborted: list[Sequence] = []
+        self._ended: list[Sequence] = []     # finished outside a step (aborted, failed): reported by the next step
 
     def _build_pager(self, config: Config, fingerprint: str) -> Pager:
         mode = (f"bounded(blocks={config.resident_blocks},sink={config.kv_sink_blocks},tail={config.kv_tail_blocks},"
@@ -114,37 +114,72 @@ class LLMEngine:
         seq = self.scheduler.find(request_id)
         if seq is not None:
             self.scheduler.finish(seq, "abort")
-            self._aborted.append(seq)
+            self._ended.append(seq)
 
     def has_unfinished(self) -> bool:
         in_flight = bool(self.tiering and self.tiering.busy)    # pinned blocks count until their copy lands
-        return self.scheduler.has_unfinished() or bool(self._aborted) or in_flight
+        return self.scheduler.has_unfinished() or bool(self._ended) or in_flight
 
     def step(self) -> list[RequestOutput]:
         if self.tiering:
             for seq in self.tiering.poll():
                 self.scheduler.finish(seq, "abort")
-                self._aborted.append(seq)
+                self._ended.append(seq)
             self.tiering.start_loads()
-        outputs = [self._output(seq) for seq in self._aborted]
-        self._aborted.clear()
         batch = self.scheduler.schedule()
-        if not batch:
-            if self.tiering and self.tiering.busy and not outputs:
-                self.transfer.wait(timeout=0.05)   # nothing to compute: sleep until a copy lands
-            return outputs
-        capture = [CAPTURE_ROWS if seq.residency else 0 for seq in batch.seqs]
-        logits, queries = self.runner.run(batch, capture)
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            decoded = seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
-            seq.num_computed_tokens += n
-            if seq.residency:
-                self.pager.after_step(seq, queries[i], seq.num_uncomputed_tokens == 0 and not decoded, decoded)
-            self._seal_full_blocks(seq)
-            if seq.num_uncomputed_tokens == 0:      # prompt done or last token fed: sample the next one
-                self._append_token(seq, logits[i])
-                outputs.append(self._output(seq))
+        results = self._forward(batch) if batch else []
+        outputs = []
+        for seq, n, result in zip(batch.seqs, batch.num_tokens, results):
+            try:
+                if result is None:
+                    raise RuntimeError("the model forward failed for this request")
+                if self._advance(seq, n, *result):
+                    outputs.append(self._output(seq))
+            except Exception as e:     # it belongs to this request: fail it alone, the others go on
+                self._fail(seq, e)
+        outputs += [self._output(seq) for seq in self._ended]
+        self._ended.clear()
+        if not batch and not outputs and self.tiering and self.tiering.busy:
+            self.transfer.wait(timeout=0.05)   # nothing to compute: sleep until a copy lands
         return outputs
+
+    def _forward(self, batch: ScheduledBatch) -> list[tuple[torch.Tensor, torch.Tensor | None] | None]:
+        """Per sequence: (logits at its last token, its captured queries). If the batch's forward fails, each
+        sequence is run alone, so a failure that belongs to one request (None) does not fail the others."""
+        capture = [CAPTURE_ROWS if seq.residency else 0 for seq in batch.seqs]
+        try:
+            logits, queries = self.runner.run(batch, capture)
+            return list(zip(logits, queries))
+        except Exception:
+            if len(batch.seqs) == 1:
+                return [None]
+            log.exception("a batched forward failed; retrying its %d sequences one by one", len(batch.seqs))
+        results = []
+        for seq, n, wanted in zip(batch.seqs, batch.num_tokens, capture):
+            try:   # the retry rewrites the same pool slots with the same K/V
+                logits, queries = self.runner.run(ScheduledBatch([seq], [n]), [wanted])
+                results.append((logits[0], queries[0]))
+            except Exception:
+                results.append(None)
+        return results
+
+    def _advance(self, seq: Sequence, n: int, logits: torch.Tensor, queries: torch.Tensor | None) -> bool:
+        """Account for n computed tokens; True when a token was sampled (an output is due)."""
+        decoded = seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+        seq.num_computed_tokens += n
+        if seq.residency:
+            self.pager.after_step(seq, queries, seq.num_uncomputed_tokens == 0 and not decoded, decoded)
+        self._seal_full_blocks(seq)
+        if seq.num_uncomputed_tokens > 0:
+            return False
+        self._append_token(seq, logits)     # prompt done or last token fed: sample the next one
+        return True
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        log.error("request %s failed", seq.request_id, exc_info=error)
+        seq.error = f"the server failed while generating ({type(error).__name__}: {error})"
+        self.scheduler.finish(seq, "error")
+        self._ended.append(seq)
 
     def _seal_full_blocks(self, seq: Sequence) -> None:
         """Key every block that this step filled, so later requests can reuse it."""
@@ -190,6 +225,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
+            error=seq.error,
         )
         seq.pending_token_ids, seq.pending_logprobs = [], []
         if seq.is_finished:

@@ -8,6 +8,10 @@ class RequestRejected(ValueError):
     """The request can never be served (too long for the model or the pool, bad input)."""
 
 
+class RequestFailed(RuntimeError):
+    """The engine failed while serving this request; the other requests go on."""
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -22,7 +26,8 @@ class RequestOutput:
     new_text: str                     # text delta since the previous output (stop strings cut)
     logprobs: list[TokenLogprob] | None
     finished: bool
-    finish_reason: str | None         # "stop" | "length" | "abort" while finished, else None
+    finish_reason: str | None         # "stop" | "length" | "abort" | "error" while finished, else None
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    error: str | None = None          # with finish_reason "error": what went wrong

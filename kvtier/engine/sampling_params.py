@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SAMPLING_EPS = 1e-5         # a temperature below this is greedy (as in vLLM): dividing by it overflows
+MIN_TOP_P = 1e-6            # top_p is clamped up to this: smaller values underflow in float32 to 0
+MAX_STOP_CHARS = 256        # the detokenizer holds back this much text while a stop string may begin
+
 
 @dataclass
 class SamplingParams:
@@ -32,6 +36,12 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if len(self.stop) > 4 or any(not s for s in self.stop):
             raise ValueError("stop must hold at most 4 non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters")
+        # normalise values that are legal but would overflow the sampler's float32 arithmetic
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
+        self.top_p = max(self.top_p, MIN_TOP_P)
 
     @property
     def greedy(self) -> bool:

@@ -34,6 +34,7 @@ class Sequence:
         self.tier_tokens: dict[str, int] = {}   # of those, how many came from which tier
         self.residency = None                   # the pager's state under bounded residency, else None
         self.finish_reason: str | None = None
+        self.error: str | None = None           # why the engine failed it (finish_reason "error")
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

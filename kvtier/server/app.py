@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -16,7 +17,7 @@ from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvtier.engine.outputs import RequestOutput, RequestRejected
+from kvtier.engine.outputs import RequestFailed, RequestOutput, RequestRejected
 from kvtier.server.metrics import Metrics, RequestCounter
 from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from kvtier.server.render import ChatRenderer, CompletionRenderer
@@ -103,12 +104,17 @@ class _Routes:
             first = await _unless_disconnected(request, anext(gen))
         except RequestRejected as e:
             raise APIError(400, str(e)) from None
+        except RequestFailed as e:
+            raise APIError(500, str(e), type="server_error") from None
         first_token = time.perf_counter()
         self.metrics.time_to_first_token.observe(first_token - arrival)
         outputs = self._observed(gen, first, arrival, first_token)
         if body.stream:
             return _SSEResponse(_sse(outputs, renderer, body.include_usage), media_type="text/event-stream")
-        whole = await _unless_disconnected(request, _merged(outputs))
+        try:
+            whole = await _unless_disconnected(request, _merged(outputs))
+        except RequestFailed as e:
+            raise APIError(500, str(e), type="server_error") from None
         return Response(renderer.response(whole).model_dump_json(), media_type="application/json")
 
     async def _observed(self, gen: AsyncIterator[RequestOutput], first: RequestOutput,
@@ -137,13 +143,17 @@ async def _merged(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 async def _sse(outputs: AsyncIterator[RequestOutput], renderer: ChatRenderer | CompletionRenderer,
                include_usage: bool) -> AsyncIterator[str]:
-    async with aclosing(outputs):
-        async for out in outputs:
-            chunk = renderer.chunk(out)
-            if chunk is not None:
-                yield _event(chunk)
-        if include_usage:
-            yield _event(renderer.usage_chunk(out))
+    """The stream's events; a request that fails midway ends with an error event, then [DONE] as always."""
+    try:
+        async with aclosing(outputs):
+            async for out in outputs:
+                chunk = renderer.chunk(out)
+                if chunk is not None:
+                    yield _event(chunk)
+            if include_usage:
+                yield _event(renderer.usage_chunk(out))
+    except RequestFailed as e:
+        yield f"data: {json.dumps(APIError(500, str(e), type='server_error').body())}\n\n"
     yield "data: [DONE]\n\n"
 
 
