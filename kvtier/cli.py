@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import sys
 
 log = logging.getLogger("kvtier")
@@ -66,7 +67,14 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--host", help="address to bind (default: 127.0.0.1)")
     group.add_argument("--port", type=int, metavar="N", help="port to bind (default: 8000)")
     group.add_argument("--served-model-name", help="model name clients must send (default: the model's name)")
-    group.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    group.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health; "
+                            "may repeat; $KVTIER_API_KEY also sets one, and keeps it out of the process list")
+    group.add_argument("--api-key-file", metavar="FILE", help="read API keys from FILE, one per line")
+    group.add_argument("--cache-salt-from-api-key", action="store_true", default=None,
+                       help="requests share cached KV only with requests made with the same API key")
+    group.add_argument("--max-request-bytes", type=int, metavar="N",
+                       help="larger request bodies get a 413 (default: 16 MiB)")
     serve.set_defaults(handler=_serve)
 
     generate = commands.add_parser("generate", parents=[engine], help="answer one prompt on stdout")
@@ -89,6 +97,8 @@ def _config(args):
     from kvtier.config import Config, ConfigError
 
     given = vars(args)
+    if os.environ.get("KVTIER_API_KEY") and "api_keys" in given:
+        given["api_keys"] = [*(given["api_keys"] or []), os.environ["KVTIER_API_KEY"]]
     try:
         return Config(**{f.name: given[f.name] for f in dataclasses.fields(Config) if given.get(f.name) is not None})
     except ConfigError as e:

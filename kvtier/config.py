@@ -48,7 +48,10 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)   # any of them opens every route but /health
+    api_key_file: str | None = None       # more keys, one per line ('#' starts a comment)
+    cache_salt_from_api_key: bool = False  # each key's requests share KV only with the same key's
+    max_request_bytes: int = 16 * 2**20   # larger bodies get a 413 before they are read
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -76,6 +79,7 @@ class Config:
             self._check_residency()
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        self._check_server()
         if self.model is not None and "/" in self.model and not os.path.exists(self.model):
             # an id like "org/name" that is not a local path: we never download
             raise ConfigError(
@@ -88,6 +92,24 @@ class Config:
                 f"model path {self.model!r} does not exist. Point --model at a local Hugging Face directory "
                 "or a .gguf file, or leave it out to use the bundled SmolLM2-135M-Instruct."
             )
+
+    def _check_server(self) -> None:
+        if self.api_key_file is not None:
+            try:
+                with open(self.api_key_file) as f:
+                    lines = [line.split("#", 1)[0].strip() for line in f]
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"cannot read api_key_file {self.api_key_file!r}: {e}") from None
+            if not any(lines):
+                raise ConfigError(f"api_key_file {self.api_key_file!r} holds no key")
+            self.api_keys = [*self.api_keys, *filter(None, lines)]
+            self.api_key_file = None
+        if any(not key or key != key.strip() for key in self.api_keys):
+            raise ConfigError("an API key must be non-empty and carry no surrounding whitespace")
+        if self.cache_salt_from_api_key and not self.api_keys:
+            raise ConfigError("cache_salt_from_api_key needs API keys (--api-key, --api-key-file or $KVTIER_API_KEY)")
+        if self.max_request_bytes < 1024:
+            raise ConfigError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
 
     def _check_residency(self) -> None:
         if self.kv_policy not in KV_POLICIES:

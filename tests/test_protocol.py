@@ -8,7 +8,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from kvtier.config import Config
+from kvtier.config import Config, ConfigError
 from kvtier.engine.outputs import RequestOutput, RequestRejected, TokenLogprob
 from kvtier.server.app import build_app
 from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -20,6 +20,7 @@ MODEL = "stub-model"
 class StubTokenizer:
     """One token per character; token id = code point."""
     vocab_size = 1000
+    max_token_chars = 1
     eos_token_ids = frozenset()
 
     def encode(self, text):
@@ -47,7 +48,7 @@ class StubEngine:
         self.running: set[str] = set()
         self.requests: list[tuple[list[int], object]] = []
 
-    async def generate(self, request_id, prompt_token_ids, params, pins=None):
+    async def generate(self, request_id, prompt_token_ids, params, pins=None, cache_salt=None):
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise RequestRejected("too long for the stub")
         self.requests.append((prompt_token_ids, params))
@@ -255,12 +256,27 @@ def test_errors_have_openai_shape(client):
     error_of(client.get("/v1/chat/completions"), 405)
 
 
-def test_api_key_guards_v1_only(engine):
-    client = TestClient(build_app(engine, Config(api_key="sesame")))
-    assert error_of(client.get("/v1/models"), 401)["code"] == "invalid_api_key"
-    error_of(client.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
-    assert client.get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+@pytest.mark.parametrize("path", ["/v1/models", "/metrics", "/docs", "/redoc", "/openapi.json"])
+def test_api_key_guards_every_route_but_health(engine, path):
+    client = TestClient(build_app(engine, Config(api_keys=["sesame", "open"])))
+    assert error_of(client.get(path), 401)["code"] == "invalid_api_key"
+    error_of(client.get(path, headers={"Authorization": "Bearer wrong"}), 401)
+    error_of(client.get(path, headers={"Authorization": "Basic sesame"}), 401)
+    for headers in ({"Authorization": "Bearer sesame"}, {"Authorization": "bearer open"},
+                    {"authorization": "BEARER sesame"}, {"x-api-key": "open"}):
+        assert client.get(path, headers=headers).status_code == 200, headers
     assert client.get("/health").status_code == 200
+
+
+def test_api_keys_from_a_file(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# tenants\nalpha\n\nbeta  # the second\n")
+    assert Config(api_key_file=str(keys)).api_keys == ["alpha", "beta"]
+    keys.write_text("# none\n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        Config(api_key_file=str(keys))
+    with pytest.raises(ConfigError, match="cannot read"):
+        Config(api_key_file=str(tmp_path / "missing"))
 
 
 def test_models_and_served_name(engine):
@@ -310,3 +326,37 @@ def test_client_disconnect_aborts_non_streaming_request(engine):
     asyncio.run(main())
     assert sent[0]["status"] == 499
     assert engine.running == set()
+
+
+@pytest.mark.parametrize("body, where", [
+    (b'{"model": "stub-model", "messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages[0].content"),
+    (b'{"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\udfff"]}', "stop[0]"),
+    (b'{"model": "stub-model", "prompt": "\\ud800\\ud800"}', "prompt"),
+])
+def test_lone_surrogates_are_a_400_that_names_the_field(client, engine, body, where):
+    path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
+    err = error_of(client.post(path, content=body, headers={"Content-Type": "application/json"}), 400)
+    assert where in err["message"] and "Unicode" in err["message"]
+    assert engine.requests == []
+
+
+def test_bodies_over_the_limit_get_a_413_before_they_are_read(engine):
+    client = TestClient(build_app(engine, Config(max_request_bytes=4096)))
+    big = chat_body(messages=[{"role": "user", "content": "x" * 5000}])
+    err = error_of(client.post("/v1/chat/completions", json=big), 413)
+    assert err["code"] == "request_too_large" and "4096" in err["message"]
+
+    def chunks():     # no Content-Length: counted as it arrives
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 1000):
+            yield data[i:i + 1000]
+    error_of(client.post("/v1/chat/completions", content=chunks(), headers={"Content-Type": "application/json"}), 413)
+    assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200
+    assert engine.requests and len(engine.requests) == 1
+
+
+def test_a_prompt_too_long_for_certain_is_refused_before_tokenizing(client, engine):
+    err = error_of(client.post("/v1/chat/completions",
+                               json=chat_body(messages=[{"role": "user", "content": "y" * 100}])), 400)
+    assert "at least 104 tokens" in err["message"]   # the role counts too and err["param"] == "messages"
+    assert engine.requests == []

@@ -21,17 +21,19 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
-        self._inbox: queue.Queue = queue.Queue()   # ("add", id, prompt, params) | ("abort", id) | None to stop
+        # ("add", id, prompt, params, pins, cache_salt) | ("abort", id) | None to stop
+        self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
         self._thread.start()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       pins: list[tuple[int, int]] | None = None) -> AsyncIterator[RequestOutput]:
+                       pins: list[tuple[int, int]] | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         self.engine.check_request(len(prompt_token_ids), params)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._inbox.put(("add", request_id, prompt_token_ids, params, pins))
+        self._inbox.put(("add", request_id, prompt_token_ids, params, pins, cache_salt))
         finished = False
         try:
             while not finished:
@@ -84,9 +86,9 @@ class AsyncEngine:
 
     def _handle(self, msg) -> None:
         if msg[0] == "add":
-            _, request_id, prompt, params, pins = msg
+            _, request_id, *request = msg
             try:
-                self.engine.add_request(request_id, prompt, params, pins)
+                self.engine.add_request(request_id, *request)
             except Exception as e:
                 self._deliver(request_id, e)
         else:

@@ -16,7 +16,7 @@ from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import ScheduledBatch, Scheduler
 from kvtier.engine.sequence import Sequence
 from kvtier.engine.tiering import Tiering, build_tiers
-from kvtier.kv.keys import block_key, namespace
+from kvtier.kv.keys import block_key, namespace, salt_root
 from kvtier.kv.manifest import ManifestStore
 from kvtier.kv.pager import CAPTURE_ROWS, Pager, PinRefused
 from kvtier.kv.pool import KVPool, default_pool_tokens
@@ -96,11 +96,15 @@ class LLMEngine:
                 f"{host.budget_bytes / 2**30:.2f} GiB; raise --kv-host-gib or shorten the request")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    pins: list[tuple[int, int]] | None = None) -> None:
-        """pins: half-open token ranges of the prompt kept resident under bounded residency."""
+                    pins: list[tuple[int, int]] | None = None, cache_salt: str | None = None) -> None:
+        """pins: half-open token ranges of the prompt kept resident under bounded residency.
+        cache_salt: the request shares KV only with requests of the same salt."""
         self.check_request(len(prompt_token_ids), params)
+        if pins and not self.pager:
+            raise RequestRejected("pins keep prompt ranges resident under bounded residency, which this server "
+                                  "does not run (start it with --kv-resident-tokens)")
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        seq = Sequence(request_id, prompt_token_ids, params, detok, next(self._arrivals))
+        seq = Sequence(request_id, prompt_token_ids, params, detok, next(self._arrivals), salt_root(cache_salt))
         if self.pager:
             try:
                 seq.residency = self.pager.new_residency(pins, len(prompt_token_ids))
@@ -187,7 +191,8 @@ class LLMEngine:
         first = len(seq.block_keys)
         for i in range(first, seq.num_computed_tokens // bs):
             ns = self.pager.namespace_for(seq, i) if seq.residency else self.pool.namespace
-            key = block_key(seq.block_keys[-1] if seq.block_keys else None, seq.token_ids[i * bs:(i + 1) * bs], ns)
+            parent = seq.block_keys[-1] if seq.block_keys else seq.root_key
+            key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs], ns)
             self.pool.seal(seq.block_table[i], key)
             seq.block_keys.append(key)
         if seq.residency:

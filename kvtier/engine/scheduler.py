@@ -73,7 +73,7 @@ class Scheduler:
                 cached, keys = [], seq.block_keys
             else:
                 limit = self.pager.max_shared_blocks if self.pager else None
-                cached, keys = self.pool.match_prefix(seq.token_ids, limit)
+                cached, keys = self.pool.match_prefix(seq.token_ids, limit, seq.root_key)
                 seq.num_computed_tokens = len(cached) * self.pool.block_size
             held = seq.block_table + cached
             n = self._chunk(seq, budget)

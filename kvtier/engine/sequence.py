@@ -19,7 +19,7 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer, arrival: int):
+                 detokenizer: IncrementalDetokenizer, arrival: int, root_key: bytes | None = None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -29,6 +29,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_keys: list[bytes] = []       # content keys of the sealed (full, computed) blocks
+        self.root_key = root_key                # the first block's parent: a cache salt's, or None
         self.num_computed_tokens = 0            # tokens whose K/V are in the pool
         self.num_cached_tokens = 0              # prompt tokens served from the prefix cache
         self.tier_tokens: dict[str, int] = {}   # of those, how many came from which tier

@@ -58,11 +58,11 @@ class Tiering:
             if seq.request_id in self._looked_up or seq.block_table:
                 continue
             self._looked_up.add(seq.request_id)
-            exact = chain_keys(seq.token_ids[:-1], self.pool.block_size, self.pool.namespace)
+            exact = chain_keys(seq.token_ids[:-1], self.pool.block_size, self.pool.namespace, seq.root_key)
             if seq.residency and (self._start_manifest_load(seq, exact) or self._start_long_prefix_load(seq, exact)):
                 continue
             limit = self.scheduler.pager.max_shared_blocks if self.scheduler.pager else None
-            on_device, device_keys = self.pool.match_prefix(seq.token_ids, limit)
+            on_device, device_keys = self.pool.match_prefix(seq.token_ids, limit, seq.root_key)
             keys = exact[len(on_device):limit]
             on_host, on_disk = self.transfer.lookup(keys)
             count = on_host + on_disk
@@ -128,7 +128,7 @@ class Tiering:
         pager = self.scheduler.pager
         if seq.block_keys and len(seq.block_table) > pager.budget_blocks:
             bs = self.pool.block_size
-            exact = chain_keys(seq.token_ids[:len(seq.block_keys) * bs], bs, self.pool.namespace)
+            exact = chain_keys(seq.token_ids[:len(seq.block_keys) * bs], bs, self.pool.namespace, seq.root_key)
             self.transfer.save_manifest(pager.manifest_key(exact[-1]), pager.manifest(seq))
 
     def poll(self) -> list[Sequence]:

@@ -2,7 +2,9 @@
 
 A full block's key is H(parent key, the block's token ids, namespace), so a key names
 the whole prefix up to the end of its block, and blocks computed by another model,
-dtype, block size, layout or attention mode can never collide with ours.
+dtype, block size, layout or attention mode can never collide with ours. A request's
+cache salt (a tenant, say) stands in as the first block's parent, so differently salted
+requests never share a block.
 """
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ def namespace(weights_fingerprint: str, dtype: str, block_size: int, layout: str
     """Everything that changes a block's bytes besides its tokens."""
     parts = f"weights={weights_fingerprint};dtype={dtype};block_size={block_size};layout={layout};attention={attention}"
     return xxhash.xxh3_128_digest(parts.encode())
+
+
+def salt_root(cache_salt: str | None) -> bytes | None:
+    """The parent of a salted sequence's first block: requests with different salts share no key."""
+    return None if cache_salt is None else xxhash.xxh3_128_digest(b"cache_salt\0" + cache_salt.encode())
 
 
 def block_key(parent: bytes | None, token_ids: list[int], ns: bytes) -> bytes:

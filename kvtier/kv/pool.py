@@ -117,13 +117,15 @@ class KVPool:
         two, layers, _, heads, dim = self.kv_cache.shape
         return (two, layers, self.block_size, heads, dim)
 
-    def match_prefix(self, token_ids: list[int], max_blocks: int | None = None) -> tuple[list[int], list[bytes]]:
+    def match_prefix(self, token_ids: list[int], max_blocks: int | None = None,
+                     root: bytes | None = None) -> tuple[list[int], list[bytes]]:
         """The longest run (up to max_blocks) of cached blocks holding a prefix of token_ids, referenced
-        for the caller. The last token is never matched: it must be computed to give fresh logits."""
+        for the caller; root: the salted parent of the first block. The last token is never matched: it
+        must be computed to give fresh logits."""
         if not self.prefix_cache:
             return [], []
         blocks, keys = [], []
-        for key in chain_keys(token_ids[:-1], self.block_size, self.namespace)[:max_blocks]:
+        for key in chain_keys(token_ids[:-1], self.block_size, self.namespace, root)[:max_blocks]:
             block = self.cached.get(key)
             if block is None:
                 break

@@ -52,5 +52,11 @@ class Tokenizer:
             raise ValueError(f"the chat template rejected the messages: {e}") from e
         return self.hf(text, add_special_tokens=False).input_ids
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: a text of N characters is at least N / this tokens."""
+        pieces = self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))
+        return max(len(piece) for piece in pieces if piece is not None)
+
     def token_str(self, token_id: int) -> str:
         return self.hf.decode([token_id], skip_special_tokens=False)

@@ -14,12 +14,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier.engine.outputs import RequestFailed, RequestOutput, RequestRejected
 from kvtier.server.metrics import Metrics, RequestCounter
-from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvtier.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    find_unencodable,
+    text_chars,
+)
 from kvtier.server.render import ChatRenderer, CompletionRenderer
 
 if TYPE_CHECKING:   # the engine pulls in the model code; the app only needs its interface
@@ -33,7 +42,7 @@ DISCONNECT_POLL_S = 0.2
 def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
     app = FastAPI(title="kvtier", summary="OpenAI-compatible LLM server with a tiered KV cache")
     metrics = Metrics(engine)
-    routes = _Routes(engine, config.served_model_name or engine.model_name, metrics)
+    routes = _Routes(engine, config.served_model_name or engine.model_name, metrics, config.cache_salt_from_api_key)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
@@ -43,39 +52,67 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_unexpected_error)
-    if config.api_key:
-        app.add_middleware(_APIKeyGuard, api_key=config.api_key)
+    app.add_middleware(_BodyLimit, max_bytes=config.max_request_bytes)
+    if config.api_keys:
+        app.add_middleware(_APIKeyGuard, api_keys=config.api_keys)
     app.add_middleware(RequestCounter, metrics=metrics, endpoints=ENDPOINTS)   # outermost: counts 401s too
     return app
 
 
 class _Routes:
-    def __init__(self, engine: AsyncEngine, served_model: str, metrics: Metrics):
+    def __init__(self, engine: AsyncEngine, served_model: str, metrics: Metrics, salt_from_api_key: bool):
         self.engine = engine
+        self.salt_from_api_key = salt_from_api_key
         self.served_model = served_model
         self.metrics = metrics
         self.created = int(time.time())
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        try:
-            prompt = self.engine.tokenizer.apply_chat_template([m.for_template() for m in body.messages])
-        except ValueError as e:
-            raise APIError(400, f"cannot build a chat prompt: {e}", param="messages") from None
+        # templating and tokenizing a large body takes seconds: never on the event loop
+        prompt = await run_in_threadpool(self._chat_prompt, body)
         renderer = ChatRenderer(self.served_model, self.engine.tokenizer.token_str)
         return await self._generate(request, body, prompt, renderer)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt = self.engine.tokenizer.encode(body.prompt)
-        else:
-            prompt = body.prompt
-            vocab_size = self.engine.tokenizer.vocab_size
-            if not all(0 <= t < vocab_size for t in prompt):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        prompt = await run_in_threadpool(self._completion_prompt, body)
         renderer = CompletionRenderer(self.served_model, self.engine.tokenizer.token_str)
         return await self._generate(request, body, prompt, renderer)
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [m.for_template() for m in body.messages]
+        self._check_text(body, text_chars(messages), "messages")
+        try:
+            return self.engine.tokenizer.apply_chat_template(messages)
+        except ValueError as e:
+            raise APIError(400, f"cannot build a chat prompt: {e}", param="messages") from None
+
+    def _completion_prompt(self, body: CompletionRequest) -> list[int]:
+        if isinstance(body.prompt, str):
+            self._check_text(body, len(body.prompt), "prompt")
+            return self.engine.tokenizer.encode(body.prompt)
+        vocab_size = self.engine.tokenizer.vocab_size
+        if not all(0 <= t < vocab_size for t in body.prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        return body.prompt
+
+    def _check_text(self, body: BaseModel, chars: int, param: str) -> None:
+        """Refuse text the tokenizer cannot take, and prompts that are too long for certain, before tokenizing."""
+        where = find_unencodable(body.model_dump(exclude_none=True))
+        if where is not None:
+            raise APIError(400, f"{where} is not valid Unicode text (it holds a lone surrogate)",
+                           param=where.split(".")[0].split("[")[0])
+        least = chars // self.engine.tokenizer.max_token_chars
+        if least > self.engine.max_model_len:
+            raise APIError(400, f"this model's maximum context length is {self.engine.max_model_len} tokens, but "
+                                f"the {param} hold {chars} characters, at least {least} tokens", param=param)
+
+    def _cache_salt(self, request: Request, body: ChatCompletionRequest | CompletionRequest) -> str | None:
+        """The request's cache salt; with salts from API keys, its key's salt comes first."""
+        if not self.salt_from_api_key:
+            return body.cache_salt
+        return f"{request.state.api_key}\0{body.cache_salt or ''}"
 
     async def models(self) -> ModelList:
         card = ModelCard(id=self.served_model, created=self.created, max_model_len=self.engine.max_model_len)
@@ -98,7 +135,8 @@ class _Routes:
         """Shared by chat and completions, streaming or not."""
         params = body.sampling_params(len(prompt), self.engine.max_model_len)
         arrival = time.perf_counter()
-        gen = self.engine.generate(renderer.id, prompt, params, body.kvtier.pin if body.kvtier else None)
+        gen = self.engine.generate(renderer.id, prompt, params, body.kvtier.pin if body.kvtier else None,
+                                   self._cache_salt(request, body))
         # wait for the first output before answering, so a rejected request gets a 400, not a broken stream
         try:
             first = await _unless_disconnected(request, anext(gen))
@@ -183,21 +221,62 @@ async def _unless_disconnected(request: Request, awaitable: Awaitable):
         task.cancel()
 
 
-class _APIKeyGuard:
-    """ASGI middleware: /v1 routes need 'Authorization: Bearer <api_key>'; /health and /metrics stay open."""
+class _BodyLimit:
+    """ASGI middleware: a body over max_bytes gets a 413, from its Content-Length before any of it is read,
+    else as soon as what arrived passes the limit."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, max_bytes: int):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.max_bytes = max_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self.expected):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await _error_response(self._too_large())(scope, receive, send)
+        received = 0
+
+        async def receive_within_limit():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise StarletteHTTPException(413, self._too_large().message)   # answered by _on_http_error
+            return message
+        await self.app(scope, receive_within_limit, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes "
+                             "(--max-request-bytes)", code="request_too_large")
+
+
+class _APIKeyGuard:
+    """ASGI middleware: every route but /health needs one of the API keys, as 'Authorization: Bearer KEY'
+    (the scheme in any case) or 'x-api-key: KEY'. The key that matched is left in the request's state."""
+
+    def __init__(self, app, api_keys: list[str]):
+        self.app = app
+        self.keys = [key.encode() for key in api_keys]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            key = self._matching_key(Headers(scope=scope))
+            if key is None:
                 err = APIError(401, "missing or incorrect API key; send it as 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
                 return await _error_response(err)(scope, receive, send)
+            scope.setdefault("state", {})["api_key"] = key
         await self.app(scope, receive, send)
+
+    def _matching_key(self, headers: Headers) -> str | None:
+        scheme, _, given = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            given = headers.get("x-api-key", "")
+        given = given.strip().encode()
+        # compare with every key, so the time taken says nothing about which one nearly matched
+        matches = [key for key in self.keys if secrets.compare_digest(given, key)]
+        return matches[0].decode() if matches else None
 
 
 # ---------------------------------------------------------------- errors, all in OpenAI's shape

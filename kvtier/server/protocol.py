@@ -13,6 +13,32 @@ from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.sampling_params import SamplingParams
 
 
+def find_unencodable(value, path: str = "") -> str | None:
+    """The path of the first string in a JSON value that UTF-8 cannot encode (a lone surrogate), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        return next(filter(None, (find_unencodable(v, f"{path}.{k}" if path else str(k)) for k, v in value.items())),
+                    None)
+    elif isinstance(value, list | tuple):
+        return next(filter(None, (find_unencodable(v, f"{path}[{i}]") for i, v in enumerate(value))), None)
+    return None
+
+
+def text_chars(value) -> int:
+    """How many characters of text a JSON value holds (a bound on what it adds to a prompt)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_chars(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(text_chars(v) for v in value)
+    return 0
+
+
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
@@ -73,6 +99,7 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     kvtier: KvtierOptions | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)   # as in vLLM: shares KV only with the same salt
 
     @property
     def include_usage(self) -> bool:
