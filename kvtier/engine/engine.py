@@ -32,7 +32,9 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
-        loaded = load_model(resolve_model_path(config.model), config.torch_dtype)
+        # weight digests are remembered beside the disk cache, whose namespace they name
+        digests = os.path.join(os.path.expanduser(config.kv_disk_dir), "fingerprints.json") if config.kv_disk else None
+        loaded = load_model(resolve_model_path(config.model), config.torch_dtype, digests)
         self.model_config = loaded.config
         self.model_name = loaded.name
         self.fingerprint = loaded.fingerprint

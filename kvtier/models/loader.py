@@ -20,6 +20,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from kvtier.models.config import ARCHITECTURES, ModelConfig
+from kvtier.models.digest import file_digest
 from kvtier.models.tokenizer import Tokenizer
 
 
@@ -32,7 +33,6 @@ def _find_bundled_model() -> str | None:
 
 
 BUNDLED_MODEL = _find_bundled_model()
-SAMPLE_BYTES = 64 * 1024  # bytes hashed from the start of every tensor for the fingerprint
 
 GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
@@ -50,7 +50,7 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     name: str          # short display name: the file stem or directory name
-    fingerprint: str   # hex digest of the architecture and (sampled) weight bytes, never of the path
+    fingerprint: str   # hex digest of the architecture and every weight byte, never of the path
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -67,12 +67,13 @@ def resolve_model_path(model: str | None) -> str:
         "or leave --model out to serve the bundled SmolLM2-135M-Instruct")
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(path: str, dtype: torch.dtype = torch.float32, digest_cache: str | None = None) -> LoadedModel:
+    """digest_cache: a JSON file remembering weight files' digests (see digest.py)."""
     if os.path.isdir(path):
-        config, weights, fingerprint = read_hf_dir(path, dtype)
+        config, weights, fingerprint = read_hf_dir(path, dtype, digest_cache)
         name = os.path.basename(os.path.abspath(path))
     elif os.path.isfile(path):
-        config, weights, fingerprint = read_gguf(path, dtype)
+        config, weights, fingerprint = read_gguf(path, dtype, digest_cache)
         name = os.path.splitext(os.path.basename(path))[0]
     else:
         raise ValueError(f"no model at {path}: expected a Hugging Face directory or a .gguf file")
@@ -115,46 +116,38 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], config: ModelConfig, path: 
         raise ValueError(f"{path}: the weights do not fit the {config.architecture} config ({'; '.join(problems)})")
 
 
-def fingerprint(config: ModelConfig, files: list[tuple[str, bytes, list[tuple[int, int]]]]) -> str:
-    """Hash the architecture, then for each (file, tensor index, tensor byte spans): the file size,
-    the index (names, shapes, types) and the first SAMPLE_BYTES of every tensor."""
+def fingerprint(config: ModelConfig, files: list[str], digest_cache: str | None) -> str:
+    """Hash the architecture and every byte of every weight file (digests remembered in digest_cache)."""
     h = xxhash.xxh3_128()
     arch = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("bos_token_id", "eos_token_ids")}
     h.update(json.dumps(arch, sort_keys=True).encode())
-    for file, index, spans in files:
-        h.update(str(os.path.getsize(file)).encode() + index)
-        with open(file, "rb") as f:
-            for offset, length in spans:
-                f.seek(offset)
-                h.update(f.read(min(length, SAMPLE_BYTES)))
+    for file in files:
+        h.update(file_digest(file, digest_cache).encode())
     return h.hexdigest()
 
 
 # ---- Hugging Face directory ----
 
-def read_hf_dir(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+def read_hf_dir(path: str, dtype: torch.dtype,
+                digest_cache: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
     config = hf_config(path)
-    shapes, hashed = {}, []
-    for file in _safetensors_files(path):
-        raw, header = _safetensors_header(file)
-        data_start = 8 + len(raw)
+    shapes, files = {}, _safetensors_files(path)
+    for file in files:
+        header = _safetensors_header(file)
         tensors = {n: t for n, t in header.items() if n != "__metadata__"}
         shapes |= {n: tuple(t["shape"]) for n, t in tensors.items() if not n.endswith("rotary_emb.inv_freq")}
-        spans = [(data_start + t["data_offsets"][0], t["data_offsets"][1] - t["data_offsets"][0])
-                 for t in tensors.values()]
-        hashed.append((file, raw, spans))
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
     check_shapes(shapes, config, path)
     weights = {}
     with tqdm(total=len(shapes), desc=f"Loading {os.path.basename(os.path.abspath(path))}", unit="tensor") as bar:
-        for file, _, _ in hashed:
+        for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     if name in shapes:
                         weights[name] = f.get_tensor(name).to(dtype)
                         bar.update()
-    return config, weights, fingerprint(config, hashed)
+    return config, weights, fingerprint(config, files, digest_cache)
 
 
 def hf_config(path: str) -> ModelConfig:
@@ -219,12 +212,12 @@ def _safetensors_files(path: str) -> list[str]:
     return files
 
 
-def _safetensors_header(file: str) -> tuple[bytes, dict]:
+def _safetensors_header(file: str) -> dict:
     with open(file, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
         raw = f.read(size) if size <= os.path.getsize(file) - 8 else b""
     try:
-        return raw, json.loads(raw)
+        return json.loads(raw)
     except ValueError:
         raise ValueError(f"{file} is not a valid safetensors file (unreadable header)") from None
 
@@ -245,7 +238,8 @@ def _ids(value) -> tuple[int, ...]:
 
 # ---- GGUF file ----
 
-def read_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+def read_gguf(path: str, dtype: torch.dtype,
+              digest_cache: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
     reader = _open_gguf(path)
     tensors = {}
     for t in reader.tensors:
@@ -275,9 +269,7 @@ def read_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, tor
         elif config.architecture == "llama" and ".self_attn.k_proj." in name:
             w = _unpermute(w, config.num_kv_heads)
         weights[name] = w.to(dtype)
-    index = "\n".join(f"{t.name} {list(t.shape)} {t.tensor_type.name}" for t in reader.tensors).encode()
-    spans = [(int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
-    return config, weights, fingerprint(config, [(path, index, spans)])
+    return config, weights, fingerprint(config, [path], digest_cache)
 
 
 def gguf_config(reader: GGUFReader, tensors: dict, path: str) -> ModelConfig:
