@@ -221,3 +221,34 @@ def test_a_long_exact_prefix_restores_with_only_sink_and_tail_resident(tiny_mode
     assert warm.tokens[0] == cold.tokens[0]
     # the end-of-prompt reselection paged the best blocks in up to the budget, and the peak counter saw it
     assert bounded.stats()["residency"]["max_resident_blocks"] == BUDGET
+
+
+def test_concurrent_bounded_requests_keep_the_host_budget(tiny_model_dir, exact):
+    """Six bounded requests at once, each able to pin 11 blocks in the host tier (all but the sink and the
+    tail), with room for 24: the pinned blocks never pass the budget (later requests wait), and each answers
+    as it does alone."""
+    def small_host_engine():
+        # a step budget that never cuts a prefill chunk: the pager alone sizes them, as when running alone
+        engine = LLMEngine(Config(model=tiny_model_dir, kv_resident_tokens=BUDGET * BS, kv_reselect_every=4,
+                                  kv_host_gib=1.0, **{**BASE, "max_batched_tokens": 1024}))
+        engine.transfer.host.budget_bytes = 24 * engine.pool.block_bytes   # too small to say in GiB
+        return engine
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prompts = [prompt(236, salt=i) for i in range(6)]      # 236 + 20 tokens: 16 blocks
+    alone = [run(small_host_engine(), p, max_tokens=20).tokens for p in prompts]
+    engine = small_host_engine()
+    host = engine.transfer.host
+    for i, p in enumerate(prompts):
+        engine.add_request(f"q{i}", p, params)
+    peak = {"pinned": 0, "running": 0}
+
+    def check(seq):
+        peak["pinned"] = max(peak["pinned"], host.pinned_bytes)
+        peak["running"] = max(peak["running"], len(engine.scheduler.running))
+    tokens = step_all(engine, check)
+    assert [tokens[f"q{i}"] for i in range(6)] == alone
+    assert 0 < peak["pinned"] <= host.budget_bytes
+    assert peak["running"] == 2                   # 2 × 11 blocks fit 24, a third would not
+    assert engine.pager.host_reserved == 0 and host.pinned_bytes == 0
+    with pytest.raises(RequestRejected, match="host tier"):       # one that could never fit is refused
+        engine.add_request("huge", prompt(40 * BS), SamplingParams(max_tokens=1))

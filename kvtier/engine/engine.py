@@ -82,16 +82,15 @@ class LLMEngine:
                 "shorten the prompt or lower max_tokens")
         blocks = self.pool.blocks_for(total)
         if self.pager:
-            self._check_paged_out_room(blocks - self.pager.budget_blocks)
+            self._check_paged_out_room(self.pager.host_bytes_for(total))
             blocks = min(blocks, self.pager.budget_blocks)
         if blocks > self.pool.num_blocks:
             raise RequestRejected(
                 f"the request needs {blocks * self.pool.block_size} tokens of device KV but the whole pool holds "
                 f"{self.pool.num_blocks * self.pool.block_size}; raise --kv-pool-tokens or shorten the request")
 
-    def _check_paged_out_room(self, num_blocks: int) -> None:
+    def _check_paged_out_room(self, need: int) -> None:
         host = self.transfer.host
-        need = num_blocks * self.pool.block_bytes
         if need > host.budget_bytes:
             raise RequestRejected(
                 f"the request would page {need / 2**30:.2f} GiB of KV out to the host tier, whose budget is "

@@ -69,6 +69,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
+            if seq.residency and not self.pager.reserve_host(seq):
+                break     # its paged-out blocks would pass the host budget: wait for running sequences to end
             if seq.block_table:     # restored from a lower tier: it already holds its prefix blocks
                 cached, keys = [], seq.block_keys
             else:

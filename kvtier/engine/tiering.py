@@ -57,6 +57,8 @@ class Tiering:
         for seq in list(self.scheduler.waiting):
             if seq.request_id in self._looked_up or seq.block_table:
                 continue
+            if seq.residency and not self.scheduler.pager.reserve_host(seq):
+                continue     # a restore pins host blocks: wait for room in the host budget first
             self._looked_up.add(seq.request_id)
             exact = chain_keys(seq.token_ids[:-1], self.pool.block_size, self.pool.namespace, seq.root_key)
             if seq.residency and (self._start_manifest_load(seq, exact) or self._start_long_prefix_load(seq, exact)):

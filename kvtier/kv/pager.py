@@ -69,6 +69,7 @@ class Residency:
     decoded_since_reselect: int = 0
     prompt_reselected: bool = False
     bounded_from: int | None = None      # the first token computed over a partial resident set
+    host_reserved: int = 0               # bytes of the host tier promised to its paged-out blocks
 
 
 class Pager:
@@ -81,6 +82,7 @@ class Pager:
         self.exact_namespace, self.bounded_namespace = exact_namespace, bounded_namespace
         self.stats = {"page_ins": 0, "page_outs": 0, "reselects": 0, "reselect_seconds": 0.0,
                       "max_resident_blocks": 0}
+        self.host_reserved = 0     # bytes of the host tier promised to admitted sequences, at most its budget
         self._tick = 0
 
     # --- admission -------------------------------------------------------------------------------
@@ -100,6 +102,27 @@ class Pager:
                 f"and {self.tail_blocks} tail blocks the residency budget of {self.budget_blocks} blocks would leave "
                 "no room for a scored block; pin less or raise --kv-resident-tokens")
         return res
+
+    def host_bytes_for(self, num_tokens: int) -> int:
+        """The most host-tier bytes a sequence of num_tokens may pin. Nothing if it fits its budget; else a block
+        once paged out stays pinned, paged back in or not, so every block but the sink and the final tail."""
+        blocks = self.pool.blocks_for(num_tokens)
+        if blocks <= self.budget_blocks:
+            return 0
+        return (blocks - self.sink_blocks - self.tail_blocks) * self.pool.block_bytes
+
+    def reserve_host(self, seq) -> bool:
+        """Promise seq room in the host tier for all it may page out; False (it waits) while the promises to
+        the sequences admitted before it leave too little of the budget."""
+        res = seq.residency
+        need = self.host_bytes_for(seq.num_prompt_tokens + seq.params.max_tokens)
+        if res.host_reserved or not need:
+            return True
+        if self.host_reserved + need > self.host.budget_bytes:
+            return False
+        res.host_reserved = need
+        self.host_reserved += need
+        return True
 
     @property
     def max_shared_blocks(self) -> int:
@@ -244,10 +267,12 @@ class Pager:
         self.stats["reselect_seconds"] += time.perf_counter() - start
 
     def release(self, seq) -> None:
-        """The sequence is gone or starts over: unpin its host copies and forget its ledger."""
+        """The sequence is gone or starts over: unpin its host copies, give back its promised room in the host
+        tier and forget its ledger."""
         res = seq.residency
         for i in res.offloaded:
             self.host.unpin(seq.block_keys[i])
+        self.host_reserved -= res.host_reserved
         seq.residency = Residency(pins=res.pins)
 
     # --- internals -------------------------------------------------------------------------------

@@ -70,6 +70,11 @@ class HostTier:
                 self._pins[key] = count
             self._evict()
 
+    @property
+    def pinned_bytes(self) -> int:
+        with self._lock:
+            return sum(self._blocks[key].numel() * self._blocks[key].element_size() for key in self._pins)
+
     def get(self, key: bytes) -> torch.Tensor | None:
         runs = self.get_run([key])
         return runs[0] if runs else None
