@@ -201,7 +201,7 @@ def test_files_of_another_namespace_dtype_or_shape_are_ignored(tmp_path, caplog,
     assert make_tier(tmp_path).match_prefix(keys) == 2
 
 
-def test_wrong_magic_or_damaged_header_warns_once_and_other_versions_are_silent(tmp_path, caplog):
+def test_damaged_files_are_deleted_at_startup_and_other_versions_left_alone(tmp_path, caplog):
     runs = [keys_for(2, seed=s) for s in range(3)]
     tier = make_tier(tmp_path)
     for keys in runs:
@@ -217,8 +217,9 @@ def test_wrong_magic_or_damaged_header_warns_once_and_other_versions_are_silent(
     with caplog.at_level(logging.WARNING, logger="kvtier.kv.disk"):
         tier = make_tier(tmp_path)
     assert all(tier.match_prefix(keys) == 0 for keys in runs)
-    assert len(warnings_in(caplog)) == 1 and "2 damaged" in warnings_in(caplog)[0]
-    assert len(files(tmp_path)) == 3                    # skipped, not deleted
+    assert len(warnings_in(caplog)) == 1 and "deleted 2 damaged" in warnings_in(caplog)[0]
+    assert files(tmp_path) == [new_version]       # damaged files never linger outside the budget
+    assert tier.bytes_used == 0 and tier.stats["damaged_removed"] == 2
 
 
 def test_unwritable_directory_disables_the_tier(tmp_path, caplog):

@@ -8,8 +8,10 @@ resident blocks onto the device and leaves the others in the host or disk tier, 
 in when selected.
 
 Manifests are safetensors files (tensors plus string metadata: magic, version, namespace,
-keys, pins) in DIR/<key hex>.kvm, written atomically, the newest MAX_FILES kept; and the
-most recent ones in memory. A damaged, foreign or mismatched manifest is a miss.
+keys, pins) in DIR/<key hex>.kvm, written like block files (files.atomic_write: a temp file
+of this process, mode 0600, fsync, rename), the newest MAX_FILES kept; and the most recent
+ones in memory. A damaged, foreign or mismatched manifest is a miss; only regular files are
+read, so a FIFO or a link in the directory never hangs or misleads the store.
 """
 from __future__ import annotations
 
@@ -24,10 +26,13 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from kvtier.kv.tiers.files import TMP_SUFFIX, atomic_write, is_stale_temp, read_regular, regular_files, remove
+
 log = logging.getLogger("kvtier.kv.manifest")
 
 MAGIC, VERSION, SUFFIX = "kvtier-manifest", 1, ".kvm"
 MAX_FILES = 1024
+MAX_HEADER_BYTES = 16 << 20    # a manifest header (mostly its block keys) is far smaller
 MAX_IN_MEMORY = 8       # each holds its key summaries: ~11 MiB for an 8K-token float32 sequence
 
 
@@ -96,9 +101,8 @@ def _block_keys(meta: dict, namespace: bytes) -> list[bytes]:
 def _read_block_keys(path: str, namespace: bytes) -> list[bytes]:
     """A manifest file's block keys, from its header alone."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            meta = _metadata(head + f.read(int.from_bytes(head, "little")))
+        head = read_regular(path, MAX_HEADER_BYTES)
+        meta = _metadata(head[:8 + int.from_bytes(head[:8], "little")])
     except (OSError, ValueError, AttributeError) as e:
         raise ManifestError(f"damaged manifest header: {e}") from None
     return _block_keys(meta, namespace)
@@ -115,10 +119,14 @@ class ManifestStore:
         if directory is not None:
             try:
                 os.makedirs(directory, exist_ok=True)
-                names = [n for n in os.listdir(directory) if n.endswith(SUFFIX) and len(n) == 32 + len(SUFFIX)]
+                entries, _ = regular_files(directory)
             except OSError as e:
                 log.warning("manifests stay in memory only: %s", e)
-                self.directory, names = None, []
+                self.directory, entries = None, []
+            for entry in entries:
+                if entry.name.endswith(TMP_SUFFIX) and is_stale_temp(entry.name):
+                    remove(entry.path)
+            names = [e.name for e in entries if e.name.endswith(SUFFIX) and len(e.name) == 32 + len(SUFFIX)]
             damaged = []
             for name in names:
                 path = os.path.join(directory, name)
@@ -128,7 +136,7 @@ class ManifestStore:
                     continue                       # another model's or setting's: left alone
                 except ManifestError as e:
                     damaged.append(f"{path}: {e}")
-                    _remove(path)
+                    remove(path)
             if damaged:
                 log.warning("removed %d damaged manifest(s), e.g. %s", len(damaged), damaged[0])
 
@@ -150,9 +158,7 @@ class ManifestStore:
             return
         path = self._path(key)
         try:
-            with open(path + ".tmp", "wb") as f:
-                f.write(manifest.to_bytes(self.namespace))
-            os.replace(path + ".tmp", path)
+            atomic_write(path, [manifest.to_bytes(self.namespace)])
         except OSError as e:
             log.warning("could not write manifest %s: %s", path, e)
             return
@@ -169,14 +175,13 @@ class ManifestStore:
                 return None
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
-                return Manifest.from_bytes(f.read(), self.namespace)
+            return Manifest.from_bytes(read_regular(path), self.namespace)
         except (OSError, ManifestError) as e:
             log.warning("manifest %s is a miss: %s", path, e)
             with self._lock:
                 self._on_disk.pop(key, None)
             if isinstance(e, ManifestError) and not isinstance(e, ForeignManifest):
-                _remove(path)
+                remove(path)
             return None
 
     def discard(self, key: bytes) -> None:
@@ -185,7 +190,7 @@ class ManifestStore:
             self._memory.pop(key, None)
             on_disk = self._on_disk.pop(key, None) is not None
         if on_disk:
-            _remove(self._path(key))
+            remove(self._path(key))
 
     def _trim(self) -> None:
         """Keep the newest MAX_FILES manifest files."""
@@ -195,16 +200,10 @@ class ManifestStore:
             paths = [self._path(k) for k in self._on_disk]
         paths.sort(key=lambda p: os.path.getmtime(p) if os.path.exists(p) else 0)
         for path in paths[:len(paths) - MAX_FILES]:
-            _remove(path)
+            remove(path)
             with self._lock:
                 self._on_disk.pop(bytes.fromhex(os.path.basename(path)[:-len(SUFFIX)]), None)
 
     def _path(self, key: bytes) -> str:
         return os.path.join(self.directory, key.hex() + SUFFIX)
 
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass

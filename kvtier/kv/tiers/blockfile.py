@@ -13,24 +13,22 @@ out, and a payload only after its own checksum does. Token count 0 means "not re
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 
 import torch
 import xxhash
 
 from kvtier.kv.keys import KEY_BYTES
+from kvtier.kv.tiers.files import atomic_write
 
 MAGIC = b"KVTIERB\0"
 VERSION = 1
 ALIGN = 4096
 MAX_NDIM = 8
 MAX_BLOCKS = 1 << 16               # per file: bounds the header a reader accepts
-IOV_MAX = 1024                     # buffers per writev call (the Linux limit)
 PREFIX = struct.Struct("<8sII")
 BODY = struct.Struct("<16s16sII")
 DIM = struct.Struct("<Q")
@@ -79,7 +77,7 @@ def file_size(count: int, ndim: int, block_bytes: int) -> int:
 
 def write_block_file(path: str, namespace: bytes, block_shape: tuple[int, ...], dtype: torch.dtype,
                      keys: list[bytes], payloads: list[torch.Tensor], token_counts: list[int]) -> Header:
-    """Write the blocks to `path` atomically: a temp file beside it, fsync, rename."""
+    """Write the blocks to `path` atomically (see files.atomic_write)."""
     block_shape = tuple(block_shape)
     if not 1 <= len(keys) <= MAX_BLOCKS or len(payloads) != len(keys) or len(token_counts) != len(keys):
         raise ValueError(f"a block file needs 1 to {MAX_BLOCKS} keys and one payload and token count per key, got "
@@ -107,16 +105,7 @@ def write_block_file(path: str, namespace: bytes, block_shape: tuple[int, ...], 
     for d in data:
         buffers += [d, pad]
 
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            _write_all(f.fileno(), buffers[:-1])   # no padding after the last payload
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    atomic_write(path, buffers[:-1])   # no padding after the last payload
     return header
 
 
@@ -205,15 +194,3 @@ def _unpack_header(path: str, data: bytes, size: int) -> Header:
     if any(o % ALIGN or n != block_bytes for o, n in zip(offsets, lengths)):
         raise BlockFileError(f"{path}: payload offsets or lengths do not match {shape} {dtype} blocks")
     return Header(namespace, dtype, shape, keys, token_counts, offsets, lengths, checksums)
-
-
-def _write_all(fd: int, buffers: list) -> None:
-    """One writev for the whole file, repeated only if the kernel writes less."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    views = [v for v in views if len(v)]
-    while views:
-        n = os.writev(fd, views[:IOV_MAX])
-        while views and n >= len(views[0]):
-            n -= len(views.pop(0))
-        if n:
-            views[0] = views[0][n:]

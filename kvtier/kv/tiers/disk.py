@@ -5,17 +5,24 @@ by that key's first two hex digits: DIR/ab/ab12....kvb. The index (key → file,
 memory and is rebuilt at start-up from the files' headers alone. A file is the unit of
 eviction; files are ordered by last read or write, at start-up by mtime (reads touch it).
 
-Nothing here raises on bad data or a bad disk: a damaged file is a miss and is deleted; an
-unwritable directory or a full disk turns the tier off with one warning. Files of another
-namespace, block shape, dtype or format version are left alone: not indexed, not counted
-against the budget, never evicted. Thread-safe; file I/O runs outside the lock.
+Nothing here raises on bad data or a bad disk. A damaged file is a miss and is deleted, at
+start-up too. Room is made before a file is written; a full disk (ENOSPC, EDQUOT) or an I/O
+error makes more room and tries once more. A directory that cannot be used turns the tier
+off with one warning, and it tries again by itself after a back-off (doubling up to
+MAX_BACKOFF_S). Only regular files are read: links, FIFOs and other entries are skipped one
+by one. Temp files name their writer's pid; start-up removes only those of dead processes.
+Files of another namespace, block shape, dtype or format version are left alone: not
+indexed, not counted against the budget, never evicted. Thread-safe; file I/O runs outside
+the lock.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -34,9 +41,14 @@ from kvtier.kv.tiers.blockfile import (
     write_block_file,
 )
 
+from kvtier.kv.tiers.files import TMP_SUFFIX, is_stale_temp, regular_files, remove
+
 log = logging.getLogger("kvtier.kv.disk")
 
 SUFFIX = ".kvb"
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EIO)   # worth making room and trying once more
+FIRST_BACKOFF_S = 5.0
+MAX_BACKOFF_S = 300.0
 
 
 @dataclass(eq=False)
@@ -78,30 +90,31 @@ class DiskTier:
         self.dtype = dtype
         self.block_bytes = math.prod(self.block_shape) * dtype.itemsize
         self.bytes_used = 0
-        self.enabled = True
+        self.disabled_until: float | None = None    # monotonic time of the next try while disabled
+        self.backoff_s = FIRST_BACKOFF_S
+        self.loaded = False                          # the index was built from the directory
         self.files: OrderedDict[str, BlockFile] = OrderedDict()   # path → file, least recently used first
         self.index: dict[bytes, tuple[BlockFile, int]] = {}       # key → (file, block in file)
-        self.stats = dict.fromkeys(("lookups", "hit_blocks", "bytes_read", "bytes_written", "evictions", "errors"), 0)
+        self.stats = dict.fromkeys(("lookups", "hit_blocks", "bytes_read", "bytes_written", "evictions", "errors",
+                                    "retries", "damaged_removed"), 0)
         self._lock = threading.Lock()
-        try:
-            os.makedirs(directory, exist_ok=True)
-            if not os.access(directory, os.W_OK | os.X_OK):
-                raise PermissionError(f"{directory} is not writable")
-            self._load()
-        except OSError as e:
-            self._disable(f"cannot use {directory}: {e}")
-            return
-        self._evict()
+        with self._lock:
+            self._open()
+
+    @property
+    def enabled(self) -> bool:
+        with self._lock:
+            return self._usable()
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
-            return self.enabled and key in self.index
+            return self._usable() and key in self.index
 
     def match_prefix(self, keys: list[bytes]) -> int:
         """How many leading keys are on disk."""
         with self._lock:
             n = 0
-            while self.enabled and n < len(keys) and keys[n] in self.index:
+            while self._usable() and n < len(keys) and keys[n] in self.index:
                 n += 1
             self.stats["lookups"] += 1
             return n
@@ -114,9 +127,7 @@ class DiskTier:
             raise ValueError(f"put_run got {len(keys)} keys, {len(payloads)} payloads, "
                              f"{len(token_counts)} token counts")
         with self._lock:
-            if not self.enabled:
-                return
-            new = [i for i, key in enumerate(keys) if key not in self.index]
+            new = [i for i, key in enumerate(keys) if key not in self.index] if self._usable() else []
         if not new:
             return
         size = file_size(len(new), len(self.block_shape), self.block_bytes)
@@ -124,17 +135,23 @@ class DiskTier:
             return
         keys = [keys[i] for i in new]
         path = os.path.join(self.directory, keys[0].hex()[:2], keys[0].hex() + SUFFIX)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            header = write_block_file(path, self.namespace, self.block_shape, self.dtype, keys,
-                                      [payloads[i] for i in new], [token_counts[i] for i in new])
-        except OSError as e:
-            self._disable(f"cannot write {path}: {e}")
-            return
+        for attempt in range(2):
+            with self._lock:
+                self._evict(self.budget_bytes - size)    # room first: a budget near the free space must fit
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                header = write_block_file(path, self.namespace, self.block_shape, self.dtype, keys,
+                                          [payloads[i] for i in new], [token_counts[i] for i in new])
+                break
+            except OSError as e:
+                if attempt == 0 and e.errno in DISK_FULL and self._make_room(size):
+                    continue      # the disk filled up under us: our least recently used files made room
+                self._disable(f"cannot write {path}: {e}")
+                return
         with self._lock:
             self._add(BlockFile(path, size, header))
             self.stats["bytes_written"] += size
-            self._evict()
+            self._evict(self.budget_bytes)
 
     def get_run(self, keys: list[bytes], staging: Staging | None = None) -> list[torch.Tensor] | None:
         """Payloads of these keys, or None (a miss) if any is absent or its file is damaged.
@@ -142,7 +159,7 @@ class DiskTier:
         Each file is read once, in one call; its blocks are views of one buffer: a new one per
         file, or consecutive pieces of `staging` (valid until its next use)."""
         with self._lock:
-            if not self.enabled or any(key not in self.index for key in keys):
+            if not self._usable() or any(key not in self.index for key in keys):
                 return None
             places = [self.index[key] for key in keys]
         wanted: dict[BlockFile, list[int]] = {}
@@ -170,30 +187,70 @@ class DiskTier:
                 pass
         return [blocks[place] for place in places]
 
+    def _open(self) -> None:
+        """(Under the lock.) Make the directory and index what it holds; on failure, disable the tier."""
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            if not os.access(self.directory, os.W_OK | os.X_OK):
+                raise PermissionError(f"{self.directory} is not writable")
+            self._load()
+        except OSError as e:
+            self._disable_locked(f"cannot use {self.directory}: {e}")
+            return
+        self.loaded = True
+        self._evict(self.budget_bytes)
+
+    def _usable(self) -> bool:
+        """(Under the lock.) Whether the tier serves now. A disabled tier tries again once its back-off ends."""
+        if self.disabled_until is None:
+            return True
+        if time.monotonic() < self.disabled_until:
+            return False
+        self.disabled_until = None
+        if not self.loaded:
+            self._open()
+        if self.disabled_until is None:
+            log.warning("disk tier enabled again: %s", self.directory)
+        return self.disabled_until is None
+
     def _load(self) -> None:
-        """Index the compatible files, oldest first; drop leftover temp files; warn once about damaged ones."""
-        found, damaged = [], []
-        for shard in os.scandir(self.directory):
-            if not shard.is_dir() or len(shard.name) != 2:
+        """Index the compatible files, oldest first. Temp files of dead writers and damaged files are deleted,
+        anything but a regular file skipped; one warning for each kind."""
+        found, damaged, skipped = [], [], []
+        shards, other = regular_subdirs(self.directory)
+        skipped += other
+        for shard in shards:
+            try:
+                entries, other = regular_files(shard.path)
+            except OSError as e:
+                skipped.append(f"{shard.name} ({e})")
                 continue
-            for entry in os.scandir(shard.path):
-                if entry.name.endswith(".tmp"):        # a write cut short by a crash
-                    _remove(entry.path)
-                elif entry.name.endswith(SUFFIX) and entry.is_file():
+            skipped += [f"{shard.name}/{name}" for name in other]
+            for entry in entries:
+                if entry.name.endswith(TMP_SUFFIX):
+                    if is_stale_temp(entry.name):     # a write cut short by a crash
+                        remove(entry.path)
+                elif entry.name.endswith(SUFFIX):
                     try:
                         header = read_header(entry.path)
-                        stat = entry.stat()
+                        stat = entry.stat(follow_symlinks=False)
                     except UnknownVersion:
                         continue
                     except (BlockFileError, OSError) as e:
                         damaged.append(str(e))
+                        remove(entry.path)
                         continue
                     if self._compatible(header):
                         found.append((stat.st_mtime_ns, entry.path, stat.st_size, header))
         for _, path, size, header in sorted(found, key=lambda f: f[:2]):
             self._add(BlockFile(path, size, header))
         if damaged:
-            log.warning("disk tier skipped %d damaged file(s) in %s, e.g. %s", len(damaged), self.directory, damaged[0])
+            self.stats["damaged_removed"] += len(damaged)
+            log.warning("disk tier deleted %d damaged file(s) in %s, e.g. %s", len(damaged), self.directory,
+                        damaged[0])
+        if skipped:
+            log.warning("disk tier skipped %d entries that are not regular files or directories in %s, e.g. %s",
+                        len(skipped), self.directory, skipped[0])
 
     def _compatible(self, header: Header) -> bool:
         return (header.namespace == self.namespace and header.dtype == dtype_name(self.dtype)
@@ -214,13 +271,22 @@ class DiskTier:
                 del self.index[key]
         self.bytes_used -= file.size
 
-    def _evict(self) -> None:
-        """Delete least recently used files until the budget holds."""
-        while self.bytes_used > self.budget_bytes:
+    def _evict(self, limit: int) -> None:
+        """(Under the lock.) Delete least recently used files until at most `limit` bytes are used."""
+        while self.files and self.bytes_used > limit:
             file = next(iter(self.files.values()))
             self._drop(file)
-            _remove(file.path)
+            remove(file.path)
             self.stats["evictions"] += 1
+
+    def _make_room(self, size: int) -> bool:
+        """After a full disk: evict at least `size` bytes more of our files; False if there were none."""
+        with self._lock:
+            if not self.files:
+                return False
+            self._evict(max(0, self.bytes_used - size))
+            self.stats["retries"] += 1
+            return True
 
     def _discard(self, file: BlockFile, error: Exception) -> None:
         """Drop a file that failed to read (unless eviction already did), and delete it."""
@@ -229,20 +295,33 @@ class DiskTier:
                 return
             self._drop(file)
             self.stats["errors"] += 1
-        _remove(file.path)
+        remove(file.path)
         log.warning("disk tier dropped a damaged file, its blocks will be recomputed: %s", error)
 
     def _disable(self, reason: str) -> None:
         with self._lock:
-            if not self.enabled:
-                return
-            self.enabled = False
-            self.stats["errors"] += 1
-        log.warning("disk tier disabled, caching continues in the other tiers: %s", reason)
+            self._disable_locked(reason)
+
+    def _disable_locked(self, reason: str) -> None:
+        if self.disabled_until is not None:
+            return
+        self.disabled_until = time.monotonic() + self.backoff_s
+        self.stats["errors"] += 1
+        log.warning("disk tier disabled for %.0f s, caching continues in the other tiers: %s", self.backoff_s, reason)
+        self.backoff_s = min(2 * self.backoff_s, MAX_BACKOFF_S)
 
 
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
+def regular_subdirs(directory: str) -> tuple[list[os.DirEntry], list[str]]:
+    """The shard directories (two-character names, real directories), and the names of two-character
+    entries skipped as anything else (other names are not ours: the manifests, the digest cache)."""
+    shards, skipped = [], []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if len(entry.name) != 2:
+                continue
+            try:
+                real_dir = entry.is_dir(follow_symlinks=False)
+            except OSError:
+                real_dir = False
+            (shards.append(entry) if real_dir else skipped.append(entry.name))
+    return shards, skipped

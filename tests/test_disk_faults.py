@@ -1,0 +1,153 @@
+"""A disk tier that heals: a full disk (a real, small tmpfs), I/O errors, other processes' temp files,
+entries that are not regular files, and manifests written like block files."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import subprocess
+import threading
+
+import pytest
+import torch
+from test_disk_tier import BLOCK_BYTES, SHAPE, files, keys_for, make_tier, payloads_for
+
+from kvtier.kv import manifest as manifest_module
+from kvtier.kv.manifest import Manifest, ManifestStore
+from kvtier.kv.tiers import disk as disk_module
+from kvtier.kv.tiers.blockfile import file_size
+
+RUN = file_size(4, len(SHAPE), BLOCK_BYTES)     # one run of 4 blocks
+RUN_ON_DISK = -(-RUN // 4096) * 4096             # what it takes of a file system of 4 KiB pages
+
+
+@contextlib.contextmanager
+def small_disk(path, size: int):
+    """A real file system of `size` bytes (tmpfs; mounting needs root, as CI runs)."""
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def put_runs(tier, n: int, first_seed: int = 0) -> list[list[bytes]]:
+    runs = [keys_for(4, seed=s) for s in range(first_seed, first_seed + n)]
+    for keys in runs:
+        tier.put_run(keys, payloads_for(4, seed=keys[0][0]))
+    return runs
+
+
+def test_a_budget_as_large_as_the_disk_evicts_before_writing(tmp_path):
+    with small_disk(tmp_path / "disk", 6 * RUN_ON_DISK) as disk:
+        tier = make_tier(disk, budget=6 * RUN)        # the budget is all the free space there is
+        runs = put_runs(tier, 20)
+        assert tier.enabled and tier.stats["errors"] == 0
+        assert len(files(disk)) == 6 and [tier.match_prefix(k) for k in runs[-6:]] == [4] * 6
+        assert tier.bytes_used <= tier.budget_bytes
+
+
+def test_a_disk_filled_by_others_makes_room_and_retries(tmp_path):
+    with small_disk(tmp_path / "disk", 8 * RUN_ON_DISK) as disk:
+        tier = make_tier(disk, budget=100 * RUN)      # a budget far beyond the disk
+        put_runs(tier, 4)
+        (disk / "someone-else").write_bytes(b"\0" * (4 * RUN_ON_DISK - 4096))   # the rest of the disk
+        runs = put_runs(tier, 3, first_seed=10)
+        assert tier.enabled and tier.stats["retries"] >= 1 and tier.stats["errors"] == 0
+        assert [tier.match_prefix(k) for k in runs] == [4, 4, 4]
+
+
+def test_a_tier_disabled_by_errors_enables_itself_after_a_backoff(tmp_path, monkeypatch):
+    def broken(fd, buffers):
+        raise OSError(errno.EIO, "Input/output error")
+    tier = make_tier(tmp_path)
+    with monkeypatch.context() as m:
+        m.setattr(os, "writev", broken)
+        put_runs(tier, 1)
+    assert not tier.enabled and tier.stats["errors"] == 1
+    assert tier.disabled_until is not None and tier.backoff_s == 2 * disk_module.FIRST_BACKOFF_S
+    tier.disabled_until -= disk_module.FIRST_BACKOFF_S      # the back-off has passed
+    runs = put_runs(tier, 2, first_seed=5)
+    assert tier.enabled and [tier.match_prefix(k) for k in runs] == [4, 4]
+
+
+def test_a_directory_unusable_at_startup_is_tried_again(tmp_path):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the directory should be")
+    tier = make_tier(blocker)
+    assert not tier.enabled
+    blocker.unlink()
+    tier.disabled_until -= disk_module.FIRST_BACKOFF_S
+    runs = put_runs(tier, 1)
+    assert tier.enabled and tier.match_prefix(runs[0]) == 4
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_startup_removes_only_temp_files_of_dead_writers(tmp_path):
+    keys = put_runs(make_tier(tmp_path), 1)[0]
+    shard = next(p for p in tmp_path.iterdir() if p.is_dir())
+    live = shard / f"{keys[0].hex()}.kvb.{os.getpid()}.abc123.tmp"      # another server, writing right now
+    dead = shard / f"{keys[0].hex()}.kvb.{dead_pid()}.def456.tmp"       # a server killed mid-write
+    live.write_bytes(b"half a file")
+    dead.write_bytes(b"half a file")
+    tier = make_tier(tmp_path)
+    assert live.exists() and not dead.exists() and tier.match_prefix(keys) == 4
+
+
+def test_entries_that_are_not_regular_files_are_skipped_one_by_one(tmp_path, caplog):
+    runs = put_runs(make_tier(tmp_path), 2)
+    shard = next(p for p in tmp_path.iterdir() if p.is_dir())
+    os.mkfifo(shard / ("f" * 32 + ".kvb"))                  # would block a reader forever
+    os.symlink("loop.kvb", shard / "loop.kvb")                # a link to itself
+    (shard / ("d" * 32 + ".kvb")).mkdir()
+    os.symlink(str(tmp_path / "zz"), tmp_path / "zz")         # a looping shard
+    os.mkfifo(tmp_path / "yy")
+    done = threading.Event()
+    result = {}
+
+    def start():
+        result["tier"] = make_tier(tmp_path)
+        done.set()
+    threading.Thread(target=start, daemon=True).start()
+    assert done.wait(30), "start-up hung"
+    tier = result["tier"]
+    assert tier.enabled and [tier.match_prefix(k) for k in runs] == [4, 4]
+    assert any("not regular files" in r.getMessage() for r in caplog.records)
+
+
+def manifest(n: int) -> Manifest:
+    keys = keys_for(n)
+    tensors = {name: torch.zeros(n, 2, 2, 8) for name in ("kmin", "kmax", "kmean")} | {"scores": torch.zeros(n)}
+    return Manifest(keys, [True] * n, list(range(n)), 0, [], tensors)
+
+
+def test_manifests_are_written_like_block_files_and_fifos_never_hang_startup(tmp_path):
+    directory = tmp_path / "manifests"
+    store = ManifestStore(b"bounded-ns-01234", str(directory))
+    key = keys_for(5)[-1]
+    store.put(key, manifest(3))
+    path = directory / (key.hex() + manifest_module.SUFFIX)
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert [p.name for p in directory.iterdir()] == [path.name]     # no temp file left
+    os.mkfifo(directory / ("e" * 32 + manifest_module.SUFFIX))
+    stale = directory / f"{path.name}.{dead_pid()}.x1y2z3.tmp"
+    stale.write_bytes(b"cut short")
+    done = threading.Event()
+    result = {}
+
+    def start():
+        result["store"] = ManifestStore(b"bounded-ns-01234", str(directory))
+        done.set()
+    threading.Thread(target=start, daemon=True).start()
+    assert done.wait(30), "start-up hung on a FIFO"
+    again = result["store"]
+    assert again.block_keys(key) == keys_for(3) and again.get(key).keys == keys_for(3)
+    assert not stale.exists()
