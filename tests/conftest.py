@@ -104,12 +104,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def kvtier_server(args: list[str], log_path):
-    """A real `kvtier serve` subprocess on a free port (bundled model unless --model is given); yields its URL."""
+def kvtier_server(args: list[str], log_path, env: dict[str, str] | None = None, on_start=None):
+    """A real `kvtier serve` subprocess on a free port (bundled model unless --model is given); yields its URL.
+    env: more environment variables; on_start(proc) is called once it is healthy."""
     port = free_port()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), *args],
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -125,6 +126,8 @@ def kvtier_server(args: list[str], log_path):
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
+        if on_start is not None:
+            on_start(proc)
         yield url
     finally:
         proc.terminate()
@@ -132,3 +135,27 @@ def kvtier_server(args: list[str], log_path):
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def scrape(http) -> dict[str, float]:
+    """The /metrics samples, by name with labels, e.g. 'kvtier_requests_total{endpoint="/v1/models",status="200"}'."""
+    samples = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+IDLE_GAUGES = ("kvtier_requests_running", "kvtier_requests_waiting", "kvtier_requests_loading",
+               "kvtier_kv_pool_blocks_used", "kvtier_kv_host_pinned_bytes", "kvtier_kv_host_reserved_bytes")
+
+
+def wait_until_idle(http, timeout=10.0) -> dict[str, float]:
+    """The metrics once nothing runs, waits or loads and no device block or host pin is held (or at timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(http)
+        if all(m.get(name, 0) == 0 for name in IDLE_GAUGES) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)

@@ -1,13 +1,12 @@
 """The real server (`kvtier serve`, bundled model) driven by the official openai client and httpx."""
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-from conftest import kvtier_server
+from conftest import kvtier_server, scrape, wait_until_idle
 from openai import OpenAI
 
 pytestmark = pytest.mark.integration
@@ -40,26 +39,6 @@ def model(client) -> str:
 def http(base_url):
     with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
         yield c
-
-
-def scrape(http) -> dict[str, float]:
-    """The /metrics samples, by name with labels, e.g. 'kvtier_requests_total{endpoint="/v1/models",status="200"}'."""
-    samples = {}
-    for line in http.get("/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
-def wait_until_idle(http, timeout=10.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = scrape(http)
-        idle = m["kvtier_requests_running"] == 0 and m["kvtier_requests_waiting"] == 0
-        if (idle and m["kvtier_kv_pool_blocks_used"] == 0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
 
 
 def test_health_needs_no_key(base_url):

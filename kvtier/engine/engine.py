@@ -253,5 +253,5 @@ class LLMEngine:
         if self.tiering:
             stats.update(self.tiering.stats())
         if self.pager:
-            stats["residency"] = dict(self.pager.stats)
+            stats["residency"] = {**self.pager.stats, "host_reserved_bytes": self.pager.host_reserved}
         return stats

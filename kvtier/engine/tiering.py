@@ -188,6 +188,10 @@ class Tiering:
         for tier in (self.transfer.host, self.transfer.disk):
             if tier is not None:
                 tiers[tier.name] = {**tier.stats, "bytes_used": tier.bytes_used, "budget_bytes": tier.budget_bytes}
+        if self.transfer.host is not None:
+            tiers["host"]["pinned_bytes"] = self.transfer.host.pinned_bytes
+        if self.transfer.disk is not None:
+            tiers["disk"]["enabled"] = int(self.transfer.disk.enabled)
         return {"tiers": tiers, "load_buckets": LOAD_BUCKETS, "load_counts": list(self.load_counts),
                 "load_seconds_sum": self.load_seconds_sum, "num_loading": len(self.loading)}
 

@@ -79,6 +79,8 @@ class _EngineCollector:
             yield CounterMetricFamily(f"kvtier_kv_{name}", doc, value=r[name])
         yield GaugeMetricFamily("kvtier_kv_max_resident_blocks", "Most device blocks one sequence has held",
                                 value=r["max_resident_blocks"])
+        yield GaugeMetricFamily("kvtier_kv_host_reserved_bytes", "Host-tier bytes promised to admitted bounded "
+                                "sequences' paged-out blocks", value=r["host_reserved_bytes"])
 
     @staticmethod
     def _tiers(s: dict):
@@ -103,6 +105,12 @@ class _EngineCollector:
         for tier, st in tiers.items():
             hit_tokens.add_metric([tier], st.get("hit_blocks", 0) * s["block_size"])
         yield hit_tokens
+        if "host" in tiers:
+            yield GaugeMetricFamily("kvtier_kv_host_pinned_bytes", "Host-tier bytes pinned for live sequences",
+                                    value=tiers["host"]["pinned_bytes"])
+        if "disk" in tiers:
+            yield GaugeMetricFamily("kvtier_kv_disk_enabled", "1 while the disk tier serves, 0 while it is "
+                                    "disabled (it tries again after a back-off)", value=tiers["disk"]["enabled"])
         cumulative, buckets = 0, []
         for le, count in zip((*s["load_buckets"], float("inf")), s["load_counts"]):
             cumulative += count
