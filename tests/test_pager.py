@@ -252,3 +252,9 @@ def test_concurrent_bounded_requests_keep_the_host_budget(tiny_model_dir, exact)
     assert engine.pager.host_reserved == 0 and host.pinned_bytes == 0
     with pytest.raises(RequestRejected, match="host tier"):       # one that could never fit is refused
         engine.add_request("huge", prompt(40 * BS), SamplingParams(max_tokens=1))
+
+
+def test_pins_without_bounded_residency_are_refused(exact):
+    with pytest.raises(RequestRejected, match="--kv-resident-tokens"):
+        exact.add_request("pinned", prompt(40), SamplingParams(max_tokens=2), pins=[(0, 16)])
+    assert not exact.has_unfinished()
