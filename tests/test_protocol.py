@@ -119,7 +119,9 @@ def test_sampling_fields_reach_params():
     assert ChatCompletionRequest(**chat_body(top_logprobs=2)).sampling_params(1, 64).logprobs is None
 
 
-@pytest.mark.parametrize("field, value", [("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", -1.0),
+@pytest.mark.parametrize("field, value", [("n", 2), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+                                          ("repetition_penalty", 0.0), ("logit_bias", {"5": 101}),
+                                          ("logit_bias", {"five": 1}), ("min_tokens", 100),
                                           ("temperature", 5.0), ("top_p", 0.0), ("max_tokens", 0)])
 def test_out_of_range_or_unsupported_is_400(field, value):
     req = ChatCompletionRequest(**chat_body(**{field: value}))
@@ -128,15 +130,49 @@ def test_out_of_range_or_unsupported_is_400(field, value):
     assert e.value.status_code == 400
 
 
-@pytest.mark.parametrize("field, value", [("echo", True), ("best_of", 3), ("suffix", "x")])
-def test_unsupported_completion_fields(field, value):
-    with pytest.raises(APIError, match=field):
-        CompletionRequest(model=MODEL, prompt="x", **{field: value}).sampling_params(1, 64)
+@pytest.mark.parametrize("fields", [{"echo": True, "logprobs": 1}, {"best_of": 3}, {"suffix": "x"}])
+def test_unsupported_completion_fields(fields):
+    with pytest.raises(APIError, match=next(iter(fields))):
+        CompletionRequest(model=MODEL, prompt="x", **fields).sampling_params(1, 64)
 
 
-def test_text_parts_are_joined_and_unknown_fields_ignored():
+def test_every_optional_field_takes_null(client):
+    nulls = dict.fromkeys(("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+                           "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
+                           "max_completion_tokens", "user", "cache_salt", "min_tokens", "repetition_penalty"))
+    r = client.post("/v1/chat/completions", json=chat_body(**nulls))
+    assert r.status_code == 200, r.text
+    completion = {"model": MODEL, "prompt": "hi", **dict.fromkeys(("echo", "best_of", "suffix", "logprobs", "n"))}
+    assert client.post("/v1/completions", json=completion).status_code == 200
+
+
+@pytest.mark.parametrize("field", ["tools", "response_format", "not_a_field"])
+def test_unknown_or_unhonoured_fields_are_a_400_naming_them(client, field):
+    err = error_of(client.post("/v1/chat/completions", json=chat_body(**{field: {"type": "x"}})), 400)
+    assert err["param"] == field and "does not support" in err["message"]
+
+
+def test_developer_role_is_system(client, engine):
+    client.post("/v1/chat/completions", json=chat_body(messages=[{"role": "developer", "content": "Be brief."},
+                                                                 {"role": "user", "content": "hi"}]))
+    assert "".join(map(chr, engine.requests[-1][0])).startswith("<system>Be brief.")
+
+
+def test_model_by_id(client):
+    assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert error_of(client.get("/v1/models/other"), 404)["code"] == "model_not_found"
+
+
+def test_echo_prepends_the_prompt(client):
+    body = {"model": MODEL, "prompt": "Say: ", "max_tokens": 3, "echo": True}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == "Say: hel"
+    events = sse_events(client.post("/v1/completions", json={**body, "stream": True}).text)
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == "Say: hel"
+
+
+def test_text_parts_are_joined():
     req = ChatCompletionRequest(**chat_body(messages=[{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], frobnicate=1))
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]))
     assert req.messages[0].for_template() == {"role": "user", "content": "a\nb"}
 
 

@@ -11,6 +11,7 @@ from kvtier.config import Config
 from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.outputs import RequestOutput, RequestRejected
 from kvtier.engine.runner import ModelRunner
+from kvtier.engine.logits_processing import process_logits
 from kvtier.engine.sampler import sample, token_logprob
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import ScheduledBatch, Scheduler
@@ -74,6 +75,9 @@ class LLMEngine:
         """Raise RequestRejected if this request could never run. Reads only fixed state: thread-safe."""
         if num_prompt_tokens == 0:
             raise RequestRejected("the prompt is empty")
+        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
+            raise RequestRejected(f"logit_bias names token {max(params.logit_bias)}, but the vocabulary has "
+                                  f"{self.model_config.vocab_size} tokens")
         total = num_prompt_tokens + params.max_tokens
         if total > self.max_model_len:
             raise RequestRejected(
@@ -203,7 +207,8 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.params
-        token_id = sample(logits, params, seq.generator)
+        processed = process_logits(logits, params, seq.token_ids, seq.num_prompt_tokens, self.tokenizer.eos_token_ids)
+        token_id = sample(processed, params, seq.generator)
         seq.token_ids.append(token_id)
         seq.pending_token_ids.append(token_id)
         if params.logprobs is not None:

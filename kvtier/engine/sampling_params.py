@@ -18,6 +18,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None   # None → no logprobs; N → chosen token plus top-N alternatives
+    presence_penalty: float = 0.0     # OpenAI's: subtracted once from every token already generated
+    frequency_penalty: float = 0.0    # OpenAI's: subtracted per time a token was generated
+    repetition_penalty: float = 1.0   # vLLM's: logits of prompt and output tokens divided (or, if < 0, multiplied)
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id → added to its logit
+    min_tokens: int = 0               # end-of-sequence tokens are masked until this many are generated
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -36,12 +41,28 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if len(self.stop) > 4 or any(not s for s in self.stop):
             raise ValueError("stop must hold at most 4 non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(not -100.0 <= bias <= 100.0 for bias in self.logit_bias.values()) or \
+                any(token < 0 for token in self.logit_bias):
+            raise ValueError("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters")
         # normalise values that are legal but would overflow the sampler's float32 arithmetic
         if self.temperature < SAMPLING_EPS:
             self.temperature = 0.0
         self.top_p = max(self.top_p, MIN_TOP_P)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything changes the logits before sampling (else they are sampled as they are)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

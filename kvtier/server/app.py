@@ -46,6 +46,7 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.scrape, methods=["GET"])
     app.add_exception_handler(APIError, _on_api_error)
@@ -77,7 +78,9 @@ class _Routes:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         prompt = await run_in_threadpool(self._completion_prompt, body)
-        renderer = CompletionRenderer(self.served_model, self.engine.tokenizer.token_str)
+        echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else \
+            self.engine.tokenizer.decode(body.prompt)
+        renderer = CompletionRenderer(self.served_model, self.engine.tokenizer.token_str, echo)
         return await self._generate(request, body, prompt, renderer)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
@@ -115,8 +118,14 @@ class _Routes:
         return f"{request.state.api_key}\0{body.cache_salt or ''}"
 
     async def models(self) -> ModelList:
-        card = ModelCard(id=self.served_model, created=self.created, max_model_len=self.engine.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[self._card()])
+
+    async def model(self, model_id: str) -> ModelCard:
+        self._check_model(model_id)
+        return self._card()
+
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self.served_model, created=self.created, max_model_len=self.engine.max_model_len)
 
     async def health(self) -> dict:
         return {"status": "ok"}
@@ -299,7 +308,11 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
         if not loc:   # no body, or not an object (also what a form content-type gives)
             return _error_response(APIError(400, "the request body must be a JSON object "
                                                   "sent with 'Content-Type: application/json'"))
-        messages.append(f"{'.'.join(loc)}: {e['msg'].removeprefix('Value error, ')}")
+        if e["type"] == "extra_forbidden":
+            messages.append(f"{'.'.join(loc)}: kvtier does not support this field (see the README's table of "
+                            "request fields)")
+        else:
+            messages.append(f"{'.'.join(loc)}: {e['msg'].removeprefix('Value error, ')}")
         params.append(loc[0])
     return _error_response(APIError(400, "; ".join(messages), param=params[0]))
 

@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response schemas, and how engine outputs become responses.
 
-Unknown request fields are ignored (pydantic's default), as vLLM does; fields we accept but
-cannot honour are rejected with a 400 rather than silently dropped.
+Nothing is silently ignored: an unknown request field, or one kvtier cannot honour, is a 400
+that names it.
 """
 from __future__ import annotations
 
@@ -57,12 +57,16 @@ class APIError(Exception):
 
 # ---------------------------------------------------------------- requests
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class _Request(BaseModel, extra="forbid"):
+    """A request body: a field kvtier does not know is a 400 naming it, never silently dropped."""
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = None
 
 
 class ChatMessage(BaseModel, extra="allow"):   # extra keys (name, tool_calls, ...) reach the template
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None
 
     @field_validator("content", mode="before")
@@ -77,33 +81,41 @@ class ChatMessage(BaseModel, extra="allow"):   # extra keys (name, tool_calls, .
         return content
 
     def for_template(self) -> dict:
-        return {**self.model_dump(exclude_none=True), "content": self.content or ""}
+        message = {**self.model_dump(exclude_none=True), "content": self.content or ""}
+        if self.role == "developer":    # OpenAI's newer name for the system role; templates know "system"
+            message["role"] = "system"
+        return message
 
 
-class KvtierOptions(BaseModel):
+class KvtierOptions(_Request):
     """The `kvtier` request extension (pass it with the openai client's extra_body)."""
     pin: list[tuple[int, int]] = []   # half-open prompt token ranges kept resident under bounded residency
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_Request):
+    """Every optional field also takes an explicit null, as OpenAI's specification allows."""
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None          # extension; -1 means "off" as in vLLM
+    top_k: int | None = None              # extension; -1 means "off" as in vLLM
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None   # extension, as in vLLM
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None             # extension, as in vLLM
+    user: str | None = None                   # an end-user id for the caller's records: accepted, not used
     kvtier: KvtierOptions | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)   # as in vLLM: shares KV only with the same salt
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """Validated engine parameters; APIError(400) for anything out of range or unsupported."""
@@ -121,16 +133,24 @@ class _GenerationRequest(BaseModel):
                 seed=self.seed,
                 stop=self.stop or [],
                 logprobs=self._logprobs(),
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=self._logit_bias(),
+                min_tokens=self.min_tokens or 0,
             )
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
+    def _logit_bias(self) -> dict[int, float]:
+        try:    # JSON object keys are strings: OpenAI sends token ids as "1234"
+            return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+
     def _check_supported(self) -> None:
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise APIError(400, f"only n=1 is supported, got n={self.n}", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise APIError(400, f"{name} is not supported; leave it out or set it to 0", param=name)
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -145,7 +165,7 @@ class _GenerationRequest(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
 
     def _max_tokens(self) -> int | None:
@@ -161,7 +181,7 @@ class ChatCompletionRequest(_GenerationRequest):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -177,8 +197,8 @@ class CompletionRequest(_GenerationRequest):
 
     def _check_supported(self) -> None:
         super()._check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported (it needs the prompt's logprobs)", param="echo")
         if self.best_of not in (None, 1):
             raise APIError(400, f"only best_of=1 is supported, got best_of={self.best_of}", param="best_of")
         if self.suffix:

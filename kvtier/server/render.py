@@ -75,15 +75,16 @@ class ChatRenderer(_Renderer):
 class CompletionRenderer(_Renderer):
     id_prefix = "cmpl-"
 
-    def __init__(self, model: str, token_str: Callable[[int], str]):
+    def __init__(self, model: str, token_str: Callable[[int], str], echo: str = ""):
         super().__init__(model, token_str)
         self.text_offset = 0   # characters of completion text before the next token
+        self.echo = echo       # the prompt, sent before the completion (echo=true)
 
     def response(self, out: RequestOutput) -> CompletionResponse:
         return CompletionResponse(**self._head(), choices=[self._choice(out)], usage=Usage.of(out))
 
     def chunk(self, out: RequestOutput) -> CompletionResponse | None:
-        if not out.new_text and not out.logprobs and not out.finished:
+        if not out.new_text and not out.logprobs and not out.finished and not self.echo:
             return None
         return CompletionResponse(**self._head(), choices=[self._choice(out)])
 
@@ -91,8 +92,8 @@ class CompletionRenderer(_Renderer):
         return CompletionResponse(**self._head(), choices=[], usage=Usage.of(out))
 
     def _choice(self, out: RequestOutput) -> CompletionChoice:
-        return CompletionChoice(text=out.new_text, logprobs=self._logprobs(out.logprobs),
-                                finish_reason=out.finish_reason)
+        text, self.echo = self.echo + out.new_text, ""
+        return CompletionChoice(text=text, logprobs=self._logprobs(out.logprobs), finish_reason=out.finish_reason)
 
     def _logprobs(self, logprobs: list[TokenLogprob] | None) -> CompletionLogprobs | None:
         if logprobs is None:
