@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 KV_POLICIES = ("lru", "quest", "meankey")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 EXACT_BLOCK_SIZE = 64       # tokens per block: large runs for the tiers
 BOUNDED_BLOCK_SIZE = 16     # under bounded residency: pages small enough that a needle is not diluted in hay
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,6 +53,8 @@ class Config:
     api_key_file: str | None = None       # more keys, one per line ('#' starts a comment)
     cache_salt_from_api_key: bool = False  # each key's requests share KV only with the same key's
     max_request_bytes: int = 16 * 2**20   # larger bodies get a 413 before they are read
+    chat_template: str | None = None      # a Jinja chat template file, instead of the model's
+    tool_call_parser: str | None = None   # hermes | llama3_json; None → chosen from the chat template
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -108,6 +111,11 @@ class Config:
             raise ConfigError("an API key must be non-empty and carry no surrounding whitespace")
         if self.cache_salt_from_api_key and not self.api_keys:
             raise ConfigError("cache_salt_from_api_key needs API keys (--api-key, --api-key-file or $KVTIER_API_KEY)")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                              f"got {self.tool_call_parser!r}")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ConfigError(f"chat_template {self.chat_template!r} is not a file")
         if self.max_request_bytes < 1024:
             raise ConfigError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
 

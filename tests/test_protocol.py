@@ -32,7 +32,10 @@ class StubTokenizer:
     def token_str(self, token_id):
         return chr(token_id)
 
-    def apply_chat_template(self, messages):
+    chat_template = None
+    knows_tools = False
+
+    def apply_chat_template(self, messages, tools=None):
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
 
 
@@ -146,7 +149,7 @@ def test_every_optional_field_takes_null(client):
     assert client.post("/v1/completions", json=completion).status_code == 200
 
 
-@pytest.mark.parametrize("field", ["tools", "response_format", "not_a_field"])
+@pytest.mark.parametrize("field", ["audio", "prediction", "not_a_field"])
 def test_unknown_or_unhonoured_fields_are_a_400_naming_them(client, field):
     err = error_of(client.post("/v1/chat/completions", json=chat_body(**{field: {"type": "x"}})), 400)
     assert err["param"] == field and "does not support" in err["message"]
@@ -196,10 +199,11 @@ def out(text, finished=False, reason=None, logprobs=None, n=1):
 
 def test_chat_chunks_send_role_once_and_skip_empty_deltas():
     r = ChatRenderer(MODEL, chr)
-    first = r.chunk(out("a")).model_dump()
-    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
-    assert r.chunk(out("")) is None                 # text held back: nothing to send
-    last = r.chunk(out("", finished=True, reason="stop")).model_dump()
+    role, first = (c.model_dump() for c in r.chunks(out("a")))
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": None}     # a role-only first chunk
+    assert first["choices"][0]["delta"] == {"role": None, "content": "a"}
+    assert r.chunks(out("")) == []                  # text held back: nothing to send
+    last, = (c.model_dump() for c in r.chunks(out("", finished=True, reason="stop")))
     assert last["choices"][0]["delta"] == {"role": None, "content": None}
     assert last["choices"][0]["finish_reason"] == "stop"
     assert r.usage_chunk(out("", True, "stop", n=4)).model_dump()["usage"] == {
@@ -217,8 +221,8 @@ def test_chat_logprobs_shape():
 def test_completion_logprobs_offsets_continue_across_chunks():
     r = CompletionRenderer(MODEL, lambda i: chr(i) * 2)   # two characters per token
     lp = lambda c: [TokenLogprob(ord(c), -1.0, [(ord(c), -1.0)])]
-    first = r.chunk(out("a", logprobs=lp("a"))).model_dump()["choices"][0]["logprobs"]
-    second = r.chunk(out("b", logprobs=lp("b"))).model_dump()["choices"][0]["logprobs"]
+    first = r.chunks(out("a", logprobs=lp("a")))[0].model_dump()["choices"][0]["logprobs"]
+    second = r.chunks(out("b", logprobs=lp("b")))[0].model_dump()["choices"][0]["logprobs"]
     assert first == {"tokens": ["aa"], "token_logprobs": [-1.0], "top_logprobs": [{"aa": -1.0}], "text_offset": [0]}
     assert second["text_offset"] == [2]
 

@@ -11,6 +11,7 @@ from kvtier.config import Config
 from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.outputs import RequestOutput, RequestRejected
 from kvtier.engine.runner import ModelRunner
+from kvtier.engine.grammar import GrammarCompiler, GrammarError
 from kvtier.engine.logits_processing import process_logits
 from kvtier.engine.sampler import sample, token_logprob
 from kvtier.engine.sampling_params import SamplingParams
@@ -40,6 +41,9 @@ class LLMEngine:
         self.model_name = loaded.name
         self.fingerprint = loaded.fingerprint
         self.tokenizer = loaded.tokenizer
+        if config.chat_template:
+            with open(config.chat_template) as f:
+                self.tokenizer.use_chat_template(f.read())
         self.model = Decoder.from_weights(loaded.config, loaded.weights, config.torch_dtype, self.device)
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
@@ -60,6 +64,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs, self.pager)
         self.runner = ModelRunner(self.model, self.pool, self.device, self.pager)
         self.tiering = Tiering(self.transfer, self.pool, self.scheduler) if self.transfer else None
+        self.grammars = GrammarCompiler(self.tokenizer.hf)
         self._arrivals = itertools.count()
         self._ended: list[Sequence] = []     # finished outside a step (aborted, failed): reported by the next step
 
@@ -110,6 +115,11 @@ class LLMEngine:
                                   "does not run (start it with --kv-resident-tokens)")
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         seq = Sequence(request_id, prompt_token_ids, params, detok, next(self._arrivals), salt_root(cache_salt))
+        if params.grammar is not None:
+            try:
+                seq.constraint = self.grammars.constraint(params.grammar)
+            except GrammarError as e:
+                raise RequestRejected(str(e)) from None
         if self.pager:
             try:
                 seq.residency = self.pager.new_residency(pins, len(prompt_token_ids))
@@ -208,7 +218,11 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.params
         processed = process_logits(logits, params, seq.token_ids, seq.num_prompt_tokens, self.tokenizer.eos_token_ids)
+        if seq.constraint is not None:
+            processed = seq.constraint.masked(processed)
         token_id = sample(processed, params, seq.generator)
+        if seq.constraint is not None:
+            seq.constraint.accept(token_id)
         seq.token_ids.append(token_id)
         seq.pending_token_ids.append(token_id)
         if params.logprobs is not None:
@@ -219,6 +233,8 @@ class LLMEngine:
             self._finish(seq, "stop")
         elif seq.num_output_tokens >= params.max_tokens:
             self._finish(seq, "length")
+        elif seq.constraint is not None and seq.constraint.done:
+            self._finish(seq, "stop")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.residency:

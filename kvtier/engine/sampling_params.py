@@ -23,6 +23,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # vLLM's: logits of prompt and output tokens divided (or, if < 0, multiplied)
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id → added to its logit
     min_tokens: int = 0               # end-of-sequence tokens are masked until this many are generated
+    grammar: str | None = None        # a Lark grammar (llguidance) the output must follow
 
     def __post_init__(self):
         if isinstance(self.stop, str):

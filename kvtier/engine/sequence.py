@@ -34,6 +34,7 @@ class Sequence:
         self.num_cached_tokens = 0              # prompt tokens served from the prefix cache
         self.tier_tokens: dict[str, int] = {}   # of those, how many came from which tier
         self.residency = None                   # the pager's state under bounded residency, else None
+        self.constraint = None                  # its grammar's state (engine/grammar.py), if it has one
         self.finish_reason: str | None = None
         self.error: str | None = None           # why the engine failed it (finish_reason "error")
         self.generator = None

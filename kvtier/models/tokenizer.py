@@ -42,12 +42,24 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    @property
+    def chat_template(self) -> str | None:
+        return self.hf.chat_template
+
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the chat template has a tool format of its own (it reads the `tools` variable)."""
+        return "tools" in (self.chat_template or "")
+
+    def use_chat_template(self, template: str) -> None:
+        self.hf.chat_template = template
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions with a plain prompt")
         # render, then tokenize without adding special tokens: the template already wrote them
         try:
-            text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except jinja2.TemplateError as e:   # the template refused the conversation (e.g. roles must alternate)
             raise ValueError(f"the chat template rejected the messages: {e}") from e
         return self.hf(text, add_special_tokens=False).input_ids

@@ -30,6 +30,8 @@ from kvtier.server.protocol import (
     text_chars,
 )
 from kvtier.server.render import ChatRenderer, CompletionRenderer
+from kvtier.server.tool_parsers import PARSERS, ToolParser, parser_for_template
+from kvtier.server.tools import grammar_error, json_grammar, template_messages, tool_call_grammar
 
 if TYPE_CHECKING:   # the engine pulls in the model code; the app only needs its interface
     from kvtier.config import Config
@@ -42,7 +44,10 @@ DISCONNECT_POLL_S = 0.2
 def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
     app = FastAPI(title="kvtier", summary="OpenAI-compatible LLM server with a tiered KV cache")
     metrics = Metrics(engine)
-    routes = _Routes(engine, config.served_model_name or engine.model_name, metrics, config.cache_salt_from_api_key)
+    parser = PARSERS[config.tool_call_parser] if config.tool_call_parser else \
+        parser_for_template(engine.tokenizer.chat_template)
+    routes = _Routes(engine, config.served_model_name or engine.model_name, metrics, config.cache_salt_from_api_key,
+                     parser)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
@@ -61,8 +66,10 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
 
 
 class _Routes:
-    def __init__(self, engine: AsyncEngine, served_model: str, metrics: Metrics, salt_from_api_key: bool):
+    def __init__(self, engine: AsyncEngine, served_model: str, metrics: Metrics, salt_from_api_key: bool,
+                 tool_parser: ToolParser):
         self.engine = engine
+        self.tool_parser = tool_parser
         self.salt_from_api_key = salt_from_api_key
         self.served_model = served_model
         self.metrics = metrics
@@ -71,9 +78,10 @@ class _Routes:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         # templating and tokenizing a large body takes seconds: never on the event loop
-        prompt = await run_in_threadpool(self._chat_prompt, body)
-        renderer = ChatRenderer(self.served_model, self.engine.tokenizer.token_str)
-        return await self._generate(request, body, prompt, renderer)
+        prompt, parser, grammar = await run_in_threadpool(self._chat_prompt, body)
+        renderer = ChatRenderer(self.served_model, self.engine.tokenizer.token_str, parser, body.legacy_functions,
+                                max_calls=1 if body.parallel_tool_calls is False else None)
+        return await self._generate(request, body, prompt, renderer, grammar)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
@@ -83,13 +91,43 @@ class _Routes:
         renderer = CompletionRenderer(self.served_model, self.engine.tokenizer.token_str, echo)
         return await self._generate(request, body, prompt, renderer)
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], ToolParser | None, str | None]:
+        """The prompt, the parser for tool calls in the reply (None without tools), and the grammar the reply
+        must follow (a forced call, a JSON schema; None if free)."""
+        tokenizer = self.engine.tokenizer
+        mode = body.tool_mode()
+        functions = body.functions_offered() if mode not in (None, "none") else []
+        tools = [{"type": "function", "function": f} for f in functions] or None
         messages = [m.for_template() for m in body.messages]
-        self._check_text(body, text_chars(messages), "messages")
+        self._check_text(body, text_chars(messages) + text_chars(tools), "messages")
+        messages, template_tools = template_messages(messages, tools, tokenizer.knows_tools)
         try:
-            return self.engine.tokenizer.apply_chat_template(messages)
+            prompt = tokenizer.apply_chat_template(messages, template_tools)
         except ValueError as e:
             raise APIError(400, f"cannot build a chat prompt: {e}", param="messages") from None
+        parser = self.tool_parser if tools else None
+        return prompt, parser, self._grammar(body, mode, functions, parser)
+
+    @staticmethod
+    def _grammar(body: ChatCompletionRequest, mode: str | None, functions: list[dict],
+                 parser: ToolParser | None) -> str | None:
+        schema = body.output_schema()
+        forced = mode not in (None, "none", "auto")
+        if forced and schema is not None:
+            raise APIError(400, "response_format cannot be combined with a forced tool call", param="response_format")
+        if forced:
+            param = "function_call" if body.legacy_functions else "tool_choice"
+            called = [f for f in functions if mode == "required" or f["name"] == mode]
+            grammar = tool_call_grammar(called, parser.name, parallel=mode == "required" and
+                                        body.parallel_tool_calls is not False and not body.legacy_functions)
+        elif schema is not None:
+            param, grammar = "response_format", json_grammar(schema)
+        else:
+            return None
+        error = grammar_error(grammar)
+        if error is not None:
+            raise APIError(400, f"the schema cannot be enforced: {error}", param=param)
+        return grammar
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
         if isinstance(body.prompt, str):
@@ -140,9 +178,9 @@ class _Routes:
                            param="model", code="model_not_found")
 
     async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: list[int],
-                        renderer: ChatRenderer | CompletionRenderer) -> Response:
+                        renderer: ChatRenderer | CompletionRenderer, grammar: str | None = None) -> Response:
         """Shared by chat and completions, streaming or not."""
-        params = body.sampling_params(len(prompt), self.engine.max_model_len)
+        params = body.sampling_params(len(prompt), self.engine.max_model_len, grammar)
         arrival = time.perf_counter()
         gen = self.engine.generate(renderer.id, prompt, params, body.kvtier.pin if body.kvtier else None,
                                    self._cache_salt(request, body))
@@ -194,8 +232,7 @@ async def _sse(outputs: AsyncIterator[RequestOutput], renderer: ChatRenderer | C
     try:
         async with aclosing(outputs):
             async for out in outputs:
-                chunk = renderer.chunk(out)
-                if chunk is not None:
+                for chunk in renderer.chunks(out):
                     yield _event(chunk)
             if include_usage:
                 yield _event(renderer.usage_chunk(out))

@@ -117,8 +117,10 @@ class _GenerationRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-        """Validated engine parameters; APIError(400) for anything out of range or unsupported."""
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
+                        grammar: str | None = None) -> SamplingParams:
+        """Validated engine parameters; APIError(400) for anything out of range or unsupported.
+        grammar: what the output must follow (a forced tool call, a JSON schema)."""
         self._check_supported()
         max_tokens = self._max_tokens()
         if max_tokens is None:
@@ -138,6 +140,7 @@ class _GenerationRequest(_Request):
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=self._logit_bias(),
                 min_tokens=self.min_tokens or 0,
+                grammar=grammar,
             )
         except ValueError as e:
             raise APIError(400, str(e)) from None
@@ -162,11 +165,89 @@ class _GenerationRequest(_Request):
         raise NotImplementedError
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None     # a JSON schema
+    strict: bool | None = None         # calls always match the schema when a call is forced
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Request, populate_by_name=True):
+    name: str
+    description: str | None = None
+    json_schema: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[FunctionDefinition] | None = None         # legacy form of tools
+    function_call: Literal["none", "auto"] | NamedFunction | None = None   # legacy form of tool_choice
+    response_format: ResponseFormat | None = None
+
+    @property
+    def legacy_functions(self) -> bool:
+        return self.functions is not None
+
+    def functions_offered(self) -> list[dict]:
+        """The functions the model may call (from tools or the legacy functions), as plain JSON."""
+        if self.tools and self.functions:
+            raise APIError(400, "send tools or the legacy functions, not both", param="functions")
+        functions = [t.function for t in self.tools or []] + list(self.functions or [])
+        return [f.model_dump(exclude_none=True) for f in functions]
+
+    def tool_mode(self) -> str | None:
+        """None (no tools), "none", "auto", "required", or the name of the one function to call."""
+        offered = {f["name"] for f in self.functions_offered()}
+        choice = self.tool_choice if not self.legacy_functions else self.function_call
+        param = "function_call" if self.legacy_functions else "tool_choice"
+        if not offered:
+            if choice not in (None, "none"):
+                raise APIError(400, f"{param} needs tools to choose from", param=param)
+            return None
+        if isinstance(choice, NamedToolChoice | NamedFunction):
+            name = choice.function.name if isinstance(choice, NamedToolChoice) else choice.name
+            if name not in offered:
+                raise APIError(400, f"{param} names '{name}', which is not among the tools", param=param)
+            return name
+        return choice or "auto"
+
+    def output_schema(self) -> dict | None:
+        """The JSON schema response_format asks the reply to match, or None."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "object"}
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                           param="response_format")
+        return fmt.json_schema.json_schema
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -244,9 +325,25 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+OMITTED_UNLESS_SET = Field(None, exclude_if=lambda value: value is None)   # as OpenAI leaves such keys out
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str                     # a JSON object
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = OMITTED_UNLESS_SET
+    function_call: FunctionCall | None = OMITTED_UNLESS_SET    # the legacy `functions` API
 
 
 class ChatChoice(BaseModel):
@@ -265,9 +362,23 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = OMITTED_UNLESS_SET
+    function_call: FunctionCallDelta | None = OMITTED_UNLESS_SET
 
 
 class ChatChunkChoice(BaseModel):

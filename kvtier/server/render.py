@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Callable
 
 from kvtier.engine.outputs import RequestOutput, TokenLogprob
+from kvtier.server.tool_parsers import ToolParser
 from kvtier.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -18,6 +19,10 @@ from kvtier.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    FunctionCall,
+    FunctionCallDelta,
+    ToolCallDelta,
+    ToolCallOut,
     Usage,
 )
 
@@ -37,25 +42,65 @@ class _Renderer:
 
 
 class ChatRenderer(_Renderer):
+    """With a tool parser, calls in the output become tool_calls (or, for the legacy functions API, a
+    function_call) and never reach the content."""
     id_prefix = "chatcmpl-"
 
-    def __init__(self, model: str, token_str: Callable[[int], str]):
+    def __init__(self, model: str, token_str: Callable[[int], str], parser: ToolParser | None = None,
+                 legacy_functions: bool = False, max_calls: int | None = None):
         super().__init__(model, token_str)
         self.sent_role = False
+        self.parser, self.legacy = parser, legacy_functions
+        self.max_calls = 1 if legacy_functions else max_calls    # parallel_tool_calls=false: the first call only
+        self.streamer = parser.streamer() if parser else None
+        self.num_calls = 0
 
     def response(self, out: RequestOutput) -> ChatCompletionResponse:
-        choice = ChatChoice(message=ChatResponseMessage(content=out.new_text),
-                            logprobs=self._logprobs(out.logprobs), finish_reason=out.finish_reason)
+        content, calls = self.parser.parse(out.new_text) if self.parser else (out.new_text, [])
+        calls = calls[:self.max_calls]
+        message = ChatResponseMessage(content=content or None if calls else content)
+        if calls and self.legacy:
+            message.function_call = FunctionCall(name=calls[0].name, arguments=calls[0].arguments)
+        elif calls:
+            message.tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                                  for c in calls]
+        choice = ChatChoice(message=message, logprobs=self._logprobs(out.logprobs),
+                            finish_reason=self._finish_reason(out, bool(calls)))
         return ChatCompletionResponse(**self._head(), choices=[choice], usage=Usage.of(out))
 
-    def chunk(self, out: RequestOutput) -> ChatCompletionChunk | None:
-        """The chunk for one delta; None when it carries nothing (text held back, no logprobs)."""
-        if self.sent_role and not out.new_text and not out.logprobs and not out.finished:
-            return None
-        delta = ChatDelta(role=None if self.sent_role else "assistant", content=out.new_text or None)
-        self.sent_role = True
-        choice = ChatChunkChoice(delta=delta, logprobs=self._logprobs(out.logprobs), finish_reason=out.finish_reason)
-        return ChatCompletionChunk(**self._head(), choices=[choice])
+    def chunks(self, out: RequestOutput) -> list[ChatCompletionChunk]:
+        """The chunks for one delta: content first, then each completed call as its id and name, then its
+        arguments; the finish reason on the last. None of them when there is nothing to say."""
+        content, calls = self.streamer.feed(out.new_text, final=out.finished) if self.streamer else (out.new_text, [])
+        if self.max_calls is not None:
+            calls = calls[:max(0, self.max_calls - self.num_calls)]
+        deltas = [ChatDelta(content=content)] if content or out.logprobs else []
+        for call in calls:
+            if self.legacy:
+                deltas += [ChatDelta(function_call=FunctionCallDelta(name=call.name, arguments="")),
+                           ChatDelta(function_call=FunctionCallDelta(arguments=call.arguments))]
+            else:
+                index = self.num_calls
+                deltas += [ChatDelta(tool_calls=[ToolCallDelta(index=index, id=call.id, type="function",
+                                                               function=FunctionCallDelta(name=call.name,
+                                                                                          arguments=""))]),
+                           ChatDelta(tool_calls=[ToolCallDelta(index=index,
+                                                               function=FunctionCallDelta(arguments=call.arguments))])]
+            self.num_calls += 1
+        if not self.sent_role:       # a role-only first chunk
+            deltas.insert(0, ChatDelta(role="assistant"))
+            self.sent_role = True
+        if out.finished:             # and the finish reason on an empty last one
+            deltas.append(ChatDelta())
+        return [ChatCompletionChunk(**self._head(), choices=[ChatChunkChoice(
+            delta=delta, logprobs=self._logprobs(out.logprobs) if delta.content is not None else None,
+            finish_reason=self._finish_reason(out, self.num_calls > 0) if out.finished and i == len(deltas) - 1
+            else None)]) for i, delta in enumerate(deltas)]
+
+    def _finish_reason(self, out: RequestOutput, called: bool) -> str | None:
+        if not out.finished or not called or out.finish_reason != "stop":
+            return out.finish_reason
+        return "function_call" if self.legacy else "tool_calls"
 
     def usage_chunk(self, out: RequestOutput) -> ChatCompletionChunk:
         return ChatCompletionChunk(**self._head(), choices=[], usage=Usage.of(out))
@@ -83,10 +128,10 @@ class CompletionRenderer(_Renderer):
     def response(self, out: RequestOutput) -> CompletionResponse:
         return CompletionResponse(**self._head(), choices=[self._choice(out)], usage=Usage.of(out))
 
-    def chunk(self, out: RequestOutput) -> CompletionResponse | None:
+    def chunks(self, out: RequestOutput) -> list[CompletionResponse]:
         if not out.new_text and not out.logprobs and not out.finished and not self.echo:
-            return None
-        return CompletionResponse(**self._head(), choices=[self._choice(out)])
+            return []
+        return [CompletionResponse(**self._head(), choices=[self._choice(out)])]
 
     def usage_chunk(self, out: RequestOutput) -> CompletionResponse:
         return CompletionResponse(**self._head(), choices=[], usage=Usage.of(out))

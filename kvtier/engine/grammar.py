@@ -1,0 +1,65 @@
+"""Constrained decoding with llguidance: a request's grammar masks its logits token by token.
+
+llguidance was chosen over xgrammar because it installs as one wheel with no dependencies (xgrammar
+pulls triton and a TVM runtime onto CPU machines), compiles a grammar in milliseconds, and takes Lark
+grammars with JSON schemas embedded, which is what a forced tool call in a tagged format needs. Only
+constrained sequences build a matcher; the others never touch this module.
+"""
+from __future__ import annotations
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+
+class GrammarError(ValueError):
+    """A grammar (or the JSON schema inside it) that cannot be compiled."""
+
+
+class GrammarCompiler:
+    """Makes a Constraint per request; the tokenizer view llguidance needs is built once, on first use."""
+
+    def __init__(self, hf_tokenizer):
+        self.hf_tokenizer = hf_tokenizer
+        self._tokenizer: llguidance.LLTokenizer | None = None
+
+    def constraint(self, grammar: str) -> Constraint:
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer)
+        matcher = llguidance.LLMatcher(self._tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar))
+        if matcher.is_error():
+            raise GrammarError(f"the grammar cannot be compiled: {matcher.get_error()}")
+        return Constraint(matcher, self._tokenizer.vocab_size)
+
+
+class Constraint:
+    """One sequence's grammar state: which tokens may come next, advanced by each sampled token."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+        self.matcher = matcher
+        self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+        self.vocab_size = vocab_size
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits [vocab] with every token the grammar forbids at -inf (a new tensor)."""
+        llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        allowed = _unpack(self.bitmask[0], self.vocab_size).to(logits.device)
+        masked = torch.full_like(logits, float("-inf"))      # rows past the tokenizer's vocabulary stay out
+        masked[:self.vocab_size] = logits[:self.vocab_size].masked_fill(~allowed, float("-inf"))
+        return masked
+
+    def accept(self, token_id: int) -> None:
+        if not self.matcher.consume_token(token_id):
+            raise GrammarError(f"token {token_id} breaks the grammar: {self.matcher.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and allows nothing more (end-of-sequence aside)."""
+        return self.matcher.is_stopped()
+
+
+def _unpack(words: torch.Tensor, n: int) -> torch.Tensor:
+    """A packed int32 bitmask (bit i of word i // 32 for token i) → bool [n]."""
+    bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten()[:n].bool()
