@@ -20,11 +20,16 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tools")
     args = ["--kv-pool-tokens", "16384", "--max-model-len", "4096", "--kv-disk-dir", str(tmp / "kv")]
     with kvtier_server(args, tmp / "server.log") as url:
-        yield OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield url, tmp / "server.log"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +73,16 @@ def test_streamed_calls_arrive_as_deltas_equal_to_the_whole(client, model):
 
 
 def test_tool_choice_none_and_auto(client, model):
-    none = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="none",
-                                          max_tokens=8, temperature=0)
     plain = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=0)
-    assert none.choices[0].message.content == plain.choices[0].message.content     # tools left out entirely
     auto = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=48, temperature=0)
     assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 40                # the tools are in the prompt
     message = auto.choices[0].message
     assert "<tool_call>" not in (message.content or "") or not message.tool_calls
+    none = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                          max_tokens=8, temperature=0)
+    # the tools stay in the prompt (a tool loop's prefix never changes), and no call is read from the reply
+    assert none.usage.prompt_tokens == auto.usage.prompt_tokens and none.choices[0].message.tool_calls is None
+    assert none.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_json_schema_response_format(client, model):
@@ -128,3 +135,42 @@ def test_a_six_turn_tool_loop_restores_everything_but_its_new_messages(client, m
         # everything of the previous turn's prompt but its last partial block comes back from the cache
         assert cached[n] >= prompt_tokens[n - 1] // 64 * 64, (n, prompt_tokens, cached)
         assert prompt_tokens[n] - cached[n] < 64 + 40, (n, prompt_tokens, cached)   # the new messages, at most
+
+
+def test_a_langchain_agent_completes_a_two_tool_loop(server, model):
+    """LangChain's ChatOpenAI with bind_tools: forced calls of two tools, their results fed back, then a
+    final answer; every turn after the first restores the conversation so far from the cache."""
+    from langchain_core.messages import HumanMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city, in degrees Celsius."""
+        return f"{city}: sunny, 21 C"
+
+    @tool
+    def celsius_to_fahrenheit(celsius: float) -> float:
+        """Convert degrees Celsius to Fahrenheit."""
+        return celsius * 9 / 5 + 32
+
+    tools = {t.name: t for t in (get_weather, celsius_to_fahrenheit)}
+    url, log = server
+    llm = ChatOpenAI(base_url=f"{url}/v1", api_key="unused", model=model, temperature=0, max_tokens=64,
+                     max_retries=0)
+    messages = [HumanMessage("What is the weather in Paris, in Fahrenheit?")]
+    cached = []
+    for forced in ("get_weather", "celsius_to_fahrenheit", "none"):
+        reply = llm.bind_tools(list(tools.values()), tool_choice=forced).invoke(messages)
+        cached.append(reply.usage_metadata["input_token_details"].get("cache_read", 0))
+        messages.append(reply)
+        if forced == "none":
+            break
+        call, = reply.tool_calls
+        assert call["name"] == forced
+        messages.append(tools[call["name"]].invoke(call))      # runs the tool: its arguments fit its signature
+    assert messages[-1].content and not messages[-1].tool_calls
+    assert [m.type for m in messages] == ["human", "ai", "tool", "ai", "tool", "ai"]
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
+    finished = [line for line in log.read_text().splitlines() if " prompt tokens (" in line][-3:]
+    assert "none cached" in finished[0] and all("from device" in line for line in finished[1:]), finished

@@ -96,7 +96,8 @@ class _Routes:
         must follow (a forced call, a JSON schema; None if free)."""
         tokenizer = self.engine.tokenizer
         mode = body.tool_mode()
-        functions = body.functions_offered() if mode not in (None, "none") else []
+        functions = body.functions_offered()
+        # tools stay in the prompt with tool_choice "none" (as in vLLM), so a tool loop's prefix never changes
         tools = [{"type": "function", "function": f} for f in functions] or None
         messages = [m.for_template() for m in body.messages]
         self._check_text(body, text_chars(messages) + text_chars(tools), "messages")
@@ -105,12 +106,12 @@ class _Routes:
             prompt = tokenizer.apply_chat_template(messages, template_tools)
         except ValueError as e:
             raise APIError(400, f"cannot build a chat prompt: {e}", param="messages") from None
-        parser = self.tool_parser if tools else None
-        return prompt, parser, self._grammar(body, mode, functions, parser)
+        parser = self.tool_parser if mode not in (None, "none") else None
+        return prompt, parser, self._grammar(body, mode, functions, self.tool_parser)
 
     @staticmethod
     def _grammar(body: ChatCompletionRequest, mode: str | None, functions: list[dict],
-                 parser: ToolParser | None) -> str | None:
+                 parser: ToolParser) -> str | None:
         schema = body.output_schema()
         forced = mode not in (None, "none", "auto")
         if forced and schema is not None:
