@@ -35,7 +35,7 @@ def model(server_url):
 
 
 @given(data=st.data())
-@settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 def test_no_body_gets_a_5xx(data, operations, server_url, model):
     operation, mode = data.draw(st.sampled_from(operations)), data.draw(st.sampled_from(MODES))
     case = data.draw(operation.as_strategy(generation_mode=mode))
