@@ -14,6 +14,7 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self.text = ""            # all output text decoded so far (stop string cut once found)
         self.num_released = 0     # characters of `text` already handed to the caller
+        self.matched_stop: str | None = None   # the stop string that ended the text
         self.prefix_offset = 0    # token window used to decode the next piece in context
         self.read_offset = 0
 
@@ -30,9 +31,10 @@ class IncrementalDetokenizer:
         return False
 
     def _cut_at_stop(self, search_from: int) -> bool:
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, search_from), s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, self.matched_stop = min(hits)
+            self.text = self.text[:at]
             return True
         return False
 

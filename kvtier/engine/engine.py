@@ -253,6 +253,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
             error=seq.error,
+            stop_string=seq.detokenizer.matched_stop,
         )
         seq.pending_token_ids, seq.pending_logprobs = [], []
         if seq.is_finished:

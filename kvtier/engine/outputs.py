@@ -31,3 +31,4 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     error: str | None = None          # with finish_reason "error": what went wrong
+    stop_string: str | None = None    # with finish_reason "stop": the stop string that ended it, if one did

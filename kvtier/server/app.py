@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -19,6 +18,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier.engine.outputs import RequestFailed, RequestOutput, RequestRejected
+from kvtier.server.anthropic import CountTokensRequest, MessagesRenderer, MessagesRequest
+from kvtier.server.anthropic import error_body as anthropic_error_body
 from kvtier.server.metrics import Metrics, RequestCounter
 from kvtier.server.protocol import (
     APIError,
@@ -29,7 +30,7 @@ from kvtier.server.protocol import (
     find_unencodable,
     text_chars,
 )
-from kvtier.server.render import ChatRenderer, CompletionRenderer
+from kvtier.server.render import ChatRenderer, CompletionRenderer, Renderer
 from kvtier.server.tool_parsers import PARSERS, ToolParser, parser_for_template
 from kvtier.server.tools import grammar_error, json_grammar, template_messages, tool_call_grammar
 
@@ -37,7 +38,8 @@ if TYPE_CHECKING:   # the engine pulls in the model code; the app only needs its
     from kvtier.config import Config
     from kvtier.engine.async_engine import AsyncEngine
 
-ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+                       "/v1/models"})
 DISCONNECT_POLL_S = 0.2
 
 
@@ -50,6 +52,8 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
                      parser)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/v1/messages", routes.messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"])
@@ -79,16 +83,29 @@ class _Routes:
         self._check_model(body.model)
         # templating and tokenizing a large body takes seconds: never on the event loop
         prompt, parser, grammar = await run_in_threadpool(self._chat_prompt, body)
-        renderer = ChatRenderer(self.served_model, self.engine.tokenizer.token_str, parser, body.legacy_functions,
-                                max_calls=1 if body.parallel_tool_calls is False else None)
+        renderer = ChatRenderer(self.served_model, self.engine.tokenizer.token_str, body.include_usage, parser,
+                                body.legacy_functions, max_calls=1 if body.parallel_tool_calls is False else None)
         return await self._generate(request, body, prompt, renderer, grammar)
+
+    async def messages(self, body: MessagesRequest, request: Request) -> Response:
+        """Anthropic's Messages API, served through the chat machinery."""
+        self._check_model(body.model)
+        chat = body.to_chat()
+        prompt, parser, grammar = await run_in_threadpool(self._chat_prompt, chat)
+        renderer = MessagesRenderer(self.served_model, self.engine.tokenizer.token_str, parser)
+        return await self._generate(request, chat, prompt, renderer, grammar)
+
+    async def count_tokens(self, body: CountTokensRequest) -> dict:
+        self._check_model(body.model)
+        prompt, _, _ = await run_in_threadpool(self._chat_prompt, body.to_chat())
+        return {"input_tokens": len(prompt)}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         prompt = await run_in_threadpool(self._completion_prompt, body)
         echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else \
             self.engine.tokenizer.decode(body.prompt)
-        renderer = CompletionRenderer(self.served_model, self.engine.tokenizer.token_str, echo)
+        renderer = CompletionRenderer(self.served_model, self.engine.tokenizer.token_str, body.include_usage, echo)
         return await self._generate(request, body, prompt, renderer)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], ToolParser | None, str | None]:
@@ -179,7 +196,7 @@ class _Routes:
                            param="model", code="model_not_found")
 
     async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: list[int],
-                        renderer: ChatRenderer | CompletionRenderer, grammar: str | None = None) -> Response:
+                        renderer: Renderer, grammar: str | None = None) -> Response:
         """Shared by chat and completions, streaming or not."""
         params = body.sampling_params(len(prompt), self.engine.max_model_len, grammar)
         arrival = time.perf_counter()
@@ -196,7 +213,7 @@ class _Routes:
         self.metrics.time_to_first_token.observe(first_token - arrival)
         outputs = self._observed(gen, first, arrival, first_token)
         if body.stream:
-            return _SSEResponse(_sse(outputs, renderer, body.include_usage), media_type="text/event-stream")
+            return _SSEResponse(_sse(outputs, renderer), media_type="text/event-stream")
         try:
             whole = await _unless_disconnected(request, _merged(outputs))
         except RequestFailed as e:
@@ -227,23 +244,18 @@ async def _merged(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     )
 
 
-async def _sse(outputs: AsyncIterator[RequestOutput], renderer: ChatRenderer | CompletionRenderer,
-               include_usage: bool) -> AsyncIterator[str]:
-    """The stream's events; a request that fails midway ends with an error event, then [DONE] as always."""
+async def _sse(outputs: AsyncIterator[RequestOutput], renderer: Renderer) -> AsyncIterator[str]:
+    """The stream's events, in the renderer's protocol; a request that fails midway ends with its error event."""
     try:
         async with aclosing(outputs):
             async for out in outputs:
-                for chunk in renderer.chunks(out):
-                    yield _event(chunk)
-            if include_usage:
-                yield _event(renderer.usage_chunk(out))
+                for event in renderer.events(out):
+                    yield event
+            for event in renderer.closing_events(out):
+                yield event
     except RequestFailed as e:
-        yield f"data: {json.dumps(APIError(500, str(e), type='server_error').body())}\n\n"
-    yield "data: [DONE]\n\n"
-
-
-def _event(chunk: BaseModel) -> str:
-    return f"data: {chunk.model_dump_json()}\n\n"
+        for event in renderer.error_events(str(e)):
+            yield event
 
 
 class _SSEResponse(StreamingResponse):
@@ -281,7 +293,7 @@ class _BodyLimit:
             return await self.app(scope, receive, send)
         length = Headers(scope=scope).get("content-length", "")
         if length.isdigit() and int(length) > self.max_bytes:
-            return await _error_response(self._too_large())(scope, receive, send)
+            return await _error_response(self._too_large(), scope["path"])(scope, receive, send)
         received = 0
 
         async def receive_within_limit():
@@ -312,7 +324,7 @@ class _APIKeyGuard:
             if key is None:
                 err = APIError(401, "missing or incorrect API key; send it as 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
-                return await _error_response(err)(scope, receive, send)
+                return await _error_response(err, scope["path"])(scope, receive, send)
             scope.setdefault("state", {})["api_key"] = key
         await self.app(scope, receive, send)
 
@@ -328,12 +340,14 @@ class _APIKeyGuard:
 
 # ---------------------------------------------------------------- errors, all in OpenAI's shape
 
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status_code)
+def _error_response(err: APIError, path: str) -> JSONResponse:
+    """In the shape of the API the path belongs to: Anthropic's under /v1/messages, else OpenAI's."""
+    body = anthropic_error_body(err.status_code, err.message) if path.startswith("/v1/messages") else err.body()
+    return JSONResponse(body, status_code=err.status_code)
 
 
 async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
-    return _error_response(exc)
+    return _error_response(exc, request.url.path)
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -341,25 +355,28 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
     messages, params = [], []
     for e in exc.errors():
         if e["type"] == "json_invalid":
-            return _error_response(APIError(400, f"the request body is not valid JSON: {e['ctx']['error']}"))
+            return _error_response(APIError(400, f"the request body is not valid JSON: {e['ctx']['error']}"),
+                                   request.url.path)
         loc = [str(part) for part in e["loc"] if part != "body"]
         if not loc:   # no body, or not an object (also what a form content-type gives)
             return _error_response(APIError(400, "the request body must be a JSON object "
-                                                  "sent with 'Content-Type: application/json'"))
+                                                  "sent with 'Content-Type: application/json'"), request.url.path)
         if e["type"] == "extra_forbidden":
             messages.append(f"{'.'.join(loc)}: kvtier does not support this field (see the README's table of "
                             "request fields)")
         else:
             messages.append(f"{'.'.join(loc)}: {e['msg'].removeprefix('Value error, ')}")
         params.append(loc[0])
-    return _error_response(APIError(400, "; ".join(messages), param=params[0]))
+    return _error_response(APIError(400, "; ".join(messages), param=params[0]), request.url.path)
 
 
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return _error_response(APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None))
+    code = "not_found" if exc.status_code == 404 else None
+    return _error_response(APIError(exc.status_code, message, code=code), request.url.path)
 
 
 async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     # Starlette re-raises the exception after this answer, so the server still logs its traceback
-    return _error_response(APIError(500, f"internal server error: {type(exc).__name__}", type="server_error"))
+    return _error_response(APIError(500, f"internal server error: {type(exc).__name__}", type="server_error"),
+                           request.url.path)

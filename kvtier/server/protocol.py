@@ -57,11 +57,11 @@ class APIError(Exception):
 
 # ---------------------------------------------------------------- requests
 
-class _Request(BaseModel, extra="forbid"):
+class RequestModel(BaseModel, extra="forbid"):
     """A request body: a field kvtier does not know is a 400 naming it, never silently dropped."""
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool | None = None
 
 
@@ -87,12 +87,12 @@ class ChatMessage(BaseModel, extra="allow"):   # extra keys (name, tool_calls, .
         return message
 
 
-class KvtierOptions(_Request):
+class KvtierOptions(RequestModel):
     """The `kvtier` request extension (pass it with the openai client's extra_body)."""
     pin: list[tuple[int, int]] = []   # half-open prompt token ranges kept resident under bounded residency
 
 
-class _GenerationRequest(_Request):
+class _GenerationRequest(RequestModel):
     """Every optional field also takes an explicit null, as OpenAI's specification allows."""
     model: str
     max_tokens: int | None = None
@@ -165,35 +165,35 @@ class _GenerationRequest(_Request):
         raise NotImplementedError
 
 
-class FunctionDefinition(_Request):
+class FunctionDefinition(RequestModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     description: str | None = None
     parameters: dict | None = None     # a JSON schema
     strict: bool | None = None         # calls always match the schema when a call is forced
 
 
-class ChatTool(_Request):
+class ChatTool(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Request):
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JSONSchemaFormat(_Request, populate_by_name=True):
+class JSONSchemaFormat(RequestModel, populate_by_name=True):
     name: str
     description: str | None = None
     json_schema: dict | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 

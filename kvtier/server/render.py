@@ -1,13 +1,16 @@
 """How engine outputs become OpenAI responses and stream chunks."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
 
+from pydantic import BaseModel
+
 from kvtier.engine.outputs import RequestOutput, TokenLogprob
-from kvtier.server.tool_parsers import ToolParser
 from kvtier.server.protocol import (
+    APIError,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -25,10 +28,11 @@ from kvtier.server.protocol import (
     ToolCallOut,
     Usage,
 )
+from kvtier.server.tool_parsers import ToolParser
 
 
-class _Renderer:
-    """Builds one request's responses; streaming renderers keep their position between chunks."""
+class Renderer:
+    """Builds one request's responses in one API's shape; streaming renderers keep their position."""
     id_prefix = ""
 
     def __init__(self, model: str, token_str: Callable[[int], str]):
@@ -37,18 +41,63 @@ class _Renderer:
         self.model = model
         self.token_str = token_str
 
+    def response(self, out: RequestOutput) -> BaseModel:
+        """The whole answer, from an output that carries the whole completion."""
+        raise NotImplementedError
+
+    def events(self, out: RequestOutput) -> list[str]:
+        """The server-sent events for one delta."""
+        raise NotImplementedError
+
+    def closing_events(self, last: RequestOutput) -> list[str]:
+        raise NotImplementedError
+
+    def error_events(self, message: str) -> list[str]:
+        """How a stream ends when its request failed midway."""
+        raise NotImplementedError
+
+
+class _OpenAIRenderer(Renderer):
+    """OpenAI's streams: `data: {chunk}` events, usage on request, and `data: [DONE]` however they end."""
+
+    def __init__(self, model: str, token_str: Callable[[int], str], include_usage: bool = False):
+        super().__init__(model, token_str)
+        self.include_usage = include_usage
+
+    def chunks(self, out: RequestOutput) -> list[BaseModel]:
+        raise NotImplementedError
+
+    def usage_chunk(self, out: RequestOutput) -> BaseModel:
+        raise NotImplementedError
+
+    def events(self, out: RequestOutput) -> list[str]:
+        return [_data(chunk) for chunk in self.chunks(out)]
+
+    def closing_events(self, last: RequestOutput) -> list[str]:
+        return ([_data(self.usage_chunk(last))] if self.include_usage else []) + [DONE]
+
+    def error_events(self, message: str) -> list[str]:
+        return [f"data: {json.dumps(APIError(500, message, type='server_error').body())}\n\n", DONE]
+
     def _head(self) -> dict:
         return {"id": self.id, "created": self.created, "model": self.model}
 
 
-class ChatRenderer(_Renderer):
+DONE = "data: [DONE]\n\n"
+
+
+def _data(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+class ChatRenderer(_OpenAIRenderer):
     """With a tool parser, calls in the output become tool_calls (or, for the legacy functions API, a
     function_call) and never reach the content."""
     id_prefix = "chatcmpl-"
 
-    def __init__(self, model: str, token_str: Callable[[int], str], parser: ToolParser | None = None,
-                 legacy_functions: bool = False, max_calls: int | None = None):
-        super().__init__(model, token_str)
+    def __init__(self, model: str, token_str: Callable[[int], str], include_usage: bool = False,
+                 parser: ToolParser | None = None, legacy_functions: bool = False, max_calls: int | None = None):
+        super().__init__(model, token_str, include_usage)
         self.sent_role = False
         self.parser, self.legacy = parser, legacy_functions
         self.max_calls = 1 if legacy_functions else max_calls    # parallel_tool_calls=false: the first call only
@@ -117,11 +166,11 @@ class ChatRenderer(_Renderer):
             for lp in logprobs])
 
 
-class CompletionRenderer(_Renderer):
+class CompletionRenderer(_OpenAIRenderer):
     id_prefix = "cmpl-"
 
-    def __init__(self, model: str, token_str: Callable[[int], str], echo: str = ""):
-        super().__init__(model, token_str)
+    def __init__(self, model: str, token_str: Callable[[int], str], include_usage: bool = False, echo: str = ""):
+        super().__init__(model, token_str, include_usage)
         self.text_offset = 0   # characters of completion text before the next token
         self.echo = echo       # the prompt, sent before the completion (echo=true)
 

@@ -1,0 +1,272 @@
+"""The Anthropic Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`): its request becomes a
+chat request (so tools, templates, grammars and the KV cache are shared with the OpenAI routes), and the
+engine's outputs become Anthropic messages and stream events."""
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from kvtier.engine.outputs import RequestOutput
+from kvtier.server.protocol import APIError, ChatCompletionRequest, KvtierOptions, RequestModel
+from kvtier.server.render import Renderer
+from kvtier.server.tool_parsers import ToolCall, ToolParser
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 499: "invalid_request_error",
+               529: "overloaded_error"}
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+# ---------------------------------------------------------------- requests
+
+class ContentBlock(BaseModel, extra="allow"):
+    """A block of the conversation. Clients send back the blocks they were given, with every key the
+    client library knows (ids of callers, citations...): history, not instructions, so extra keys pass."""
+
+
+class TextBlock(ContentBlock):
+    type: Literal["text"]
+    text: str
+    cache_control: dict | None = None      # every prefix is cached anyway
+    citations: list | None = None
+
+
+class ToolUseBlock(ContentBlock):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+    cache_control: dict | None = None
+
+
+class ToolResultBlock(ContentBlock):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: dict | None = None
+
+    def text(self) -> str:
+        text = self.content if isinstance(self.content, str) else "\n".join(b.text for b in self.content or [])
+        return f"Error: {text}" if self.is_error else text
+
+
+class ThinkingBlock(ContentBlock):         # earlier turns' thinking: accepted, left out of the prompt
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+
+
+class Message(RequestModel):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+    def blocks(self) -> list[Block]:
+        return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+
+
+class Tool(RequestModel):
+    name: str
+    description: str | None = None
+    input_schema: dict
+    type: Literal["custom"] | None = None
+    cache_control: dict | None = None
+
+
+class ToolChoice(RequestModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingConfig(RequestModel):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = None
+
+
+class CountTokensRequest(RequestModel):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+
+    def to_chat(self, **sampling) -> ChatCompletionRequest:
+        """The same conversation as an OpenAI chat request: tool results become tool messages, tool uses
+        assistant tool calls, thinking blocks are dropped."""
+        if self.thinking is not None and self.thinking.type == "enabled":
+            raise APIError(400, "extended thinking is not supported by this server", param="thinking")
+        messages = []
+        if self.system:
+            system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system)
+            messages.append({"role": "system", "content": system})
+        for message in self.messages:
+            blocks = message.blocks()
+            texts = "\n".join(b.text for b in blocks if isinstance(b, TextBlock))
+            if message.role == "user":
+                messages += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
+                             for b in blocks if isinstance(b, ToolResultBlock)]
+                if texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                    messages.append({"role": "user", "content": texts})
+            else:
+                calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                         for b in blocks if isinstance(b, ToolUseBlock)]
+                messages.append({"role": "assistant", "content": texts or None, **({"tool_calls": calls} if calls else {})})
+        tools = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
+                                                   **({"description": t.description} if t.description else {})}}
+                 for t in self.tools or []] or None
+        try:
+            return ChatCompletionRequest(model=self.model, messages=messages, tools=tools, **self._tool_choice(),
+                                         **sampling)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+            raise APIError(400, f"the conversation cannot be served: {problems}") from None
+
+    def _tool_choice(self) -> dict:
+        choice = self.tool_choice
+        if choice is None:
+            return {}
+        if choice.type == "tool" and not choice.name:
+            raise APIError(400, "tool_choice of type tool needs a name", param="tool_choice")
+        mapped = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \
+            {"type": "function", "function": {"name": choice.name}}
+        return {"tool_choice": mapped, "parallel_tool_calls": False if choice.disable_parallel_tool_use else None}
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool | None = None
+    metadata: dict | None = None           # user_id for the caller's records: accepted, not used
+    cache_control: dict | None = None      # automatic prompt caching: kvtier caches every prefix anyway
+    kvtier: KvtierOptions | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+
+    def to_chat(self, **sampling) -> ChatCompletionRequest:
+        return super().to_chat(max_tokens=self.max_tokens, stop=self.stop_sequences, temperature=self.temperature,
+                               top_p=self.top_p, top_k=self.top_k, stream=self.stream, kvtier=self.kvtier,
+                               cache_salt=self.cache_salt, **sampling)
+
+
+# ---------------------------------------------------------------- responses
+
+class MessageUsage(BaseModel):
+    input_tokens: int                      # computed, not read from the cache
+    output_tokens: int
+    cache_read_input_tokens: int
+    cache_creation_input_tokens: int = 0
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> MessageUsage:
+        return cls(input_tokens=out.num_prompt_tokens - out.num_cached_tokens, output_tokens=out.num_output_tokens,
+                   cache_read_input_tokens=out.num_cached_tokens)
+
+
+class MessageResponse(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[dict]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: MessageUsage
+
+
+class MessagesRenderer(Renderer):
+    """Anthropic's shapes. Streams: message_start, then per content block (text, or a tool use once its
+    call is complete) content_block_start / _delta / _stop, then message_delta and message_stop."""
+    id_prefix = "msg_"
+
+    def __init__(self, model: str, token_str: Callable[[int], str], parser: ToolParser | None = None):
+        super().__init__(model, token_str)
+        self.parser = parser
+        self.streamer = parser.streamer() if parser else None
+        self.started = False
+        self.num_blocks = 0
+        self.text_open = False
+        self.called = False
+
+    def response(self, out: RequestOutput) -> MessageResponse:
+        text, calls = self.parser.parse(out.new_text) if self.parser else (out.new_text, [])
+        content = ([{"type": "text", "text": text}] if text else []) + [_tool_use(call) for call in calls]
+        return MessageResponse(id=self.id, model=self.model, content=content, usage=MessageUsage.of(out),
+                               stop_reason=self._stop_reason(out, bool(calls)),
+                               stop_sequence=out.stop_string)
+
+    def events(self, out: RequestOutput) -> list[str]:
+        events = []
+        if not self.started:
+            self.started = True
+            usage = MessageUsage.of(out).model_dump() | {"output_tokens": 0}
+            events.append(_event("message_start", {"message": {
+                "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                "stop_reason": None, "stop_sequence": None, "usage": usage}}))
+        text, calls = self.streamer.feed(out.new_text, final=out.finished) if self.streamer else (out.new_text, [])
+        if text:
+            if not self.text_open:
+                events.append(self._start_block({"type": "text", "text": ""}))
+                self.text_open = True
+            events.append(_event("content_block_delta", {"index": self.num_blocks - 1,
+                                                         "delta": {"type": "text_delta", "text": text}}))
+        for call in calls:
+            events += self._close_text()
+            use = _tool_use(call)
+            events.append(self._start_block({**use, "input": {}}))
+            events.append(_event("content_block_delta", {"index": self.num_blocks - 1, "delta": {
+                "type": "input_json_delta", "partial_json": call.arguments}}))
+            events.append(_event("content_block_stop", {"index": self.num_blocks - 1}))
+            self.called = True
+        return events
+
+    def closing_events(self, last: RequestOutput) -> list[str]:
+        return self._close_text() + [
+            _event("message_delta", {"delta": {"stop_reason": self._stop_reason(last, self.called),
+                                               "stop_sequence": last.stop_string},
+                                     "usage": {"output_tokens": last.num_output_tokens}}),
+            _event("message_stop", {})]
+
+    def error_events(self, message: str) -> list[str]:
+        return [_event("error", error_body(500, message))]
+
+    def _start_block(self, block: dict) -> str:
+        self.num_blocks += 1
+        return _event("content_block_start", {"index": self.num_blocks - 1, "content_block": block})
+
+    def _close_text(self) -> list[str]:
+        if not self.text_open:
+            return []
+        self.text_open = False
+        return [_event("content_block_stop", {"index": self.num_blocks - 1})]
+
+    @staticmethod
+    def _stop_reason(out: RequestOutput, called: bool) -> str | None:
+        if out.finish_reason == "length":
+            return "max_tokens"
+        if called:
+            return "tool_use"
+        return "stop_sequence" if out.stop_string else "end_turn"
+
+
+def _tool_use(call: ToolCall) -> dict:
+    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name,
+            "input": json.loads(call.arguments)}
+
+
+def _event(kind: str, data: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"

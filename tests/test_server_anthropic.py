@@ -1,0 +1,111 @@
+"""The Anthropic Messages API through the official anthropic client against `kvtier serve` (bundled model):
+text, streaming events, tool use (forced and streamed), a tool loop restored from the cache, count_tokens,
+and Anthropic-shaped errors."""
+import anthropic
+import httpx
+import pytest
+from conftest import kvtier_server
+
+pytestmark = pytest.mark.integration
+
+WEATHER = {"name": "get_weather", "description": "The current weather in a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0}     # the current client no longer takes sampling arguments; the API still does
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("anthropic")
+    args = ["--kv-pool-tokens", "16384", "--max-model-len", "4096", "--kv-disk-dir", str(tmp / "kv"),
+            "--api-key", "sk-test"]
+    with kvtier_server(args, tmp / "server.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server, api_key="sk-test", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(server):
+    return httpx.get(f"{server}/v1/models", headers={"x-api-key": "sk-test"}).json()["data"][0]["id"]
+
+
+def test_text_message_and_its_stream(client, model):
+    kwargs = dict(model=model, max_tokens=16, messages=ASK, extra_body=GREEDY, system="You are a concise geography assistant. " * 8 + "Answer in one word.")
+    message = client.messages.create(**kwargs)
+    assert message.role == "assistant" and message.type == "message" and message.id.startswith("msg_")
+    assert message.content[0].type == "text" and "Paris" in message.content[0].text
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens > 10
+    with client.messages.stream(**kwargs) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert final.content[0].text == message.content[0].text and final.stop_reason == message.stop_reason
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
+    assert final.usage.cache_read_input_tokens > 0        # the same prompt again: restored from the cache
+
+
+def test_stop_sequences_say_which_one(client, model):
+    free = client.messages.create(model=model, max_tokens=24, extra_body=GREEDY,
+                                  messages=[{"role": "user", "content": "Count from 1 to 20."}])
+    text = free.content[0].text
+    stop = next(s for s in (" 5", "5", " 3", "3") if s in text)
+    cut = client.messages.create(model=model, max_tokens=24, extra_body=GREEDY, stop_sequences=[stop],
+                                 messages=[{"role": "user", "content": "Count from 1 to 20."}])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[:text.index(stop)]
+
+
+def test_forced_tool_use_and_a_tool_loop(client, model):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = client.messages.create(model=model, max_tokens=64, extra_body=GREEDY, messages=messages, tools=[WEATHER],
+                                   tool_choice={"type": "tool", "name": "get_weather"})
+    use, = [b for b in reply.content if b.type == "tool_use"]
+    assert reply.stop_reason == "tool_use" and use.name == "get_weather" and isinstance(use.input["city"], str)
+    assert use.id.startswith("toolu_")
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in reply.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21 C"}]}]
+    count = client.messages.count_tokens(model=model, messages=messages, tools=[WEATHER])
+    answer = client.messages.create(model=model, max_tokens=24, extra_body=GREEDY, messages=messages, tools=[WEATHER],
+                                    tool_choice={"type": "none"})
+    assert answer.content and answer.content[0].type == "text" and answer.stop_reason != "tool_use"
+    usage = answer.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == count.input_tokens
+    assert usage.cache_read_input_tokens >= reply.usage.input_tokens + reply.usage.cache_read_input_tokens - 64
+
+
+def test_streamed_tool_use(client, model):
+    kwargs = dict(model=model, max_tokens=64, extra_body=GREEDY, tools=[WEATHER], tool_choice={"type": "any"},
+                  messages=[{"role": "user", "content": "Weather in Lyon?"}])
+    whole = client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == [b.type for b in whole.content]
+    assert final.content[-1].input == whole.content[-1].input and final.stop_reason == "tool_use"
+    assert any(e.type == "content_block_delta" and e.delta.type == "input_json_delta" for e in events)
+
+
+def test_thinking_in_the_history_is_accepted(client, model):
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "greet back", "signature": "x"},
+                                                  {"type": "text", "text": "Hello!"}]},
+                {"role": "user", "content": "How are you?"}]
+    assert client.messages.create(model=model, max_tokens=8, messages=messages).content
+
+
+def test_errors_have_anthropics_shape(server, client, model):
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-nonexistent", max_tokens=8, messages=ASK)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=model, max_tokens=8, messages=ASK, extra_body={"temperature": 7})
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server, api_key="wrong", max_retries=0).messages.create(
+            model=model, max_tokens=8, messages=ASK)
+    r = httpx.post(f"{server}/v1/messages", headers={"x-api-key": "sk-test"},
+                   json={"model": model, "max_tokens": 8, "messages": ASK, "not_a_field": 1})
+    assert r.status_code == 400 and "not_a_field" in r.json()["error"]["message"]
