@@ -159,3 +159,17 @@ def wait_until_idle(http, timeout=10.0) -> dict[str, float]:
         if all(m.get(name, 0) == 0 for name in IDLE_GAUGES) or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
+
+
+API_KEY = "sk-test"
+
+
+@pytest.fixture(scope="session")
+def agent_server(tmp_path_factory):
+    """One `kvtier serve` (bundled model, disk tier, API key API_KEY) shared by the agent-API tests:
+    (url, path of its log)."""
+    tmp = tmp_path_factory.mktemp("agent-server")
+    args = ["--kv-pool-tokens", "16384", "--max-model-len", "4096", "--kv-disk-dir", str(tmp / "kv"),
+            "--api-key", API_KEY]
+    with kvtier_server(args, tmp / "server.log") as url:
+        yield url, tmp / "server.log"

@@ -4,7 +4,7 @@ and Anthropic-shaped errors."""
 import anthropic
 import httpx
 import pytest
-from conftest import kvtier_server
+from conftest import API_KEY
 
 pytestmark = pytest.mark.integration
 
@@ -15,22 +15,18 @@ GREEDY = {"temperature": 0}     # the current client no longer takes sampling ar
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("anthropic")
-    args = ["--kv-pool-tokens", "16384", "--max-model-len", "4096", "--kv-disk-dir", str(tmp / "kv"),
-            "--api-key", "sk-test"]
-    with kvtier_server(args, tmp / "server.log") as url:
-        yield url
+def server(agent_server):
+    return agent_server[0]
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return anthropic.Anthropic(base_url=server, api_key="sk-test", max_retries=0, timeout=120)
+    return anthropic.Anthropic(base_url=server, api_key=API_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def model(server):
-    return httpx.get(f"{server}/v1/models", headers={"x-api-key": "sk-test"}).json()["data"][0]["id"]
+    return httpx.get(f"{server}/v1/models", headers={"x-api-key": API_KEY}).json()["data"][0]["id"]
 
 
 def test_text_message_and_its_stream(client, model):
@@ -106,6 +102,6 @@ def test_errors_have_anthropics_shape(server, client, model):
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server, api_key="wrong", max_retries=0).messages.create(
             model=model, max_tokens=8, messages=ASK)
-    r = httpx.post(f"{server}/v1/messages", headers={"x-api-key": "sk-test"},
+    r = httpx.post(f"{server}/v1/messages", headers={"x-api-key": API_KEY},
                    json={"model": model, "max_tokens": 8, "messages": ASK, "not_a_field": 1})
     assert r.status_code == 400 and "not_a_field" in r.json()["error"]["message"]

@@ -5,7 +5,7 @@ import json
 
 import openai
 import pytest
-from conftest import kvtier_server
+from conftest import API_KEY
 from openai import OpenAI
 
 pytestmark = pytest.mark.integration
@@ -20,16 +20,13 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tools")
-    args = ["--kv-pool-tokens", "16384", "--max-model-len", "4096", "--kv-disk-dir", str(tmp / "kv")]
-    with kvtier_server(args, tmp / "server.log") as url:
-        yield url, tmp / "server.log"
+def server(agent_server):
+    return agent_server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=120)
+    return OpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +153,7 @@ def test_a_langchain_agent_completes_a_two_tool_loop(server, model):
 
     tools = {t.name: t for t in (get_weather, celsius_to_fahrenheit)}
     url, log = server
-    llm = ChatOpenAI(base_url=f"{url}/v1", api_key="unused", model=model, temperature=0, max_tokens=64,
+    llm = ChatOpenAI(base_url=f"{url}/v1", api_key=API_KEY, model=model, temperature=0, max_tokens=64,
                      max_retries=0)
     messages = [HumanMessage("What is the weather in Paris, in Fahrenheit?")]
     cached = []

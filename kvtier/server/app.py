@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -31,6 +32,7 @@ from kvtier.server.protocol import (
     text_chars,
 )
 from kvtier.server.render import ChatRenderer, CompletionRenderer, Renderer
+from kvtier.server.responses import ResponsesRenderer, ResponsesRequest, ResponseStore
 from kvtier.server.tool_parsers import PARSERS, ToolParser, parser_for_template
 from kvtier.server.tools import grammar_error, json_grammar, template_messages, tool_call_grammar
 
@@ -39,7 +41,7 @@ if TYPE_CHECKING:   # the engine pulls in the model code; the app only needs its
     from kvtier.engine.async_engine import AsyncEngine
 
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-                       "/v1/models"})
+                       "/v1/responses", "/v1/models"})
 DISCONNECT_POLL_S = 0.2
 
 
@@ -48,12 +50,14 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
     metrics = Metrics(engine)
     parser = PARSERS[config.tool_call_parser] if config.tool_call_parser else \
         parser_for_template(engine.tokenizer.chat_template)
+    store = ResponseStore(os.path.join(os.path.expanduser(config.kv_disk_dir), "responses") if config.kv_disk else None)
     routes = _Routes(engine, config.served_model_name or engine.model_name, metrics, config.cache_salt_from_api_key,
-                     parser)
+                     parser, store)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/messages", routes.messages, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"])
+    app.add_api_route("/v1/responses", routes.responses, methods=["POST"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"])
@@ -71,8 +75,9 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
 
 class _Routes:
     def __init__(self, engine: AsyncEngine, served_model: str, metrics: Metrics, salt_from_api_key: bool,
-                 tool_parser: ToolParser):
+                 tool_parser: ToolParser, response_store: ResponseStore):
         self.engine = engine
+        self.response_store = response_store
         self.tool_parser = tool_parser
         self.salt_from_api_key = salt_from_api_key
         self.served_model = served_model
@@ -93,6 +98,26 @@ class _Routes:
         chat = body.to_chat()
         prompt, parser, grammar = await run_in_threadpool(self._chat_prompt, chat)
         renderer = MessagesRenderer(self.served_model, self.engine.tokenizer.token_str, parser)
+        return await self._generate(request, chat, prompt, renderer, grammar)
+
+    async def responses(self, body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API, served through the chat machinery; previous_response_id continues a kept
+        conversation (and restores its KV from the tiers)."""
+        self._check_model(body.model)
+        history = []
+        if body.previous_response_id is not None:
+            history = self.response_store.get(body.previous_response_id)
+            if history is None:
+                raise APIError(404, f"Previous response with id '{body.previous_response_id}' not found.",
+                               param="previous_response_id", code="previous_response_not_found")
+        conversation = history + body.messages()
+        chat = body.to_chat(history)
+        prompt, parser, grammar = await run_in_threadpool(self._chat_prompt, chat)
+
+        def keep(response_id: str, output: list[dict]) -> None:
+            if body.store is not False:
+                self.response_store.put(response_id, conversation + output)
+        renderer = ResponsesRenderer(self.served_model, self.engine.tokenizer.token_str, body, parser, keep)
         return await self._generate(request, chat, prompt, renderer, grammar)
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:

@@ -1,0 +1,72 @@
+"""The OpenAI Responses API through the official openai client against `kvtier serve` (bundled model):
+text and its stream, forced function calls, continuing by previous_response_id (restoring the KV), a 404
+for an unknown id, and kept responses that outlive a restart."""
+import openai
+import pytest
+from conftest import API_KEY
+from openai import OpenAI
+
+from kvtier.server.responses import ResponseStore
+
+pytestmark = pytest.mark.integration
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+INSTRUCTIONS = "You are a helpful travel assistant. " * 16
+
+
+@pytest.fixture(scope="module")
+def client(agent_server):
+    return OpenAI(base_url=f"{agent_server[0]}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def test_text_and_its_stream(client, model):
+    kwargs = dict(model=model, instructions=INSTRUCTIONS, input="What is the capital of France?",
+                  max_output_tokens=16, temperature=0)
+    r = client.responses.create(**kwargs)
+    assert r.id.startswith("resp_") and r.status in ("completed", "incomplete") and "Paris" in r.output_text
+    assert r.usage.input_tokens > 40 and r.usage.output_tokens > 0
+    events = list(client.responses.create(**kwargs, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{r.status}"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text
+    assert events[-1].response.usage.input_tokens_details.cached_tokens > 0    # the same prompt, cached
+
+
+def test_a_function_call_continued_by_previous_response_id(client, model):
+    first = client.responses.create(model=model, instructions=INSTRUCTIONS, input="Weather in Paris?",
+                                    tools=[WEATHER], tool_choice="required", max_output_tokens=48, temperature=0)
+    call, = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and "city" in call.arguments and call.call_id
+    second = client.responses.create(model=model, instructions=INSTRUCTIONS, previous_response_id=first.id,
+                                     tools=[WEATHER], tool_choice="none", max_output_tokens=16, temperature=0,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "Sunny, 21 C"}])
+    assert second.output_text and second.previous_response_id == first.id
+    # the conversation so far is restored from the cache, not recomputed
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 64 * 64
+
+
+def test_an_unknown_previous_response_is_a_404(client, model):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=model, input="hi", previous_response_id="resp_unknown")
+    assert e.value.code == "previous_response_not_found"
+
+
+def test_kept_responses_outlive_a_restart_and_damage_is_a_miss(tmp_path):
+    """What a restarted server reads: the files the store wrote (the KV itself comes back from the disk tier,
+    as tests/test_server_cache.py shows)."""
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    ResponseStore(str(tmp_path)).put("resp_abc", conversation)
+    assert oct((tmp_path / "resp_abc.json").stat().st_mode & 0o777) == "0o600"
+    again = ResponseStore(str(tmp_path))
+    assert again.get("resp_abc") == conversation and again.get("resp_other") is None
+    assert again.get("../../etc/passwd") is None                   # ids never reach outside the directory
+    (tmp_path / "resp_bad.json").write_text("{not json")
+    assert again.get("resp_bad") is None
