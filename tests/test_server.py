@@ -132,6 +132,24 @@ def test_same_seed_same_sample(client, model):
     assert first == second
 
 
+def test_n_choices_share_the_prompt(client, model, http):
+    story = [{"role": "user", "content": "Tell me a story about a dragon who learns to sing. " * 4}]
+    r = client.chat.completions.create(model=model, messages=story, n=3, max_tokens=12, temperature=1.0, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.message.content for c in r.choices}) > 1
+    assert 3 <= r.usage.completion_tokens <= 36
+    fresh = [{"role": "user", "content": "Describe a lighthouse on a stormy night, in detail. " * 4}]
+    before = scrape(http)["kvtier_cached_prompt_tokens_total"]
+    chunks = list(client.chat.completions.create(model=model, messages=fresh, n=2, max_tokens=6, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(2)]
+    assert texts[0] == texts[1] and texts[0]                 # greedy choices agree
+    assert chunks[-1].usage.completion_tokens == 12
+    # the prompt is computed once: the second choice takes all its full blocks from the first
+    full_blocks = (chunks[-1].usage.prompt_tokens - 1) // 64 * 64
+    assert full_blocks > 0 and scrape(http)["kvtier_cached_prompt_tokens_total"] - before == full_blocks
+
+
 def test_concurrent_requests(client, model):
     def ask(i):
         return client.chat.completions.create(model=model, max_tokens=8, temperature=0,
@@ -150,8 +168,8 @@ def test_client_errors(base_url, client, model):
         client.chat.completions.create(model=model, messages=QUESTION, temperature=5)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model=model, prompt="hello " * (MAX_MODEL_LEN + 10), max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.chat.completions.create(model=model, messages=QUESTION, n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be"):
+        client.chat.completions.create(model=model, messages=QUESTION, n=17)
     wrong = OpenAI(base_url=f"{base_url}/v1", api_key="wrong-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.chat.completions.create(model=model, messages=QUESTION, max_tokens=2)

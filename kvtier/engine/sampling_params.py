@@ -1,6 +1,7 @@
 """Per-request sampling parameters, validated on construction."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 SAMPLING_EPS = 1e-5         # a temperature below this is greedy (as in vLLM): dividing by it overflows
@@ -58,6 +59,12 @@ class SamplingParams:
         if self.temperature < SAMPLING_EPS:
             self.temperature = 0.0
         self.top_p = max(self.top_p, MIN_TOP_P)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of n: the same, with its own seed (the seed + index, wrapped)."""
+        if self.seed is None or index == 0:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + index + 2**63) % 2**64 - 2**63)
 
     @property
     def adjusts_logits(self) -> bool:

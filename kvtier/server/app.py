@@ -6,7 +6,7 @@ import dataclasses
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -28,6 +28,7 @@ from kvtier.server.protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    Usage,
     find_unencodable,
     text_chars,
 )
@@ -88,9 +89,10 @@ class _Routes:
         self._check_model(body.model)
         # templating and tokenizing a large body takes seconds: never on the event loop
         prompt, parser, grammar = await run_in_threadpool(self._chat_prompt, body)
-        renderer = ChatRenderer(self.served_model, self.engine.tokenizer.token_str, body.include_usage, parser,
-                                body.legacy_functions, max_calls=1 if body.parallel_tool_calls is False else None)
-        return await self._generate(request, body, prompt, renderer, grammar)
+        renderers = _choice_renderers(body.n, lambda index: ChatRenderer(
+            self.served_model, self.engine.tokenizer.token_str, body.include_usage, parser, body.legacy_functions,
+            max_calls=1 if body.parallel_tool_calls is False else None, index=index))
+        return await self._generate(request, body, prompt, renderers, grammar)
 
     async def messages(self, body: MessagesRequest, request: Request) -> Response:
         """Anthropic's Messages API, served through the chat machinery."""
@@ -98,7 +100,7 @@ class _Routes:
         chat = body.to_chat()
         prompt, parser, grammar = await run_in_threadpool(self._chat_prompt, chat)
         renderer = MessagesRenderer(self.served_model, self.engine.tokenizer.token_str, parser)
-        return await self._generate(request, chat, prompt, renderer, grammar)
+        return await self._generate(request, chat, prompt, [renderer], grammar)
 
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API, served through the chat machinery; previous_response_id continues a kept
@@ -118,7 +120,7 @@ class _Routes:
             if body.store is not False:
                 self.response_store.put(response_id, conversation + output)
         renderer = ResponsesRenderer(self.served_model, self.engine.tokenizer.token_str, body, parser, keep)
-        return await self._generate(request, chat, prompt, renderer, grammar)
+        return await self._generate(request, chat, prompt, [renderer], grammar)
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:
         self._check_model(body.model)
@@ -130,8 +132,9 @@ class _Routes:
         prompt = await run_in_threadpool(self._completion_prompt, body)
         echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else \
             self.engine.tokenizer.decode(body.prompt)
-        renderer = CompletionRenderer(self.served_model, self.engine.tokenizer.token_str, body.include_usage, echo)
-        return await self._generate(request, body, prompt, renderer)
+        renderers = _choice_renderers(body.n, lambda index: CompletionRenderer(
+            self.served_model, self.engine.tokenizer.token_str, body.include_usage, echo, index=index))
+        return await self._generate(request, body, prompt, renderers)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], ToolParser | None, str | None]:
         """The prompt, the parser for tool calls in the reply (None without tools), and the grammar the reply
@@ -221,12 +224,13 @@ class _Routes:
                            param="model", code="model_not_found")
 
     async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: list[int],
-                        renderer: Renderer, grammar: str | None = None) -> Response:
-        """Shared by chat and completions, streaming or not."""
+                        renderers: list[Renderer], grammar: str | None = None) -> Response:
+        """Shared by every route, streaming or not; one renderer per choice (n)."""
         params = body.sampling_params(len(prompt), self.engine.max_model_len, grammar)
+        pins, salt = body.kvtier.pin if body.kvtier else None, self._cache_salt(request, body)
+        request_id = renderers[0].id
         arrival = time.perf_counter()
-        gen = self.engine.generate(renderer.id, prompt, params, body.kvtier.pin if body.kvtier else None,
-                                   self._cache_salt(request, body))
+        gen = self.engine.generate(request_id, prompt, params, pins, salt)
         # wait for the first output before answering, so a rejected request gets a 400, not a broken stream
         try:
             first = await _unless_disconnected(request, anext(gen))
@@ -236,25 +240,37 @@ class _Routes:
             raise APIError(500, str(e), type="server_error") from None
         first_token = time.perf_counter()
         self.metrics.time_to_first_token.observe(first_token - arrival)
-        outputs = self._observed(gen, first, arrival, first_token)
+        # the first choice has computed the prompt and cached its full blocks: the other choices reuse them
+        streams = [self._observed(gen, arrival, first_token, first)] + [
+            self._observed(self.engine.generate(f"{request_id}-{i}", prompt, params.for_choice(i), pins, salt),
+                           arrival, first_token) for i in range(1, len(renderers))]
         if body.stream:
-            return _SSEResponse(_sse(outputs, renderer), media_type="text/event-stream")
+            return _SSEResponse(_sse(_interleaved(streams), renderers), media_type="text/event-stream")
         try:
-            whole = await _unless_disconnected(request, _merged(outputs))
+            whole = await _unless_disconnected(request, asyncio.gather(*(_merged(s) for s in streams)))
         except RequestFailed as e:
             raise APIError(500, str(e), type="server_error") from None
-        return Response(renderer.response(whole).model_dump_json(), media_type="application/json")
+        return Response(_combined(renderers, whole).model_dump_json(), media_type="application/json")
 
-    async def _observed(self, gen: AsyncIterator[RequestOutput], first: RequestOutput,
-                        arrival: float, first_token: float) -> AsyncIterator[RequestOutput]:
-        """`first`, then the rest of `gen`; the request's metrics are recorded when it finishes."""
+    async def _observed(self, gen: AsyncIterator[RequestOutput], arrival: float, first_token: float,
+                        first: RequestOutput | None = None) -> AsyncIterator[RequestOutput]:
+        """`first` (if given), then the rest of `gen`; the request's metrics are recorded when it finishes."""
         async with aclosing(gen):
             out = first
-            yield first
+            if first is not None:
+                yield first
             async for out in gen:
                 yield out
-        if out.finished:
+        if out is not None and out.finished:
             self.metrics.observe_finished(out, arrival, first_token, time.perf_counter())
+
+
+def _choice_renderers(n: int | None, make: Callable[[int], Renderer]) -> list[Renderer]:
+    """One renderer per choice, all answering under the first one's id."""
+    renderers = [make(index) for index in range(n or 1)]
+    for renderer in renderers[1:]:
+        renderer.id, renderer.created = renderers[0].id, renderers[0].created
+    return renderers
 
 
 async def _merged(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -269,17 +285,66 @@ async def _merged(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     )
 
 
-async def _sse(outputs: AsyncIterator[RequestOutput], renderer: Renderer) -> AsyncIterator[str]:
-    """The stream's events, in the renderer's protocol; a request that fails midway ends with its error event."""
+def _combined(renderers: list[Renderer], whole: list[RequestOutput]) -> BaseModel:
+    """One response holding every choice; usage counts the prompt once and every choice's tokens."""
+    response = renderers[0].response(whole[0])
+    if len(renderers) > 1:
+        response.choices = [choice for r, out in zip(renderers, whole) for choice in r.response(out).choices]
+        response.usage = Usage.of(_total(whole))
+    return response
+
+
+def _total(lasts: list[RequestOutput]) -> RequestOutput:
+    """The first choice's last output, counting every choice's generated tokens."""
+    return dataclasses.replace(lasts[0], num_output_tokens=sum(out.num_output_tokens for out in lasts))
+
+
+async def _interleaved(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice, output) pairs from every stream as they come; leaving early closes them all (aborting them)."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for out in only:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    await queue.put((index, out))
+        except Exception as e:     # re-raised to the reader
+            await queue.put((index, e))
+        await queue.put((index, None))
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _sse(outputs: AsyncIterator[tuple[int, RequestOutput]], renderers: list[Renderer]) -> AsyncIterator[str]:
+    """The stream's events, in the renderers' protocol; a request that fails midway ends with its error event."""
+    lasts: dict[int, RequestOutput] = {}
     try:
         async with aclosing(outputs):
-            async for out in outputs:
-                for event in renderer.events(out):
+            async for index, out in outputs:
+                lasts[index] = out
+                for event in renderers[index].events(out):
                     yield event
-            for event in renderer.closing_events(out):
+            for event in renderers[0].closing_events(_total([lasts[i] for i in sorted(lasts)])):
                 yield event
     except RequestFailed as e:
-        for event in renderer.error_events(str(e)):
+        for event in renderers[0].error_events(str(e)):
             yield event
 
 

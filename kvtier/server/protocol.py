@@ -57,6 +57,9 @@ class APIError(Exception):
 
 # ---------------------------------------------------------------- requests
 
+MAX_CHOICES = 16        # n
+
+
 class RequestModel(BaseModel, extra="forbid"):
     """A request body: a field kvtier does not know is a 400 naming it, never silently dropped."""
 
@@ -152,8 +155,8 @@ class _GenerationRequest(RequestModel):
             raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
 
     def _check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise APIError(400, f"only n=1 is supported, got n={self.n}", param="n")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got n={self.n}", param="n")
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens

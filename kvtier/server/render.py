@@ -60,9 +60,10 @@ class Renderer:
 class _OpenAIRenderer(Renderer):
     """OpenAI's streams: `data: {chunk}` events, usage on request, and `data: [DONE]` however they end."""
 
-    def __init__(self, model: str, token_str: Callable[[int], str], include_usage: bool = False):
+    def __init__(self, model: str, token_str: Callable[[int], str], include_usage: bool = False, index: int = 0):
         super().__init__(model, token_str)
         self.include_usage = include_usage
+        self.index = index          # which choice (n) this renderer writes
 
     def chunks(self, out: RequestOutput) -> list[BaseModel]:
         raise NotImplementedError
@@ -96,8 +97,9 @@ class ChatRenderer(_OpenAIRenderer):
     id_prefix = "chatcmpl-"
 
     def __init__(self, model: str, token_str: Callable[[int], str], include_usage: bool = False,
-                 parser: ToolParser | None = None, legacy_functions: bool = False, max_calls: int | None = None):
-        super().__init__(model, token_str, include_usage)
+                 parser: ToolParser | None = None, legacy_functions: bool = False, max_calls: int | None = None,
+                 index: int = 0):
+        super().__init__(model, token_str, include_usage, index)
         self.sent_role = False
         self.parser, self.legacy = parser, legacy_functions
         self.max_calls = 1 if legacy_functions else max_calls    # parallel_tool_calls=false: the first call only
@@ -113,7 +115,7 @@ class ChatRenderer(_OpenAIRenderer):
         elif calls:
             message.tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                                   for c in calls]
-        choice = ChatChoice(message=message, logprobs=self._logprobs(out.logprobs),
+        choice = ChatChoice(index=self.index, message=message, logprobs=self._logprobs(out.logprobs),
                             finish_reason=self._finish_reason(out, bool(calls)))
         return ChatCompletionResponse(**self._head(), choices=[choice], usage=Usage.of(out))
 
@@ -142,7 +144,7 @@ class ChatRenderer(_OpenAIRenderer):
         if out.finished:             # and the finish reason on an empty last one
             deltas.append(ChatDelta())
         return [ChatCompletionChunk(**self._head(), choices=[ChatChunkChoice(
-            delta=delta, logprobs=self._logprobs(out.logprobs) if delta.content is not None else None,
+            index=self.index, delta=delta, logprobs=self._logprobs(out.logprobs) if delta.content is not None else None,
             finish_reason=self._finish_reason(out, self.num_calls > 0) if out.finished and i == len(deltas) - 1
             else None)]) for i, delta in enumerate(deltas)]
 
@@ -169,8 +171,9 @@ class ChatRenderer(_OpenAIRenderer):
 class CompletionRenderer(_OpenAIRenderer):
     id_prefix = "cmpl-"
 
-    def __init__(self, model: str, token_str: Callable[[int], str], include_usage: bool = False, echo: str = ""):
-        super().__init__(model, token_str, include_usage)
+    def __init__(self, model: str, token_str: Callable[[int], str], include_usage: bool = False, echo: str = "",
+                 index: int = 0):
+        super().__init__(model, token_str, include_usage, index)
         self.text_offset = 0   # characters of completion text before the next token
         self.echo = echo       # the prompt, sent before the completion (echo=true)
 
@@ -187,7 +190,8 @@ class CompletionRenderer(_OpenAIRenderer):
 
     def _choice(self, out: RequestOutput) -> CompletionChoice:
         text, self.echo = self.echo + out.new_text, ""
-        return CompletionChoice(text=text, logprobs=self._logprobs(out.logprobs), finish_reason=out.finish_reason)
+        return CompletionChoice(index=self.index, text=text, logprobs=self._logprobs(out.logprobs),
+                                finish_reason=out.finish_reason)
 
     def _logprobs(self, logprobs: list[TokenLogprob] | None) -> CompletionLogprobs | None:
         if logprobs is None:
