@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: routes, errors, API key, and the generation plumbing they share."""
+"""The HTTP server: OpenAI chat / completions / Responses and Anthropic Messages routes, errors, API keys,
+body limits, and the generation plumbing they share."""
 from __future__ import annotations
 
 import asyncio
