@@ -173,3 +173,15 @@ def agent_server(tmp_path_factory):
             "--api-key", API_KEY]
     with kvtier_server(args, tmp / "server.log") as url:
         yield url, tmp / "server.log"
+
+
+@pytest.fixture(scope="session")
+def agent_client(agent_server):
+    """The official openai client on the agent server."""
+    from openai import OpenAI
+    return OpenAI(base_url=f"{agent_server[0]}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def agent_model(agent_client) -> str:
+    return agent_client.models.list().data[0].id

@@ -3,8 +3,6 @@ text and its stream, forced function calls, continuing by previous_response_id (
 for an unknown id, and kept responses that outlive a restart."""
 import openai
 import pytest
-from conftest import API_KEY
-from openai import OpenAI
 
 from kvtier.server.responses import ResponseStore
 
@@ -15,23 +13,13 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The curren
 INSTRUCTIONS = "You are a helpful travel assistant. " * 16
 
 
-@pytest.fixture(scope="module")
-def client(agent_server):
-    return OpenAI(base_url=f"{agent_server[0]}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
-def test_text_and_its_stream(client, model):
-    kwargs = dict(model=model, instructions=INSTRUCTIONS, input="What is the capital of France?",
+def test_text_and_its_stream(agent_client, agent_model):
+    kwargs = dict(model=agent_model, instructions=INSTRUCTIONS, input="What is the capital of France?",
                   max_output_tokens=16, temperature=0)
-    r = client.responses.create(**kwargs)
+    r = agent_client.responses.create(**kwargs)
     assert r.id.startswith("resp_") and r.status in ("completed", "incomplete") and "Paris" in r.output_text
     assert r.usage.input_tokens > 40 and r.usage.output_tokens > 0
-    events = list(client.responses.create(**kwargs, stream=True))
+    events = list(agent_client.responses.create(**kwargs, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{r.status}"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
@@ -39,12 +27,12 @@ def test_text_and_its_stream(client, model):
     assert events[-1].response.usage.input_tokens_details.cached_tokens > 0    # the same prompt, cached
 
 
-def test_a_function_call_continued_by_previous_response_id(client, model):
-    first = client.responses.create(model=model, instructions=INSTRUCTIONS, input="Weather in Paris?",
+def test_a_function_call_continued_by_previous_response_id(agent_client, agent_model):
+    first = agent_client.responses.create(model=agent_model, instructions=INSTRUCTIONS, input="Weather in Paris?",
                                     tools=[WEATHER], tool_choice="required", max_output_tokens=48, temperature=0)
     call, = [item for item in first.output if item.type == "function_call"]
     assert call.name == "get_weather" and "city" in call.arguments and call.call_id
-    second = client.responses.create(model=model, instructions=INSTRUCTIONS, previous_response_id=first.id,
+    second = agent_client.responses.create(model=agent_model, instructions=INSTRUCTIONS, previous_response_id=first.id,
                                      tools=[WEATHER], tool_choice="none", max_output_tokens=16, temperature=0,
                                      input=[{"type": "function_call_output", "call_id": call.call_id,
                                              "output": "Sunny, 21 C"}])
@@ -53,9 +41,9 @@ def test_a_function_call_continued_by_previous_response_id(client, model):
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 64 * 64
 
 
-def test_an_unknown_previous_response_is_a_404(client, model):
+def test_an_unknown_previous_response_is_a_404(agent_client, agent_model):
     with pytest.raises(openai.NotFoundError) as e:
-        client.responses.create(model=model, input="hi", previous_response_id="resp_unknown")
+        agent_client.responses.create(model=agent_model, input="hi", previous_response_id="resp_unknown")
     assert e.value.code == "previous_response_not_found"
 
 

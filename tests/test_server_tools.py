@@ -6,7 +6,6 @@ import json
 import openai
 import pytest
 from conftest import API_KEY
-from openai import OpenAI
 
 pytestmark = pytest.mark.integration
 
@@ -20,18 +19,13 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(agent_server):
-    return agent_server
+def client(agent_client):
+    return agent_client
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return OpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
+def model(agent_model):
+    return agent_model
 
 
 def test_required_forces_a_call_that_matches_its_schema(client, model):
@@ -134,7 +128,7 @@ def test_a_six_turn_tool_loop_restores_everything_but_its_new_messages(client, m
         assert prompt_tokens[n] - cached[n] < 64 + 40, (n, prompt_tokens, cached)   # the new messages, at most
 
 
-def test_a_langchain_agent_completes_a_two_tool_loop(server, model):
+def test_a_langchain_agent_completes_a_two_tool_loop(agent_server, model):
     """LangChain's ChatOpenAI with bind_tools: forced calls of two tools, their results fed back, then a
     final answer; every turn after the first restores the conversation so far from the cache."""
     from langchain_core.messages import HumanMessage
@@ -152,7 +146,7 @@ def test_a_langchain_agent_completes_a_two_tool_loop(server, model):
         return celsius * 9 / 5 + 32
 
     tools = {t.name: t for t in (get_weather, celsius_to_fahrenheit)}
-    url, log = server
+    url, log = agent_server
     llm = ChatOpenAI(base_url=f"{url}/v1", api_key=API_KEY, model=model, temperature=0, max_tokens=64,
                      max_retries=0)
     messages = [HumanMessage("What is the weather in Paris, in Fahrenheit?")]
