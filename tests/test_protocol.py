@@ -46,6 +46,8 @@ class StubEngine:
         self.tokenizer = StubTokenizer()
         self.model_name = MODEL
         self.max_model_len = 64
+        self.max_pinned_tokens = None     # bounded residency off
+        self.pins: list = []
         self.answer = answer
         self.hang = False
         self.running: set[str] = set()
@@ -55,6 +57,7 @@ class StubEngine:
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise RequestRejected("too long for the stub")
         self.requests.append((prompt_token_ids, params))
+        self.pins.append(pins)
         self.running.add(request_id)
         try:
             text = self.answer[:params.max_tokens]
@@ -400,3 +403,18 @@ def test_a_prompt_too_long_for_certain_is_refused_before_tokenizing(client, engi
                                json=chat_body(messages=[{"role": "user", "content": "y" * 100}])), 400)
     assert "at least 104 tokens" in err["message"]   # the role counts too and err["param"] == "messages"
     assert engine.requests == []
+
+
+def test_an_anthropic_cache_control_breakpoint_pins_its_prefix_under_bounded_residency(client, engine):
+    body = {"model": MODEL, "max_tokens": 2, "system": [{"type": "text", "text": "sys", "cache_control":
+                                                          {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": "hello"}]}
+    assert client.post("/v1/messages", json=body).status_code == 200
+    assert engine.pins[-1] is None                      # no bounded residency: nothing to pin
+    engine.max_pinned_tokens = 40
+    assert client.post("/v1/messages", json=body).status_code == 200
+    through_system = len("<system>sys<assistant>")      # the stub's template, generation prompt included
+    assert engine.pins[-1] == [(0, through_system)]
+    engine.max_pinned_tokens = 5
+    client.post("/v1/messages", json=body)
+    assert engine.pins[-1] == [(0, 5)]                  # as much as the budget allows

@@ -21,6 +21,7 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
+        self.max_pinned_tokens = self.engine.max_pinned_tokens
         # ("add", id, prompt, params, pins, cache_salt) | ("abort", id) | None to stop
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

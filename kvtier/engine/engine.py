@@ -61,6 +61,9 @@ class LLMEngine:
             disk = self.transfer.disk
             self.transfer.manifests = ManifestStore(self.pager.bounded_namespace,
                                                     os.path.join(disk.directory, "manifests") if disk else None)
+        # the most prompt tokens a request may pin under bounded residency (beside the tail and a scored block)
+        self.max_pinned_tokens = (config.resident_blocks - config.kv_tail_blocks - 1) * config.block_size \
+            if self.pager else None
         self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs, self.pager)
         self.runner = ModelRunner(self.model, self.pool, self.device, self.pager)
         self.tiering = Tiering(self.transfer, self.pool, self.scheduler) if self.transfer else None

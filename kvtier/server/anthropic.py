@@ -59,6 +59,7 @@ class ToolResultBlock(ContentBlock):
 
 
 class ThinkingBlock(ContentBlock):         # earlier turns' thinking: accepted, left out of the prompt
+    cache_control: dict | None = None
     type: Literal["thinking", "redacted_thinking"]
     thinking: str | None = None
     signature: str | None = None
@@ -103,15 +104,18 @@ class CountTokensRequest(RequestModel):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
 
-    def to_chat(self, **sampling) -> ChatCompletionRequest:
-        """The same conversation as an OpenAI chat request: tool results become tool messages, tool uses
-        assistant tool calls, thinking blocks are dropped."""
+    def to_chat(self, **sampling) -> tuple[ChatCompletionRequest, int]:
+        """The same conversation as an OpenAI chat request (tool results become tool messages, tool uses
+        assistant tool calls, thinking blocks are dropped), and how many of its messages reach through the
+        last cache_control breakpoint (0 if none)."""
         if self.thinking is not None and self.thinking.type == "enabled":
             raise APIError(400, "extended thinking is not supported by this server", param="thinking")
         messages = []
+        marked = int(any(t.cache_control for t in self.tools or []))   # tools are written before the messages
         if self.system:
             system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system)
             messages.append({"role": "system", "content": system})
+            marked = max(marked, int(not isinstance(self.system, str) and any(b.cache_control for b in self.system)))
         for message in self.messages:
             blocks = message.blocks()
             texts = "\n".join(b.text for b in blocks if isinstance(b, TextBlock))
@@ -124,12 +128,14 @@ class CountTokensRequest(RequestModel):
                 calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                          for b in blocks if isinstance(b, ToolUseBlock)]
                 messages.append({"role": "assistant", "content": texts or None, **({"tool_calls": calls} if calls else {})})
+            if any(b.cache_control for b in message.blocks() if not isinstance(b, ThinkingBlock)):
+                marked = len(messages)
         tools = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
                                                    **({"description": t.description} if t.description else {})}}
                  for t in self.tools or []] or None
         try:
             return ChatCompletionRequest(model=self.model, messages=messages, tools=tools, **self._tool_choice(),
-                                         **sampling)
+                                         **sampling), marked
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
             raise APIError(400, f"the conversation cannot be served: {problems}") from None
@@ -157,7 +163,7 @@ class MessagesRequest(CountTokensRequest):
     kvtier: KvtierOptions | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
-    def to_chat(self, **sampling) -> ChatCompletionRequest:
+    def to_chat(self, **sampling) -> tuple[ChatCompletionRequest, int]:
         return super().to_chat(max_tokens=self.max_tokens, stop=self.stop_sequences, temperature=self.temperature,
                                top_p=self.top_p, top_k=self.top_k, stream=self.stream, kvtier=self.kvtier,
                                cache_salt=self.cache_salt, **sampling)

@@ -27,6 +27,7 @@ from kvtier.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    KvtierOptions,
     ModelCard,
     ModelList,
     Usage,
@@ -98,8 +99,13 @@ class _Routes:
     async def messages(self, body: MessagesRequest, request: Request) -> Response:
         """Anthropic's Messages API, served through the chat machinery."""
         self._check_model(body.model)
-        chat = body.to_chat()
+        chat, marked = body.to_chat()
         prompt, parser, grammar = await run_in_threadpool(self._chat_prompt, chat)
+        if marked and self.engine.max_pinned_tokens and not chat.kvtier:
+            # a cache_control breakpoint keeps its prefix resident (as much of it as the budget allows)
+            marked_prefix = chat.model_copy(update={"messages": chat.messages[:marked]})
+            end = len((await run_in_threadpool(self._chat_prompt, marked_prefix))[0])
+            chat.kvtier = KvtierOptions(pin=[(0, min(end, len(prompt), self.engine.max_pinned_tokens))])
         renderer = MessagesRenderer(self.served_model, self.engine.tokenizer.token_str, parser)
         return await self._generate(request, chat, prompt, [renderer], grammar)
 
@@ -125,7 +131,7 @@ class _Routes:
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:
         self._check_model(body.model)
-        prompt, _, _ = await run_in_threadpool(self._chat_prompt, body.to_chat())
+        prompt, _, _ = await run_in_threadpool(self._chat_prompt, body.to_chat()[0])
         return {"input_tokens": len(prompt)}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
