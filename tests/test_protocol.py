@@ -125,7 +125,7 @@ def test_sampling_fields_reach_params():
     assert ChatCompletionRequest(**chat_body(top_logprobs=2)).sampling_params(1, 64).logprobs is None
 
 
-@pytest.mark.parametrize("field, value", [("n", 17), ("n", 0), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+@pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -3.0),
                                           ("repetition_penalty", 0.0), ("logit_bias", {"5": 101}),
                                           ("logit_bias", {"five": 1}), ("min_tokens", 100),
                                           ("temperature", 5.0), ("top_p", 0.0), ("max_tokens", 0)])
@@ -418,3 +418,10 @@ def test_an_anthropic_cache_control_breakpoint_pins_its_prefix_under_bounded_res
     engine.max_pinned_tokens = 5
     client.post("/v1/messages", json=body)
     assert engine.pins[-1] == [(0, 5)]                  # as much as the budget allows
+
+
+@pytest.mark.parametrize("n", [0, 17, 10**12])
+def test_n_out_of_range_is_a_400_before_anything_is_set_up(client, engine, n):
+    start = time.perf_counter()
+    err = error_of(client.post("/v1/chat/completions", json=chat_body(n=n)), 400)
+    assert err["param"] == "n" and time.perf_counter() - start < 1.0 and engine.requests == []

@@ -168,7 +168,7 @@ def test_client_errors(base_url, client, model):
         client.chat.completions.create(model=model, messages=QUESTION, temperature=5)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model=model, prompt="hello " * (MAX_MODEL_LEN + 10), max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="n must be"):
+    with pytest.raises(openai.BadRequestError, match="n: Input should be less than or equal to 16"):
         client.chat.completions.create(model=model, messages=QUESTION, n=17)
     wrong = OpenAI(base_url=f"{base_url}/v1", api_key="wrong-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

@@ -3,14 +3,21 @@
 llguidance was chosen over xgrammar because it installs as one wheel with no dependencies (xgrammar
 pulls triton and a TVM runtime onto CPU machines), compiles a grammar in milliseconds, and takes Lark
 grammars with JSON schemas embedded, which is what a forced tool call in a tagged format needs. Only
-constrained sequences build a matcher; the others never touch this module.
+constrained sequences build a matcher; the others never touch this module. A sequence's next mask is
+computed in a worker thread as soon as its token is accepted (llguidance releases the GIL), so it is
+ready by the next step's sampling and the step does not wait for it.
 """
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
+
+
+MASK_WORKERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-grammar")
 
 
 class GrammarError(ValueError):
@@ -40,10 +47,11 @@ class Constraint:
         self.matcher = matcher
         self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
         self.vocab_size = vocab_size
+        self._next_mask: Future = MASK_WORKERS.submit(self._fill)
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits [vocab] with every token the grammar forbids at -inf (a new tensor)."""
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        self._next_mask.result()
         allowed = _unpack(self.bitmask[0], self.vocab_size).to(logits.device)
         masked = torch.full_like(logits, float("-inf"))      # rows past the tokenizer's vocabulary stay out
         masked[:self.vocab_size] = logits[:self.vocab_size].masked_fill(~allowed, float("-inf"))
@@ -52,6 +60,11 @@ class Constraint:
     def accept(self, token_id: int) -> None:
         if not self.matcher.consume_token(token_id):
             raise GrammarError(f"token {token_id} breaks the grammar: {self.matcher.get_error()}")
+        if not self.matcher.is_stopped():
+            self._next_mask = MASK_WORKERS.submit(self._fill)     # ready by the next step
+
+    def _fill(self) -> None:
+        llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
 
     @property
     def done(self) -> bool:

@@ -106,7 +106,7 @@ class _GenerationRequest(RequestModel):
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)     # checked before any choice is set up
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None   # extension, as in vLLM
@@ -155,8 +155,7 @@ class _GenerationRequest(RequestModel):
             raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
 
     def _check_supported(self) -> None:
-        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
-            raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got n={self.n}", param="n")
+        """Fields that are valid alone but not honoured in this combination: 400s (see the subclasses)."""
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
