@@ -13,10 +13,14 @@ BOUNDED_BLOCK_SIZE = 16     # under bounded residency: pages small enough that a
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def default_disk_dir() -> str:
-    """Under the user's cache directory ($XDG_CACHE_HOME, else ~/.cache)."""
+def cache_home() -> str:
+    """kvtier's directory under the user's cache directory ($XDG_CACHE_HOME, else ~/.cache)."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "kvtier", "kv")
+    return os.path.join(cache, "kvtier")
+
+
+def default_disk_dir() -> str:
+    return os.path.join(cache_home(), "kv")
 
 
 class ConfigError(ValueError):

@@ -47,8 +47,8 @@ def test_no_body_gets_a_5xx(data, operations, server_url, model):
         assert response.json()["error"]["message"]
 
 
-EDGE_NUMBERS = [0, -0.0, 5e-324, 1e-40, 1e-46, 1e-7, 0.5, 1, 2, 3.0e38, 1e308, -1e308, -1, 2**31, 2**63, -2**63 - 1,
-                2**64, float("nan"), float("inf")]
+EDGE_NUMBERS = [0, 5e-324, 1e-40, 1e-46, 3.0e38, 1e308, -1e308, -1, 2**63, -2**63 - 1, 2**64, float("nan"),
+                float("inf")]
 NUMERIC_FIELDS = ["temperature", "top_p", "top_k", "max_tokens", "seed", "presence_penalty", "frequency_penalty",
                   "top_logprobs", "logprobs"]
 

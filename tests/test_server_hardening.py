@@ -163,7 +163,7 @@ def test_kill_during_disk_writes_then_restart_answers_as_cold(tmp_path):
     serves what landed and recomputes the rest, and every answer equals a cold computation."""
     args = ["--kv-pool-tokens", "16384", "--max-model-len", "2048", "--kv-disk-dir", str(tmp_path / "kv")]
     prompts = [[{"role": "user", "content": f"Document {i}: " + f"The tide rose over stone number {i}. " * 60
-                 + "Summarize the document in one sentence."}] for i in range(3)]
+                 + "Summarize the document in one sentence."}] for i in range(2)]
     procs = {}
     with kvtier_server(args, tmp_path / "first.log", on_start=lambda p: procs.update(first=p)) as url:
         client = httpx.Client(base_url=url, timeout=120)
