@@ -1,27 +1,23 @@
-"""The HTTP server: OpenAI chat / completions / Responses and Anthropic Messages routes, errors, API keys,
-body limits, and the generation plumbing they share."""
+"""The HTTP server: OpenAI chat / completions / Responses and Anthropic Messages routes, and the generation
+path they share (errors.py, guards.py and streaming.py hold the rest)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
-import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier.engine.outputs import RequestFailed, RequestOutput, RequestRejected
 from kvtier.server.anthropic import CountTokensRequest, MessagesRenderer, MessagesRequest
-from kvtier.server.anthropic import error_body as anthropic_error_body
+from kvtier.server.errors import install_error_handlers
+from kvtier.server.guards import APIKeyGuard, BodyLimit
 from kvtier.server.metrics import Metrics, RequestCounter
 from kvtier.server.protocol import (
     APIError,
@@ -30,12 +26,13 @@ from kvtier.server.protocol import (
     KvtierOptions,
     ModelCard,
     ModelList,
-    Usage,
     find_unencodable,
     text_chars,
 )
 from kvtier.server.render import ChatRenderer, CompletionRenderer, Renderer
 from kvtier.server.responses import ResponsesRenderer, ResponsesRequest, ResponseStore
+from kvtier.server.streaming import SSEResponse, choice_renderers, combined, interleaved, merged, sse, \
+    unless_disconnected
 from kvtier.server.tool_parsers import PARSERS, ToolParser, parser_for_template
 from kvtier.server.tools import grammar_error, json_grammar, template_messages, tool_call_grammar
 
@@ -45,7 +42,6 @@ if TYPE_CHECKING:   # the engine pulls in the model code; the app only needs its
 
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
                        "/v1/responses", "/v1/models"})
-DISCONNECT_POLL_S = 0.2
 
 
 def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
@@ -65,13 +61,10 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
     app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.scrape, methods=["GET"])
-    app.add_exception_handler(APIError, _on_api_error)
-    app.add_exception_handler(RequestValidationError, _on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, _on_http_error)
-    app.add_exception_handler(Exception, _on_unexpected_error)
-    app.add_middleware(_BodyLimit, max_bytes=config.max_request_bytes)
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     if config.api_keys:
-        app.add_middleware(_APIKeyGuard, api_keys=config.api_keys)
+        app.add_middleware(APIKeyGuard, api_keys=config.api_keys)
     app.add_middleware(RequestCounter, metrics=metrics, endpoints=ENDPOINTS)   # outermost: counts 401s too
     return app
 
@@ -91,7 +84,7 @@ class _Routes:
         self._check_model(body.model)
         # templating and tokenizing a large body takes seconds: never on the event loop
         prompt, parser, grammar = await run_in_threadpool(self._chat_prompt, body)
-        renderers = _choice_renderers(body.n, lambda index: ChatRenderer(
+        renderers = choice_renderers(body.n, lambda index: ChatRenderer(
             self.served_model, self.engine.tokenizer.token_str, body.include_usage, parser, body.legacy_functions,
             max_calls=1 if body.parallel_tool_calls is False else None, index=index))
         return await self._generate(request, body, prompt, renderers, grammar)
@@ -139,7 +132,7 @@ class _Routes:
         prompt = await run_in_threadpool(self._completion_prompt, body)
         echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else \
             self.engine.tokenizer.decode(body.prompt)
-        renderers = _choice_renderers(body.n, lambda index: CompletionRenderer(
+        renderers = choice_renderers(body.n, lambda index: CompletionRenderer(
             self.served_model, self.engine.tokenizer.token_str, body.include_usage, echo, index=index))
         return await self._generate(request, body, prompt, renderers)
 
@@ -240,7 +233,7 @@ class _Routes:
         gen = self.engine.generate(request_id, prompt, params, pins, salt)
         # wait for the first output before answering, so a rejected request gets a 400, not a broken stream
         try:
-            first = await _unless_disconnected(request, anext(gen))
+            first = await unless_disconnected(request, anext(gen))
         except RequestRejected as e:
             raise APIError(400, str(e)) from None
         except RequestFailed as e:
@@ -252,12 +245,12 @@ class _Routes:
             self._observed(self.engine.generate(f"{request_id}-{i}", prompt, params.for_choice(i), pins, salt),
                            arrival, first_token) for i in range(1, len(renderers))]
         if body.stream:
-            return _SSEResponse(_sse(_interleaved(streams), renderers), media_type="text/event-stream")
+            return SSEResponse(sse(interleaved(streams), renderers), media_type="text/event-stream")
         try:
-            whole = await _unless_disconnected(request, asyncio.gather(*(_merged(s) for s in streams)))
+            whole = await unless_disconnected(request, asyncio.gather(*(merged(s) for s in streams)))
         except RequestFailed as e:
             raise APIError(500, str(e), type="server_error") from None
-        return Response(_combined(renderers, whole).model_dump_json(), media_type="application/json")
+        return Response(combined(renderers, whole).model_dump_json(), media_type="application/json")
 
     async def _observed(self, gen: AsyncIterator[RequestOutput], arrival: float, first_token: float,
                         first: RequestOutput | None = None) -> AsyncIterator[RequestOutput]:
@@ -270,210 +263,3 @@ class _Routes:
                 yield out
         if out is not None and out.finished:
             self.metrics.observe_finished(out, arrival, first_token, time.perf_counter())
-
-
-def _choice_renderers(n: int | None, make: Callable[[int], Renderer]) -> list[Renderer]:
-    """One renderer per choice, all answering under the first one's id."""
-    renderers = [make(index) for index in range(n or 1)]
-    for renderer in renderers[1:]:
-        renderer.id, renderer.created = renderers[0].id, renderers[0].created
-    return renderers
-
-
-async def _merged(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    """Fold a request's deltas into one output that carries the whole completion."""
-    outs = [out async for out in outputs]
-    last = outs[-1]
-    return dataclasses.replace(
-        last,
-        new_token_ids=[t for o in outs for t in o.new_token_ids],
-        new_text="".join(o.new_text for o in outs),
-        logprobs=None if last.logprobs is None else [lp for o in outs for lp in o.logprobs],
-    )
-
-
-def _combined(renderers: list[Renderer], whole: list[RequestOutput]) -> BaseModel:
-    """One response holding every choice; usage counts the prompt once and every choice's tokens."""
-    response = renderers[0].response(whole[0])
-    if len(renderers) > 1:
-        response.choices = [choice for r, out in zip(renderers, whole) for choice in r.response(out).choices]
-        response.usage = Usage.of(_total(whole))
-    return response
-
-
-def _total(lasts: list[RequestOutput]) -> RequestOutput:
-    """The first choice's last output, counting every choice's generated tokens."""
-    return dataclasses.replace(lasts[0], num_output_tokens=sum(out.num_output_tokens for out in lasts))
-
-
-async def _interleaved(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(choice, output) pairs from every stream as they come; leaving early closes them all (aborting them)."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:
-            async for out in only:
-                yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async with aclosing(stream):
-                async for out in stream:
-                    await queue.put((index, out))
-        except Exception as e:     # re-raised to the reader
-            await queue.put((index, e))
-        await queue.put((index, None))
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _sse(outputs: AsyncIterator[tuple[int, RequestOutput]], renderers: list[Renderer]) -> AsyncIterator[str]:
-    """The stream's events, in the renderers' protocol; a request that fails midway ends with its error event."""
-    lasts: dict[int, RequestOutput] = {}
-    try:
-        async with aclosing(outputs):
-            async for index, out in outputs:
-                lasts[index] = out
-                for event in renderers[index].events(out):
-                    yield event
-            for event in renderers[0].closing_events(_total([lasts[i] for i in sorted(lasts)])):
-                yield event
-    except RequestFailed as e:
-        for event in renderers[0].error_events(str(e)):
-            yield event
-
-
-class _SSEResponse(StreamingResponse):
-    """Closes its generator however the stream ends: a client that goes away aborts its request."""
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
-async def _unless_disconnected(request: Request, awaitable: Awaitable):
-    """Await `awaitable`; if the client disconnects first, cancel it (aborting the engine request)."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        while not (await asyncio.wait([task], timeout=DISCONNECT_POLL_S))[0]:
-            if await request.is_disconnected():
-                raise APIError(499, "the client closed the connection")
-        return task.result()
-    finally:
-        task.cancel()
-
-
-class _BodyLimit:
-    """ASGI middleware: a body over max_bytes gets a 413, from its Content-Length before any of it is read,
-    else as soon as what arrived passes the limit."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = Headers(scope=scope).get("content-length", "")
-        if length.isdigit() and int(length) > self.max_bytes:
-            return await _error_response(self._too_large(), scope["path"])(scope, receive, send)
-        received = 0
-
-        async def receive_within_limit():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise StarletteHTTPException(413, self._too_large().message)   # answered by _on_http_error
-            return message
-        await self.app(scope, receive_within_limit, send)
-
-    def _too_large(self) -> APIError:
-        return APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes "
-                             "(--max-request-bytes)", code="request_too_large")
-
-
-class _APIKeyGuard:
-    """ASGI middleware: every route but /health needs one of the API keys, as 'Authorization: Bearer KEY'
-    (the scheme in any case) or 'x-api-key: KEY'. The key that matched is left in the request's state."""
-
-    def __init__(self, app, api_keys: list[str]):
-        self.app = app
-        self.keys = [key.encode() for key in api_keys]
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
-            key = self._matching_key(Headers(scope=scope))
-            if key is None:
-                err = APIError(401, "missing or incorrect API key; send it as 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
-                return await _error_response(err, scope["path"])(scope, receive, send)
-            scope.setdefault("state", {})["api_key"] = key
-        await self.app(scope, receive, send)
-
-    def _matching_key(self, headers: Headers) -> str | None:
-        scheme, _, given = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            given = headers.get("x-api-key", "")
-        given = given.strip().encode()
-        # compare with every key, so the time taken says nothing about which one nearly matched
-        matches = [key for key in self.keys if secrets.compare_digest(given, key)]
-        return matches[0].decode() if matches else None
-
-
-# ---------------------------------------------------------------- errors, all in OpenAI's shape
-
-def _error_response(err: APIError, path: str) -> JSONResponse:
-    """In the shape of the API the path belongs to: Anthropic's under /v1/messages, else OpenAI's."""
-    body = anthropic_error_body(err.status_code, err.message) if path.startswith("/v1/messages") else err.body()
-    return JSONResponse(body, status_code=err.status_code)
-
-
-async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
-    return _error_response(exc, request.url.path)
-
-
-async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    # FastAPI answers 422; OpenAI answers 400 with one message
-    messages, params = [], []
-    for e in exc.errors():
-        if e["type"] == "json_invalid":
-            return _error_response(APIError(400, f"the request body is not valid JSON: {e['ctx']['error']}"),
-                                   request.url.path)
-        loc = [str(part) for part in e["loc"] if part != "body"]
-        if not loc:   # no body, or not an object (also what a form content-type gives)
-            return _error_response(APIError(400, "the request body must be a JSON object "
-                                                  "sent with 'Content-Type: application/json'"), request.url.path)
-        if e["type"] == "extra_forbidden":
-            messages.append(f"{'.'.join(loc)}: kvtier does not support this field (see the README's table of "
-                            "request fields)")
-        else:
-            messages.append(f"{'.'.join(loc)}: {e['msg'].removeprefix('Value error, ')}")
-        params.append(loc[0])
-    return _error_response(APIError(400, "; ".join(messages), param=params[0]), request.url.path)
-
-
-async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    message = f"{request.method} {request.url.path}: {exc.detail}"
-    code = "not_found" if exc.status_code == 404 else None
-    return _error_response(APIError(exc.status_code, message, code=code), request.url.path)
-
-
-async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    # Starlette re-raises the exception after this answer, so the server still logs its traceback
-    return _error_response(APIError(500, f"internal server error: {type(exc).__name__}", type="server_error"),
-                           request.url.path)
