@@ -61,9 +61,7 @@ class LLMEngine:
             disk = self.transfer.disk
             self.transfer.manifests = ManifestStore(self.pager.bounded_namespace,
                                                     os.path.join(disk.directory, "manifests") if disk else None)
-        # the most prompt tokens a request may pin under bounded residency (beside the tail and a scored block)
-        self.max_pinned_tokens = (config.resident_blocks - config.kv_tail_blocks - 1) * config.block_size \
-            if self.pager else None
+        self.max_pinned_tokens = self.pager.max_pinned_tokens if self.pager else None
         self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs, self.pager)
         self.runner = ModelRunner(self.model, self.pool, self.device, self.pager)
         self.tiering = Tiering(self.transfer, self.pool, self.scheduler) if self.transfer else None
@@ -173,9 +171,9 @@ class LLMEngine:
             logits, queries = self.runner.run(batch, capture)
             return list(zip(logits, queries))
         except Exception:
+            log.exception("a forward of %d sequences failed", len(batch.seqs))
             if len(batch.seqs) == 1:
                 return [None]
-            log.exception("a batched forward failed; retrying its %d sequences one by one", len(batch.seqs))
         results = []
         for seq, n, wanted in zip(batch.seqs, batch.num_tokens, capture):
             try:   # the retry rewrites the same pool slots with the same K/V

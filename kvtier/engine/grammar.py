@@ -46,15 +46,13 @@ class Constraint:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
         self.matcher = matcher
         self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
-        self.vocab_size = vocab_size
         self._next_mask: Future = MASK_WORKERS.submit(self._fill)
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits [vocab] with every token the grammar forbids at -inf (a new tensor)."""
         self._next_mask.result()
-        allowed = _unpack(self.bitmask[0], self.vocab_size).to(logits.device)
-        masked = torch.full_like(logits, float("-inf"))      # rows past the tokenizer's vocabulary stay out
-        masked[:self.vocab_size] = logits[:self.vocab_size].masked_fill(~allowed, float("-inf"))
+        masked = logits.clone()      # rows past the tokenizer's vocabulary are masked too
+        llguidance.torch.apply_token_bitmask_inplace(masked, self.bitmask.to(logits.device))
         return masked
 
     def accept(self, token_id: int) -> None:
@@ -71,8 +69,3 @@ class Constraint:
         """The grammar is complete and allows nothing more (end-of-sequence aside)."""
         return self.matcher.is_stopped()
 
-
-def _unpack(words: torch.Tensor, n: int) -> torch.Tensor:
-    """A packed int32 bitmask (bit i of word i // 32 for token i) → bool [n]."""
-    bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
-    return bits.flatten()[:n].bool()

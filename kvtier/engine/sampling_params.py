@@ -21,7 +21,7 @@ class SamplingParams:
     logprobs: int | None = None   # None → no logprobs; N → chosen token plus top-N alternatives
     presence_penalty: float = 0.0     # OpenAI's: subtracted once from every token already generated
     frequency_penalty: float = 0.0    # OpenAI's: subtracted per time a token was generated
-    repetition_penalty: float = 1.0   # vLLM's: logits of prompt and output tokens divided (or, if < 0, multiplied)
+    repetition_penalty: float = 1.0   # vLLM's: a seen token's logit is divided by it (multiplied, if negative)
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id → added to its logit
     min_tokens: int = 0               # end-of-sequence tokens are masked until this many are generated
     grammar: str | None = None        # a Lark grammar (llguidance) the output must follow

@@ -125,6 +125,12 @@ class Pager:
         return True
 
     @property
+    def max_pinned_tokens(self) -> int:
+        """The most prompt tokens, from the start, that pins may keep resident (beside the tail and one scored
+        block; the sink lies inside them)."""
+        return (self.budget_blocks - self.tail_blocks - 1) * self.pool.block_size
+
+    @property
     def max_shared_blocks(self) -> int:
         """Blocks a new sequence may take from a prefix cache: its first chunk must still fit the budget."""
         return self.budget_blocks - self.tail_blocks
