@@ -23,7 +23,7 @@ def prompt(n, salt=0):
 
 
 def restart(engine, model_dir, disk_dir, **kw):
-    engine.transfer.shutdown()
+    engine.shutdown()
     return make_engine(model_dir, disk_dir, **kw)
 
 
@@ -35,7 +35,7 @@ def test_disk_hit_after_restart_warm_equals_cold(tiny_model_dir, tmp_path):
     warm = run(eng, p)
     assert warm.cached == 144 and warm.tokens == cold.tokens
     assert max_logit_diff(cold, warm) < 1e-4
-    assert eng.transfer.disk.stats["hit_blocks"] == 9
+    assert eng.tiers.disk.stats["hit_blocks"] == 9
 
 
 def test_prefix_spanning_host_and_disk(tiny_model_dir, tmp_path):
@@ -45,7 +45,7 @@ def test_prefix_spanning_host_and_disk(tiny_model_dir, tmp_path):
     eng = restart(eng, tiny_model_dir, tmp_path, kv_host_gib=0.01)
     run(eng, short)                                          # host now holds the first 4 blocks only
     tokens, _, cached = run(eng, short + extra + [7])
-    host, disk = eng.transfer.host.stats, eng.transfer.disk.stats
+    host, disk = eng.tiers.host.stats, eng.tiers.disk.stats
     assert cached == 128 and host["hit_blocks"] >= 4 and disk["hit_blocks"] >= 4
 
 
@@ -54,7 +54,7 @@ def test_damaged_file_is_a_miss_with_one_warning(tiny_model_dir, tmp_path, caplo
     eng = make_engine(tiny_model_dir, tmp_path)
     p = prompt(100, salt=3)
     cold, _, _ = run(eng, p)
-    eng.transfer.shutdown()
+    eng.shutdown()
     for f in pathlib.Path(tmp_path).rglob("*.kvb"):
         data = bytearray(f.read_bytes())
         if damage == "truncate":
@@ -75,7 +75,7 @@ def test_other_dtype_never_hits(tiny_model_dir, tmp_path):
     run(eng, p)
     eng = restart(eng, tiny_model_dir, tmp_path, dtype="bfloat16")
     _, _, cached = run(eng, p)
-    assert cached == 0 and eng.transfer.disk.stats["hit_blocks"] == 0
+    assert cached == 0 and eng.tiers.disk.stats["hit_blocks"] == 0
 
 
 def test_unwritable_disk_dir_degrades_to_compute(tiny_model_dir, tmp_path):

@@ -21,7 +21,7 @@ def make_engine(tiny_model_dir, **kw):
 
 def settle(engine):
     """Wait until background saves have landed and their blocks are unpinned."""
-    while not engine.transfer.idle():
+    while not engine.kv.idle():
         pass
     engine.step()
 
@@ -31,8 +31,8 @@ def prompt(n, salt=0):
 
 
 def test_host_tier_lru_budget():
-    tier = HostTier(budget_bytes=3 * 64)
     import torch
+    tier = HostTier(3 * 64 + 10, (16,), torch.float32)
     for i in range(5):
         tier.put(bytes([i]) * 16, torch.zeros(16))        # 64 bytes each
     assert len(tier) == 3 and tier.bytes_used == 192 and tier.stats["evictions"] == 2
@@ -46,7 +46,7 @@ def test_host_hit_warm_equals_cold(tiny_model_dir, prefix_cache):
     p = prompt(150)
     cold = run(eng, p)
     settle(eng)
-    assert len(eng.transfer.host) >= 150 // BS
+    assert len(eng.tiers.host) >= 150 // BS
     if prefix_cache:
         for salt in range(1, 6):                        # push p's blocks out of the device pool
             run(eng, prompt(300, salt=salt))
@@ -56,7 +56,7 @@ def test_host_hit_warm_equals_cold(tiny_model_dir, prefix_cache):
     assert cold.cached == 0 and warm.cached == 144
     assert warm.tokens == cold.tokens
     assert max_logit_diff(cold, warm) < 1e-4
-    assert eng.transfer.host.stats["hit_blocks"] >= 9
+    assert eng.tiers.host.stats["hit_blocks"] >= 9
     settle(eng)
     assert eng.pool.num_free_blocks == eng.pool.num_blocks
 
@@ -68,7 +68,7 @@ def test_pure_tier_mode_never_reuses_device_blocks(tiny_model_dir):
     settle(eng)
     assert eng.pool.num_cached_blocks == 0
     _, _, cached = run(eng, p)
-    assert cached == 96 and eng.transfer.host.stats["hit_blocks"] == 6
+    assert cached == 96 and eng.tiers.host.stats["hit_blocks"] == 6
 
 
 def test_engine_keeps_stepping_while_a_prefix_loads(tiny_model_dir):
@@ -79,14 +79,14 @@ def test_engine_keeps_stepping_while_a_prefix_loads(tiny_model_dir):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     eng.add_request("other", prompt(20, salt=12), params)
     eng.step()                                       # "other" is running
-    eng.transfer._loads.put(None)                    # stall the loader: the load stays in flight
-    eng.transfer._threads[1].join()
+    eng.kv.mover._loads.put(None)                    # stall the loader: the load stays in flight
+    eng.kv.mover._threads[1].join()
     eng.add_request("warm", p, params)
     finished = []
     for _ in range(10):
         finished += [o.request_id for o in eng.step() if o.finished]
     assert "other" in finished
-    assert eng.tiering.loading["warm"].status is SequenceStatus.LOADING
+    assert eng.kv.loading["warm"].loading and eng.scheduler.find("warm").status is SequenceStatus.WAITING
 
 
 def test_cancel_during_load_frees_blocks_after_the_copy(tiny_model_dir):
@@ -96,8 +96,8 @@ def test_cancel_during_load_frees_blocks_after_the_copy(tiny_model_dir):
     settle(eng)
     eng.add_request("c", p, SamplingParams(max_tokens=4))
     eng.step()
-    assert "c" in eng.tiering.loading
-    reserved = list(eng.tiering.loading["c"].block_table)
+    assert "c" in eng.kv.loading
+    reserved = list(eng.kv.loading["c"].block_table)
     eng.abort_request("c")
     assert all(eng.pool.ref_counts[b] > 0 for b in reserved)   # not freed while the copy may run
     outs = []

@@ -59,7 +59,7 @@ def test_budget_sinks_tail_and_pins_hold(bounded):
     seen = {"checks": 0, "decode_kv": 0}
 
     def check(seq):
-        table = seq.block_table
+        table = seq.kv.block_table
         resident = [i for i, b in enumerate(table) if b != NOT_RESIDENT]
         assert len(resident) <= BUDGET
         assert table[0] != NOT_RESIDENT                                  # sink
@@ -75,7 +75,7 @@ def test_budget_sinks_tail_and_pins_hold(bounded):
     assert stats["page_outs"] > 0 and stats["reselects"] > 0 and stats["max_resident_blocks"] <= BUDGET
     # the pool and the host pins return to idle
     assert bounded.pool.num_free_blocks == bounded.pool.num_blocks
-    assert not bounded.transfer.host._pins
+    assert not bounded.tiers.host._pins
 
 
 def test_long_prompt_chunks_stay_in_budget(tiny_model_dir):
@@ -85,7 +85,7 @@ def test_long_prompt_chunks_stay_in_budget(tiny_model_dir):
                               **{**BASE, "max_batched_tokens": 512}))
 
     def check(seq):
-        assert sum(b != NOT_RESIDENT for b in seq.block_table) <= BUDGET
+        assert sum(b != NOT_RESIDENT for b in seq.kv.block_table) <= BUDGET
 
     engine.add_request("long", prompt(570), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert len(step_all(engine, check)["long"]) == 8
@@ -115,18 +115,18 @@ def test_decode_attends_to_the_budget_only(bounded):
 
 
 def test_page_out_and_in_is_byte_exact(bounded):
-    pager, pool = bounded.pager, bounded.pool
+    kv, pool = bounded.kv, bounded.pool
     bounded.add_request("p", prompt(300, salt=5), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    while not any(len(s.block_keys) >= 6 for s in bounded.scheduler.running):
+    while not any(len(s.kv.block_keys) >= 6 for s in bounded.scheduler.running):
         bounded.step()
     seq = bounded.scheduler.running[0]
-    i = next(i for i in range(1, len(seq.block_keys)) if seq.block_table[i] != NOT_RESIDENT
-             and i < len(seq.block_table) - 4)
-    before = pool.read_block(seq.block_table[i])
-    pager._page_out(seq, i)
-    assert seq.block_table[i] == NOT_RESIDENT
-    pager._page_in(seq, i)
-    assert torch.equal(pool.read_block(seq.block_table[i]), before)
+    i = next(i for i in range(1, len(seq.kv.block_keys)) if seq.kv.block_table[i] != NOT_RESIDENT
+             and i < len(seq.kv.block_table) - 4)
+    before = pool.read_block(seq.kv.block_table[i])
+    kv._page_out(seq.kv, [i])
+    assert seq.kv.block_table[i] == NOT_RESIDENT
+    kv._page_in(seq.kv, [i])
+    assert torch.equal(pool.read_block(seq.kv.block_table[i]), before)
     step_all(bounded)
 
 
@@ -139,7 +139,7 @@ def test_prompts_are_exact_decodes_over_budget_are_bounded(exact, bounded):
     # blocks whose tokens were all prompt tokens are keyed, and shareable, as exact; from the first block
     # with a token decoded over a partial resident set on, the keys are the bounded namespace's
     exact_keys = chain_keys(p + warm.tokens, BS, exact.pool.namespace)
-    bounded_keys = set(bounded.pool.cached) | set(bounded.transfer.host._blocks)
+    bounded_keys = set(bounded.pool.cached) | set(bounded.tiers.host._slots)
     assert all(k in bounded_keys for k in exact_keys[:400 // BS])
     assert not any(k in bounded_keys for k in exact_keys[400 // BS:])
     assert len(bounded_keys) > 400 // BS
@@ -175,12 +175,12 @@ def test_manifest_round_trip_continues_like_the_uninterrupted_run(tiny_model_dir
 
     first = manifest_engine(tiny_model_dir, tmp_path / "b")
     head = run(first, p, max_tokens=5).tokens
-    first.transfer.shutdown()         # a restart: only the disk tier (blocks and manifest) remains
+    first.shutdown()         # a restart: only the disk tier (blocks and manifest) remains
     assert head == whole[:5] and len(list((tmp_path / "b" / "manifests").glob("*.kvm"))) == 1
 
     second = manifest_engine(tiny_model_dir, tmp_path / "b")
-    jobs, load = [], second.transfer.load
-    second.transfer.load = lambda job: (jobs.append(job), load(job))
+    jobs, load = [], second.kv.mover.load
+    second.kv.mover.load = lambda job: (jobs.append(job), load(job))
     rest = run(second, p + head, max_tokens=25)
     assert rest.cached == 19 * BS
     assert rest.tokens == whole[5:]
@@ -194,7 +194,7 @@ def test_damaged_manifest_is_a_miss(tiny_model_dir, tmp_path, caplog):
     p = prompt(300, salt=13)
     first = manifest_engine(tiny_model_dir, tmp_path)
     head = run(first, p, max_tokens=5).tokens
-    first.transfer.shutdown()
+    first.shutdown()
     (path,) = (tmp_path / "manifests").glob("*.kvm")
     path.write_bytes(path.read_bytes()[:100])
     second = manifest_engine(tiny_model_dir, tmp_path)
@@ -202,7 +202,7 @@ def test_damaged_manifest_is_a_miss(tiny_model_dir, tmp_path, caplog):
     assert len(rest.tokens) == 3
     assert rest.cached == 300 // BS * BS         # the exact prompt blocks only: decoded ones need their manifest
     assert any("damaged manifest" in r.getMessage() for r in caplog.records)
-    second.transfer.shutdown()
+    second.shutdown()
     assert path.stat().st_size > 100             # removed at start-up, then written again by this run
 
 
@@ -210,10 +210,10 @@ def test_a_long_exact_prefix_restores_with_only_sink_and_tail_resident(tiny_mode
     p = prompt(390, salt=17)         # no block seals after the restore: only the reselection reaches the budget
     exact = LLMEngine(Config(model=tiny_model_dir, **{**BASE, "kv_disk": True}, kv_disk_dir=str(tmp_path)))
     cold = run(exact, p, max_tokens=8)
-    exact.transfer.shutdown()
+    exact.shutdown()
     bounded = manifest_engine(tiny_model_dir, tmp_path)
-    jobs, load = [], bounded.transfer.load
-    bounded.transfer.load = lambda job: (jobs.append(job), load(job))
+    jobs, load = [], bounded.kv.mover.load
+    bounded.kv.mover.load = lambda job: (jobs.append(job), load(job))
     warm = run(bounded, p, max_tokens=8)
     assert warm.cached == 384 and max_logit_diff(cold, warm) < 1e-4
     (job,) = jobs
@@ -229,15 +229,15 @@ def test_concurrent_bounded_requests_keep_the_host_budget(tiny_model_dir, exact)
     as it does alone."""
     def small_host_engine():
         # a step budget that never cuts a prefill chunk: the pager alone sizes them, as when running alone
-        engine = LLMEngine(Config(model=tiny_model_dir, kv_resident_tokens=BUDGET * BS, kv_reselect_every=4,
-                                  kv_host_gib=1.0, **{**BASE, "max_batched_tokens": 1024}))
-        engine.transfer.host.budget_bytes = 24 * engine.pool.block_bytes   # too small to say in GiB
-        return engine
+        return LLMEngine(Config(model=tiny_model_dir, kv_resident_tokens=BUDGET * BS, kv_reselect_every=4,
+                                kv_host_gib=(24 + 0.5) * block_bytes / 2**30,     # room for 24 blocks
+                                **{**BASE, "max_batched_tokens": 1024}))
+    block_bytes = exact.pool.block_bytes
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     prompts = [prompt(236, salt=i) for i in range(6)]      # 236 + 20 tokens: 16 blocks
     alone = [run(small_host_engine(), p, max_tokens=20).tokens for p in prompts]
     engine = small_host_engine()
-    host = engine.transfer.host
+    host = engine.tiers.host
     for i, p in enumerate(prompts):
         engine.add_request(f"q{i}", p, params)
     peak = {"pinned": 0, "running": 0}

@@ -64,7 +64,7 @@ def test_concurrent_requests_share_prefix_blocks(engine):
     for i in range(3):
         engine.add_request(f"c{i}", shared + prompt(10, salt=10 + i), params)
     engine.step()
-    tables = [s.block_table for s in engine.scheduler.running]
+    tables = [s.kv.block_table for s in engine.scheduler.running]
     assert len(tables) == 3 and tables[0][:4] == tables[1][:4] == tables[2][:4]
     assert all(engine.pool.ref_counts[b] == 3 for b in tables[0][:4])
     while engine.has_unfinished():

@@ -56,7 +56,8 @@ def test_prefill_logits_match_transformers(engine, reference, num_tokens):
     with torch.inference_mode():
         expected = reference(torch.tensor([ids])).logits[0, -1]
     seq = Sequence("logits", ids, SamplingParams(), None, arrival=0)
-    seq.block_table = engine.pool.allocate(engine.pool.blocks_for(len(ids)))
+    seq.kv = engine.kv.new_state("logits", seq.token_ids, len(ids), None)
+    assert engine.kv.reserve(seq.kv, len(ids))
     try:
         # two chunks when long enough, so the offset causal mask over cached slots is covered too
         first = len(ids) // 2 if len(ids) > 64 else len(ids)
@@ -69,7 +70,7 @@ def test_prefill_logits_match_transformers(engine, reference, num_tokens):
             batch.add(seq, len(ids) - first)
             logits, _ = engine.runner.run(batch)
     finally:
-        engine.pool.free(seq.block_table)
+        engine.kv.release(seq.kv)
     assert (logits[0] - expected).abs().max().item() < 1e-3
 
 

@@ -5,7 +5,10 @@ import torch
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.sequence import Sequence, SequenceStatus
+from kvtier.kv.manager import KVManager
 from kvtier.kv.pool import KVPool, PoolExhausted
+from kvtier.kv.state import KVState
+from kvtier.kv.tiers.stack import TierStack
 
 BS = 4
 
@@ -15,8 +18,14 @@ def make_pool(num_blocks: int) -> KVPool:
                   dtype=torch.float32, device=torch.device("cpu"))
 
 
+def make_scheduler(pool: KVPool, max_batched_tokens: int, max_num_seqs: int) -> Scheduler:
+    return Scheduler(KVManager(pool, TierStack([])), max_batched_tokens, max_num_seqs)
+
+
 def make_seq(i: int, prompt_len: int) -> Sequence:
-    return Sequence(f"r{i}", list(range(prompt_len)), SamplingParams(max_tokens=8), None, arrival=i)
+    seq = Sequence(f"r{i}", list(range(prompt_len)), SamplingParams(max_tokens=8), None, arrival=i)
+    seq.kv = KVState(seq.request_id, seq.token_ids, prompt_len + 8)
+    return seq
 
 
 def run_step(sched: Scheduler):
@@ -47,20 +56,20 @@ def test_pool_shape_and_zero_init():
 
 
 def test_block_table_grows_one_block_per_block_size_tokens():
-    sched = Scheduler(make_pool(8), max_batched_tokens=64, max_num_seqs=4)
+    sched = make_scheduler(make_pool(8), max_batched_tokens=64, max_num_seqs=4)
     seq = make_seq(0, 5)
     sched.add(seq)
     run_step(sched)
-    assert len(seq.block_table) == 2 and seq.num_computed_tokens == 5
+    assert len(seq.kv.block_table) == 2 and seq.num_computed_tokens == 5
     for _ in range(3):                      # tokens 6, 7, 8 fit in block 2
         run_step(sched)
-    assert len(seq.block_table) == 2
+    assert len(seq.kv.block_table) == 2
     run_step(sched)                         # position 8 needs a third block
-    assert len(seq.block_table) == 3
+    assert len(seq.kv.block_table) == 3
 
 
 def test_chunked_prefill_respects_token_budget_and_decodes_go_first():
-    sched = Scheduler(make_pool(64), max_batched_tokens=10, max_num_seqs=4)
+    sched = make_scheduler(make_pool(64), max_batched_tokens=10, max_num_seqs=4)
     short, long = make_seq(0, 3), make_seq(1, 40)
     sched.add(short)
     run_step(sched)                          # short prefilled, now decoding
@@ -73,7 +82,7 @@ def test_chunked_prefill_respects_token_budget_and_decodes_go_first():
 
 
 def test_max_num_seqs_limits_running():
-    sched = Scheduler(make_pool(64), max_batched_tokens=100, max_num_seqs=2)
+    sched = make_scheduler(make_pool(64), max_batched_tokens=100, max_num_seqs=2)
     for i in range(3):
         sched.add(make_seq(i, 4))
     run_step(sched)
@@ -82,7 +91,7 @@ def test_max_num_seqs_limits_running():
 
 def test_preemption_frees_newest_and_requeues_it_first():
     pool = make_pool(4)
-    sched = Scheduler(pool, max_batched_tokens=100, max_num_seqs=4)
+    sched = make_scheduler(pool, max_batched_tokens=100, max_num_seqs=4)
     old, new = make_seq(0, 8), make_seq(1, 7)
     sched.add(old)
     sched.add(new)
@@ -90,7 +99,7 @@ def test_preemption_frees_newest_and_requeues_it_first():
     assert pool.num_free_blocks == 0
     batch = run_step(sched)                  # old needs a third block: new is preempted
     assert batch.preempted == [new]
-    assert new.status is SequenceStatus.WAITING and new.block_table == [] and new.num_computed_tokens == 0
+    assert new.status is SequenceStatus.WAITING and new.kv.block_table == [] and new.num_computed_tokens == 0
     assert sched.waiting[0] is new and batch.seqs == [old]
     assert len(new.token_ids) == 8           # the token it already produced is kept and recomputed later
     sched.finish(old, "length")
@@ -101,7 +110,7 @@ def test_preemption_frees_newest_and_requeues_it_first():
 
 def test_lone_sequence_that_cannot_grow_preempts_itself():
     pool = make_pool(2)
-    sched = Scheduler(pool, max_batched_tokens=100, max_num_seqs=4)
+    sched = make_scheduler(pool, max_batched_tokens=100, max_num_seqs=4)
     seq = make_seq(0, 8)
     sched.add(seq)
     run_step(sched)
@@ -111,7 +120,7 @@ def test_lone_sequence_that_cannot_grow_preempts_itself():
 
 def test_finish_and_find():
     pool = make_pool(8)
-    sched = Scheduler(pool, max_batched_tokens=100, max_num_seqs=4)
+    sched = make_scheduler(pool, max_batched_tokens=100, max_num_seqs=4)
     a, b = make_seq(0, 4), make_seq(1, 4)
     sched.add(a)
     sched.add(b)

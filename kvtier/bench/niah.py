@@ -127,11 +127,6 @@ def engine(args: argparse.Namespace, pool_tokens: int, budget: int | None, polic
     return eng
 
 
-def close(eng: LLMEngine) -> None:
-    if eng.transfer is not None:
-        eng.transfer.shutdown()
-
-
 def residency(eng: LLMEngine) -> dict:
     return dict(eng.stats().get("residency", {}))
 
@@ -165,7 +160,7 @@ def run_cell(args: argparse.Namespace, cases: list[dict], budget: int | None, po
         run = ask(eng, f"{tag}-{i}", case["prompt"])
         run.update(depth=case["depth"], prompt_tokens=len(case["prompt"]), correct=str(case["key"]) in run["answer"])
         runs.append(run)
-    close(eng)
+    eng.shutdown()
     del eng
     gc.collect()
     recall = sum(r["correct"] for r in runs) / len(runs)
@@ -184,15 +179,15 @@ def restore_probe(args: argparse.Namespace, case: dict, budget: int) -> dict:
     answer = []
     while first.has_unfinished():
         answer += [t for out in first.step() for t in out.new_token_ids]
-    close(first)
+    first.shutdown()
     second = LLMEngine(Config(**settings))
-    jobs, load = [], second.transfer.load
-    second.transfer.load = lambda job: (jobs.append(job), load(job))
+    jobs, load = [], second.kv.mover.load
+    second.kv.mover.load = lambda job: (jobs.append(job), load(job))
     second.add_request("continued", case["prompt"] + answer, SamplingParams(max_tokens=1, temperature=0.0))
     cached = 0
     while second.has_unfinished():
         cached = max([cached, *(out.num_cached_tokens for out in second.step())])
-    close(second)
+    second.shutdown()
     shutil.rmtree(disk_dir)
     job = jobs[0] if jobs else None
     moved = sum(job.manifest.resident) if job and job.manifest else None

@@ -117,16 +117,14 @@ def build_turns(tokenizer, lengths: list[int], repeats: int, max_model_len: int,
 
 def settle(eng: LLMEngine) -> None:
     """Wait for the background saves to land, then step once so the engine applies them."""
-    if eng.transfer is None:
-        return
-    while not eng.transfer.idle():
+    while not eng.kv.idle():
         time.sleep(0.005)
     eng.step()
 
 
 def load_seconds(eng: LLMEngine) -> float:
     """The loader's total time restoring prefixes from the tiers so far (0 without tiers)."""
-    return eng.tiering.load_seconds_sum if eng.tiering else 0.0
+    return eng.kv.load_seconds_sum
 
 
 def ttft(eng: LLMEngine, request_id: str, prompt: list[int]) -> tuple[float, int, float]:
@@ -234,11 +232,6 @@ def engine(args: argparse.Namespace, pool_tokens: int, **settings) -> LLMEngine:
     return eng
 
 
-def close(eng: LLMEngine) -> None:
-    if eng.transfer is not None:
-        eng.transfer.shutdown()
-
-
 def run_histories(eng: LLMEngine, turns: list[dict], tag: str) -> None:
     for turn in turns:
         ttft(eng, f"{tag}-history-{turn['length']}", turn["history"])
@@ -273,7 +266,7 @@ def measure(args: argparse.Namespace) -> dict:
     run_histories(device, turns, "device")
     run_histories(host, turns, "host")
     run_histories(writer, turns, "disk")
-    close(writer)       # the restart: the engine that computed the histories is gone
+    writer.shutdown()       # the restart: the engine that computed the histories is gone
     del writer
     gc.collect()
     disk = engine(args, single, **disk_settings)
@@ -299,7 +292,7 @@ def measure(args: argparse.Namespace) -> dict:
                     read = runs[turn["length"]]["file_read"][-1]
                     print(f"    raw file read right after: {read:.2f} GB/s", flush=True)
     for eng in engines.values():
-        close(eng)
+        eng.shutdown()
     os.remove(probe[0])
     num_blocks = max(turn["expected"][0] for turn in turns) // cold.config.block_size
     results["layout"] = {"blocks": num_blocks, "run_blocks": cold.config.max_batched_tokens // cold.config.block_size,

@@ -58,8 +58,7 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._inbox.put(None)
         self._thread.join(timeout=10)
-        if self.engine.transfer:   # let queued saves reach the tiers: the next start finds them on disk
-            self.engine.transfer.shutdown()
+        self.engine.shutdown()   # let queued saves reach the tiers: the next start finds them on disk
 
     def _run(self) -> None:
         while True:

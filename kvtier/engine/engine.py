@@ -17,11 +17,13 @@ from kvtier.engine.sampler import sample, token_logprob
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import ScheduledBatch, Scheduler
 from kvtier.engine.sequence import Sequence
-from kvtier.engine.tiering import Tiering, build_tiers
-from kvtier.kv.keys import block_key, namespace, salt_root
+from kvtier.kv.keys import namespace, salt_root
+from kvtier.kv.manager import KVManager
 from kvtier.kv.manifest import ManifestStore
 from kvtier.kv.pager import CAPTURE_ROWS, Pager, PinRefused
 from kvtier.kv.pool import KVPool, default_pool_tokens
+from kvtier.kv.tiers.host import HostTier
+from kvtier.kv.tiers.stack import TierStack
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import load_model, resolve_model_path
 
@@ -55,16 +57,17 @@ class LLMEngine:
                            pool_tokens, config.torch_dtype, self.device, ns, config.prefix_cache)
         log.info("KV pool: %d blocks of %d tokens (%.2f GiB)", self.pool.num_blocks, config.block_size,
                  self.pool.kv_cache.numel() * self.pool.kv_cache.element_size() / 2**30)
-        self.transfer = build_tiers(config, self.pool)
+        self.tiers = build_tier_stack(config, self.pool)
         self.pager = self._build_pager(config, loaded.fingerprint) if config.resident_blocks else None
+        manifests = None
         if self.pager:
-            disk = self.transfer.disk
-            self.transfer.manifests = ManifestStore(self.pager.bounded_namespace,
-                                                    os.path.join(disk.directory, "manifests") if disk else None)
+            disk = self.tiers.disk
+            manifests = ManifestStore(self.pager.bounded_namespace,
+                                      os.path.join(disk.directory, "manifests") if disk else None)
         self.max_pinned_tokens = self.pager.max_pinned_tokens if self.pager else None
-        self.scheduler = Scheduler(self.pool, config.max_batched_tokens, config.max_num_seqs, self.pager)
-        self.runner = ModelRunner(self.model, self.pool, self.device, self.pager)
-        self.tiering = Tiering(self.transfer, self.pool, self.scheduler) if self.transfer else None
+        self.kv = KVManager(self.pool, self.tiers, self.pager, manifests)
+        self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.kv, self.device)
         self.grammars = GrammarCompiler(self.tokenizer.hf)
         self._arrivals = itertools.count()
         self._ended: list[Sequence] = []     # finished outside a step (aborted, failed): reported by the next step
@@ -72,10 +75,10 @@ class LLMEngine:
     def _build_pager(self, config: Config, fingerprint: str) -> Pager:
         mode = (f"bounded(blocks={config.resident_blocks},sink={config.kv_sink_blocks},tail={config.kv_tail_blocks},"
                 f"policy={config.kv_policy},every={config.kv_reselect_every})")
-        return Pager(self.pool, self.transfer.host, config.resident_blocks, config.kv_sink_blocks,
+        return Pager(self.pool, self.tiers.host.budget_bytes, config.resident_blocks, config.kv_sink_blocks,
                      config.kv_tail_blocks, config.kv_policy, config.kv_reselect_every,
                      self.model_config.head_dim ** -0.5, self.pool.namespace,
-                     namespace(fingerprint, config.dtype, config.block_size, KVPool.LAYOUT, mode), self.transfer.disk)
+                     namespace(fingerprint, config.dtype, config.block_size, KVPool.LAYOUT, mode))
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise RequestRejected if this request could never run. Reads only fixed state: thread-safe."""
@@ -100,7 +103,7 @@ class LLMEngine:
                 f"{self.pool.num_blocks * self.pool.block_size}; raise --kv-pool-tokens or shorten the request")
 
     def _check_paged_out_room(self, need: int) -> None:
-        host = self.transfer.host
+        host = self.tiers.host
         if need > host.budget_bytes:
             raise RequestRejected(
                 f"the request would page {need / 2**30:.2f} GiB of KV out to the host tier, whose budget is "
@@ -115,37 +118,38 @@ class LLMEngine:
             raise RequestRejected("pins keep prompt ranges resident under bounded residency, which this server "
                                   "does not run (start it with --kv-resident-tokens)")
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        seq = Sequence(request_id, prompt_token_ids, params, detok, next(self._arrivals), salt_root(cache_salt))
+        seq = Sequence(request_id, prompt_token_ids, params, detok, next(self._arrivals))
         if params.grammar is not None:
             try:
                 seq.constraint = self.grammars.constraint(params.grammar)
             except GrammarError as e:
                 raise RequestRejected(str(e)) from None
-        if self.pager:
-            try:
-                seq.residency = self.pager.new_residency(pins, len(prompt_token_ids))
-            except PinRefused as e:
-                raise RequestRejected(str(e)) from None
+        try:
+            seq.kv = self.kv.new_state(request_id, seq.token_ids, len(prompt_token_ids) + params.max_tokens,
+                                       salt_root(cache_salt), pins)
+        except PinRefused as e:
+            raise RequestRejected(str(e)) from None
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
-        if self.tiering and self.tiering.abort(request_id):
-            return    # reported when its load has finished and its blocks are free
         seq = self.scheduler.find(request_id)
-        if seq is not None:
-            self.scheduler.finish(seq, "abort")
-            self._ended.append(seq)
+        if seq is None or self.kv.abort(seq.kv):
+            return    # a loading request is reported when its load has landed and its blocks are free
+        self.scheduler.finish(seq, "abort")
+        self._ended.append(seq)
 
     def has_unfinished(self) -> bool:
-        in_flight = bool(self.tiering and self.tiering.busy)    # pinned blocks count until their copy lands
-        return self.scheduler.has_unfinished() or bool(self._ended) or in_flight
+        # pinned blocks count until their copy lands
+        return self.scheduler.has_unfinished() or bool(self._ended) or self.kv.busy
+
+    def shutdown(self) -> None:
+        """Stop the transfer workers (after the copies already queued)."""
+        self.kv.shutdown()
 
     def step(self) -> list[RequestOutput]:
-        if self.tiering:
-            for seq in self.tiering.poll():
-                self.scheduler.finish(seq, "abort")
-                self._ended.append(seq)
-            self.tiering.start_loads()
+        for state in self.kv.poll():       # loads aborted meanwhile, now released
+            self._end(self.scheduler.find(state.request_id), "abort")
+        self.kv.start_loads([seq.kv for seq in self.scheduler.waiting])
         batch = self.scheduler.schedule()
         results = self._forward(batch) if batch else []
         outputs = []
@@ -159,14 +163,14 @@ class LLMEngine:
                 self._fail(seq, e)
         outputs += [self._output(seq) for seq in self._ended]
         self._ended.clear()
-        if not batch and not outputs and self.tiering and self.tiering.busy:
-            self.transfer.wait(timeout=0.05)   # nothing to compute: sleep until a copy lands
+        if not batch and not outputs and self.kv.busy:
+            self.kv.wait(timeout=0.05)   # nothing to compute: sleep until a copy lands
         return outputs
 
     def _forward(self, batch: ScheduledBatch) -> list[tuple[torch.Tensor, torch.Tensor | None] | None]:
         """Per sequence: (logits at its last token, its captured queries). If the batch's forward fails, each
         sequence is run alone, so a failure that belongs to one request (None) does not fail the others."""
-        capture = [CAPTURE_ROWS if seq.residency else 0 for seq in batch.seqs]
+        capture = [CAPTURE_ROWS if seq.kv.residency else 0 for seq in batch.seqs]
         try:
             logits, queries = self.runner.run(batch, capture)
             return list(zip(logits, queries))
@@ -187,9 +191,8 @@ class LLMEngine:
         """Account for n computed tokens; True when a token was sampled (an output is due)."""
         decoded = seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
         seq.num_computed_tokens += n
-        if seq.residency:
-            self.pager.after_step(seq, queries, seq.num_uncomputed_tokens == 0 and not decoded, decoded)
-        self._seal_full_blocks(seq)
+        prompt_done = seq.num_uncomputed_tokens == 0 and not decoded
+        self.kv.commit(seq.kv, seq.num_computed_tokens, queries, prompt_done, decoded)
         if seq.num_uncomputed_tokens > 0:
             return False
         self._append_token(seq, logits)     # prompt done or last token fed: sample the next one
@@ -198,23 +201,12 @@ class LLMEngine:
     def _fail(self, seq: Sequence, error: Exception) -> None:
         log.error("request %s failed", seq.request_id, exc_info=error)
         seq.error = f"the server failed while generating ({type(error).__name__}: {error})"
-        self.scheduler.finish(seq, "error")
-        self._ended.append(seq)
+        self._end(seq, "error")
 
-    def _seal_full_blocks(self, seq: Sequence) -> None:
-        """Key every block that this step filled, so later requests can reuse it."""
-        bs = self.pool.block_size
-        first = len(seq.block_keys)
-        for i in range(first, seq.num_computed_tokens // bs):
-            ns = self.pager.namespace_for(seq, i) if seq.residency else self.pool.namespace
-            parent = seq.block_keys[-1] if seq.block_keys else seq.root_key
-            key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs], ns)
-            self.pool.seal(seq.block_table[i], key)
-            seq.block_keys.append(key)
-        if seq.residency:
-            self.pager.sealed(seq)
-        if self.tiering and len(seq.block_keys) > first:
-            self.tiering.save(seq.block_keys[first:], seq.block_table[first:len(seq.block_keys)])
+    def _end(self, seq: Sequence, reason: str) -> None:
+        """Finished outside a step's sampling (aborted, failed): reported by this or the next step."""
+        self.scheduler.finish(seq, reason)
+        self._ended.append(seq)
 
     def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.params
@@ -229,18 +221,13 @@ class LLMEngine:
         if params.logprobs is not None:
             seq.pending_logprobs.append(token_logprob(logits, token_id, params.logprobs))
         if token_id in self.tokenizer.eos_token_ids and not params.ignore_eos:
-            self._finish(seq, "stop")
+            self.scheduler.finish(seq, "stop")
         elif seq.detokenizer.add_token(token_id):
-            self._finish(seq, "stop")
+            self.scheduler.finish(seq, "stop")
         elif seq.num_output_tokens >= params.max_tokens:
-            self._finish(seq, "length")
+            self.scheduler.finish(seq, "length")
         elif seq.constraint is not None and seq.constraint.done:
-            self._finish(seq, "stop")
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        if seq.residency:
-            self.tiering.save_manifest(seq)
-        self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq, "stop")
 
     def _output(self, seq: Sequence) -> RequestOutput:
         out = RequestOutput(
@@ -251,7 +238,7 @@ class LLMEngine:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
+            num_cached_tokens=seq.kv.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
             error=seq.error,
             stop_string=seq.detokenizer.matched_stop,
@@ -262,19 +249,29 @@ class LLMEngine:
         return out
 
     def _log_finished(self, seq: Sequence) -> None:
-        tiers = ", ".join(f"{n} from {tier}" for tier, n in seq.tier_tokens.items() if n)
+        tiers = ", ".join(f"{n} from {tier}" for tier, n in seq.kv.tier_tokens.items() if n)
         log.info("request %s %s: %d prompt tokens (%s, %d computed), %d generated", seq.request_id,
                  seq.finish_reason, seq.num_prompt_tokens, tiers or "none cached",
-                 seq.num_prompt_tokens - seq.num_cached_tokens, seq.num_output_tokens)
-        if self.tiering:
-            self.tiering.forget(seq.request_id)
+                 seq.num_prompt_tokens - seq.kv.num_cached_tokens, seq.num_output_tokens)
 
     def stats(self) -> dict:
         stats = {"num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,
                  "num_cached_blocks": self.pool.num_cached_blocks, "block_size": self.pool.block_size,
                  "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting)}
-        if self.tiering:
-            stats.update(self.tiering.stats())
+        stats.update(self.kv.stats())
         if self.pager:
             stats["residency"] = {**self.pager.stats, "host_reserved_bytes": self.pager.host_reserved}
         return stats
+
+
+def build_tier_stack(config: Config, pool: KVPool) -> TierStack:
+    """The tiers below the device that the config asks for, fastest first."""
+    tiers = []
+    if config.kv_host_gib > 0:
+        tiers.append(HostTier(int(config.kv_host_gib * 2**30), pool.block_shape, pool.kv_cache.dtype,
+                              pin_memory=pool.kv_cache.device.type == "cuda"))
+    if config.kv_disk and config.kv_disk_gib > 0:
+        from kvtier.kv.tiers.disk import DiskTier
+        tiers.append(DiskTier(os.path.expanduser(config.kv_disk_dir), int(config.kv_disk_gib * 2**30),
+                              pool.namespace, pool.block_shape, pool.kv_cache.dtype))
+    return TierStack(tiers)

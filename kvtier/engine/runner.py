@@ -4,18 +4,18 @@ from __future__ import annotations
 import torch
 
 from kvtier.engine.scheduler import ScheduledBatch
-from kvtier.kv.pager import NOT_RESIDENT, Pager
-from kvtier.kv.pool import KVPool
+from kvtier.kv.manager import KVManager
+from kvtier.kv.state import NOT_RESIDENT
 from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from kvtier.models.decoder import Decoder
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, pool: KVPool, device: torch.device, pager: Pager | None = None):
+    def __init__(self, model: Decoder, kv: KVManager, device: torch.device):
         self.model = model
-        self.pool = pool
+        self.kv = kv
+        self.pool = kv.pool
         self.device = device
-        self.pager = pager
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Pool slots of positions start..end-1 of a sequence, leaving out blocks that are not resident."""
@@ -38,13 +38,14 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             token_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            slot_mapping.append(self._slots(seq.block_table, start, end))
+            table = seq.kv.block_table
+            slot_mapping.append(self._slots(table, start, end))
             if n == 1 and start > 0:
                 decode_rows.append(row)
-                decode_slots.append(self._slots(seq.block_table, 0, end))
+                decode_slots.append(self._slots(table, 0, end))
             else:
-                prefix = self._slots(seq.block_table, 0, start).to(self.device) if start > 0 else None
-                paged_out = self.pager.paged_out_kv(seq, start) if seq.residency and start > 0 else None
+                prefix = self._slots(table, 0, start).to(self.device) if start > 0 else None
+                paged_out = self.kv.paged_out_kv(seq.kv, start) if seq.kv.residency and start > 0 else None
                 prefills.append(PrefillSeq(row, n, prefix, paged_out))
             row += n
             last_rows.append(row - 1)

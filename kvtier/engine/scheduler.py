@@ -2,9 +2,10 @@
 
 Each step: running decodes first (one token each, oldest first), then prefill chunks of
 running sequences, then new admissions while budget, sequence slots and free blocks last.
+A waiting sequence whose prefix is loading from a lower tier is passed over until it lands.
 When the pool runs dry, the newest unscheduled running sequence is preempted: its blocks
-are freed and it goes back to the front of the queue to be recomputed later. Under bounded
-residency the pager sizes each chunk and pages blocks out before new ones are reserved.
+are freed and it goes back to the front of the queue to be recomputed later. Where blocks
+come from and go to is the KV manager's business (kv/manager.py); this decides who runs.
 """
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvtier.engine.sequence import Sequence, SequenceStatus
-from kvtier.kv.pager import NOT_RESIDENT, Pager
-from kvtier.kv.pool import KVPool
+from kvtier.kv.manager import KVManager
 
 
 @dataclass
@@ -31,9 +31,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, max_batched_tokens: int, max_num_seqs: int, pager: Pager | None = None):
-        self.pool = pool
-        self.pager = pager
+    def __init__(self, kv: KVManager, max_batched_tokens: int, max_num_seqs: int):
+        self.kv = kv
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
@@ -63,35 +62,20 @@ class Scheduler:
         for seq in prefilling:
             if budget == 0:
                 break
-            n = self._chunk(seq, budget)
+            n = self.kv.chunk(seq.kv, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, n, batch):
                 batch.add(seq, n)
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
-            seq = self.waiting[0]
-            if seq.residency and not self.pager.reserve_host(seq):
-                break     # its paged-out blocks would pass the host budget: wait for running sequences to end
-            if seq.block_table:     # restored from a lower tier: it already holds its prefix blocks
-                cached, keys = [], seq.block_keys
-            else:
-                limit = self.pager.max_shared_blocks if self.pager else None
-                cached, keys = self.pool.match_prefix(seq.token_ids, limit, seq.root_key)
-                seq.num_computed_tokens = len(cached) * self.pool.block_size
-            held = seq.block_table + cached
-            n = self._chunk(seq, budget)
-            if seq.residency and seq.block_table:     # restored over its budget: make room before growing
-                self.pager.make_room(seq, seq.num_computed_tokens + n)
-                held = seq.block_table
-            need = max(0, self.pool.blocks_for(seq.num_computed_tokens + n) - len(held))
-            if not self.pool.can_allocate(need):
-                self.pool.free(cached)
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs or batch.preempted:
                 break
-            self.waiting.popleft()
-            seq.block_table = held + self.pool.allocate(need)
-            seq.block_keys = keys
-            if seq.num_output_tokens == 0 and cached:   # a preempted sequence keeps its first report
-                seq.num_cached_tokens = seq.num_computed_tokens
-                seq.tier_tokens["device"] = seq.num_computed_tokens
+            if seq.kv.loading:
+                continue
+            admitted = self.kv.admit(seq.kv, budget)
+            if admitted is None:
+                break
+            seq.num_computed_tokens, n = admitted
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, n)
@@ -99,40 +83,32 @@ class Scheduler:
         self.running.sort(key=lambda s: s.arrival)
         return batch
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        n = min(seq.num_uncomputed_tokens, budget)
-        return self.pager.limit_chunk(seq, seq.num_computed_tokens, n) if seq.residency else n
-
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Give seq blocks for n more tokens, preempting newer unscheduled sequences if needed."""
-        if seq.residency:
-            self.pager.make_room(seq, seq.num_computed_tokens + n)
-        need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
-        while not self.pool.can_allocate(need):
+        while not self.kv.reserve(seq.kv, seq.num_computed_tokens + n):
             victims = [s for s in self.running if s.arrival > seq.arrival and s not in batch.seqs]
             if not victims:
                 return False
             self._preempt(victims[-1], batch)
-        seq.block_table += self.pool.allocate(need)
         return True
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        self._release(seq)
+        self.kv.release(seq.kv)
+        self.running.remove(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
 
-    def _release(self, seq: Sequence) -> None:
-        if seq.residency:
-            self.pager.release(seq)
-        self.pool.free([b for b in seq.block_table if b != NOT_RESIDENT])
-        seq.block_table = []
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """A sequence that stopped or reached its length leaves its KV for later requests (a bounded one, its
+        manifest too); an aborted or failed one just gives its blocks back."""
+        if reason in ("stop", "length"):
+            self.kv.finish(seq.kv)
+        else:
+            self.kv.release(seq.kv)
         if seq in self.running:
             self.running.remove(seq)
-
-    def finish(self, seq: Sequence, reason: str) -> None:
-        self._release(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED

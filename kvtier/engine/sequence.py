@@ -8,18 +8,18 @@ import torch
 from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.outputs import TokenLogprob
 from kvtier.engine.sampling_params import SamplingParams
+from kvtier.kv.state import KVState
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
-    LOADING = "loading"     # its prefix is being copied up from a lower tier
     RUNNING = "running"
     FINISHED = "finished"
 
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer, arrival: int, root_key: bytes | None = None):
+                 detokenizer: IncrementalDetokenizer, arrival: int):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -27,13 +27,8 @@ class Sequence:
         self.detokenizer = detokenizer
         self.arrival = arrival                  # admission order; the newest is preempted first
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
-        self.block_keys: list[bytes] = []       # content keys of the sealed (full, computed) blocks
-        self.root_key = root_key                # the first block's parent: a cache salt's, or None
         self.num_computed_tokens = 0            # tokens whose K/V are in the pool
-        self.num_cached_tokens = 0              # prompt tokens served from the prefix cache
-        self.tier_tokens: dict[str, int] = {}   # of those, how many came from which tier
-        self.residency = None                   # the pager's state under bounded residency, else None
+        self.kv: KVState | None = None          # its KV state, owned by the KV manager
         self.constraint = None                  # its grammar's state (engine/grammar.py), if it has one
         self.finish_reason: str | None = None
         self.error: str | None = None           # why the engine failed it (finish_reason "error")

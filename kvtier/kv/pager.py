@@ -11,8 +11,9 @@ pinned token range. The rest of the budget goes to the best-scoring sealed block
 
 - `limit_chunk` keeps prefill chunks inside the budget: up to the budget's edge in one
   go, then as many blocks as the budget holds beside the sink and the pins;
-- `make_room` pages out the lowest-scoring blocks before a step adds new ones;
-- `reselect` scores every sealed block, pages out the losers and pages in the winners:
+- `victims` picks the lowest-scoring blocks to page out before a step adds new ones;
+- `after_step` scores every sealed block when a reselection is due and says which losers
+  to page out and which winners to page in:
   once when the prompt is done, with its last queries, then every `reselect_every`
   decode tokens, or at once when a decode step's queries give a paged-out block a large
   share of some head's attention (the answer to a question turns to where it was said).
@@ -21,9 +22,11 @@ pinned token range. The rest of the budget goes to the best-scoring sealed block
   only resident blocks return to the device, the others are paged in when selected, from
   the host tier or, failing that, the disk tier.
 
+The pager decides; the KV manager (manager.py) moves the blocks and writes the block tables.
+
 A block is exact, and keyed in the exact namespace, until a decode step computes one of its
 tokens over a partial resident set; from that block on, keys are in the bounded namespace.
-Works on any object with `block_table`, `block_keys` and `residency` (the engine's Sequence).
+Works on a request's KVState (state.py).
 """
 from __future__ import annotations
 
@@ -37,11 +40,10 @@ from kvtier.kv.keys import block_key
 from kvtier.kv.manifest import Manifest
 from kvtier.kv.pool import KVPool
 from kvtier.kv.scorer import SUMMARIES, BlockSummaries, attention_share
-from kvtier.kv.tiers.host import HostTier
+from kvtier.kv.state import NOT_RESIDENT
 
 log = logging.getLogger("kvtier.kv.pager")
 
-NOT_RESIDENT = -1
 CAPTURE_ROWS = 16     # the last queries of a prefill chunk kept for scoring
 # A decode step whose queries give a paged-out block at least this share of one head's attention reselects
 # without waiting for its turn. On 8K chats recalling a pass key with a 512-token budget, 0.5 reacted too
@@ -73,10 +75,10 @@ class Residency:
 
 
 class Pager:
-    def __init__(self, pool: KVPool, host: HostTier, budget_blocks: int, sink_blocks: int, tail_blocks: int,
-                 policy: str, reselect_every: int, scale: float, exact_namespace: bytes, bounded_namespace: bytes,
-                 disk=None):
-        self.pool, self.host, self.disk = pool, host, disk
+    def __init__(self, pool: KVPool, host_budget_bytes: int, budget_blocks: int, sink_blocks: int,
+                 tail_blocks: int, policy: str, reselect_every: int, scale: float, exact_namespace: bytes,
+                 bounded_namespace: bytes):
+        self.pool, self.host_budget_bytes = pool, host_budget_bytes
         self.budget_blocks, self.sink_blocks, self.tail_blocks = budget_blocks, sink_blocks, tail_blocks
         self.policy, self.reselect_every, self.scale = policy, reselect_every, scale
         self.exact_namespace, self.bounded_namespace = exact_namespace, bounded_namespace
@@ -111,14 +113,14 @@ class Pager:
             return 0
         return (blocks - self.sink_blocks - self.tail_blocks) * self.pool.block_bytes
 
-    def reserve_host(self, seq) -> bool:
-        """Promise seq room in the host tier for all it may page out; False (it waits) while the promises to
-        the sequences admitted before it leave too little of the budget."""
-        res = seq.residency
-        need = self.host_bytes_for(seq.num_prompt_tokens + seq.params.max_tokens)
+    def reserve_host(self, state) -> bool:
+        """Promise the sequence room in the host tier for all it may page out; False (it waits) while the
+        promises to the sequences admitted before it leave too little of the budget."""
+        res = state.residency
+        need = self.host_bytes_for(state.max_tokens)
         if res.host_reserved or not need:
             return True
-        if self.host_reserved + need > self.host.budget_bytes:
+        if self.host_reserved + need > self.host_budget_bytes:
             return False
         res.host_reserved = need
         self.host_reserved += need
@@ -145,14 +147,6 @@ class Pager:
         """Where the manifest of a prefix is stored: by its exact key (its tokens), in the bounded namespace."""
         return block_key(exact_key, [], self.bounded_namespace)
 
-    def paged_out_kv(self, seq, end: int) -> torch.Tensor | None:
-        """K/V [2, layers, tokens, kv_heads, head_dim] of the paged-out blocks before token `end`, in block order."""
-        bs = self.pool.block_size
-        blocks = [i for i, b in enumerate(seq.block_table[:end // bs]) if b == NOT_RESIDENT]
-        if not blocks:
-            return None
-        return torch.cat([self._fetch(seq, i) for i in blocks], dim=2)
-
     # --- manifests -------------------------------------------------------------------------------
 
     def manifest(self, seq) -> Manifest:
@@ -165,9 +159,9 @@ class Pager:
         return Manifest(list(seq.block_keys), [b != NOT_RESIDENT for b in seq.block_table[:len(seq.block_keys)]],
                         list(res.stamps), res.decoded_since_reselect, list(res.pins), tensors, res.bounded_from)
 
-    def restore(self, seq, manifest: Manifest, placed: dict[int, int]) -> None:
-        """Take up a saved sequence's state; placed: block → device block for the resident ones."""
-        res, device = seq.residency, self.pool.kv_cache.device
+    def restore(self, state, manifest: Manifest) -> None:
+        """Take up a saved sequence's pager state (its block table is the manager's to build)."""
+        res, device = state.residency, self.pool.kv_cache.device
         res.summaries = BlockSummaries()
         res.summaries.extend({name: manifest.tensors[name].to(device) for name in SUMMARIES})
         res.stamps = list(manifest.stamps)
@@ -180,11 +174,7 @@ class Pager:
         res.pins = res.pins or list(manifest.pins)
         # a plain continuation (nothing new but the last sampled token) goes on as if never interrupted;
         # new prompt text gets its own reselection when it is done
-        res.prompt_reselected = len(seq.token_ids) - len(manifest.keys) * self.pool.block_size <= 1
-        seq.block_table = [placed.get(i, NOT_RESIDENT) for i in range(len(manifest.keys))]
-        for i, key in enumerate(manifest.keys):
-            if i not in placed and self.host.pin(key):
-                res.offloaded.add(i)
+        res.prompt_reselected = len(state.token_ids) - len(manifest.keys) * self.pool.block_size <= 1
 
     # --- scheduling ------------------------------------------------------------------------------
 
@@ -197,20 +187,19 @@ class Pager:
         held = len(self._pinned_blocks(seq.residency) | set(range(self.sink_blocks)))
         return min(n, (num_computed // bs + self.budget_blocks - held) * bs - num_computed)
 
-    def make_room(self, seq, end: int) -> None:
-        """Page out blocks so that the sequence stays in budget once it holds tokens 0 .. end-1."""
+    def victims(self, seq, end: int) -> list[int]:
+        """The blocks to page out so that the sequence stays in budget once it holds tokens 0 .. end-1."""
         num_blocks = self.pool.blocks_for(end)
         resident = self._resident(seq)
         over = len(resident) + max(0, num_blocks - len(seq.block_table)) - self.budget_blocks
         if over <= 0:
-            return
+            return []
         protected = self._protected(seq.residency, num_blocks)
         candidates = [i for i in resident if i not in protected and i < len(seq.block_keys)]
         if len(candidates) < over:
             raise RuntimeError(f"{len(candidates)} evictable blocks, {over} needed: the budget checks failed")
         scores = self._scores(seq)
-        for i in sorted(candidates, key=lambda i: scores[i])[:over]:
-            self._page_out(seq, i)
+        return sorted(candidates, key=lambda i: scores[i])[:over]
 
     # --- after a step ----------------------------------------------------------------------------
 
@@ -226,17 +215,18 @@ class Pager:
             res.stamps.append(self._next_tick())
         self._note_peak(seq)
 
-    def after_step(self, seq, queries: torch.Tensor | None, prompt_done: bool, decoded: bool) -> None:
-        """Keep the step's queries; reselect when due."""
+    def after_step(self, seq, queries: torch.Tensor | None, num_computed: int, prompt_done: bool,
+                   decoded: bool) -> tuple[list[int], list[int]]:
+        """Keep the step's queries; when a reselection is due, the blocks to page out and to page in."""
         res = seq.residency
         if queries is not None:
             res.queries = queries
         if not self._is_over(seq):
-            return
+            return [], []
         if decoded and res.bounded_from is None:
-            res.bounded_from = seq.num_computed_tokens - 1
+            res.bounded_from = num_computed - 1
         if not (decoded or prompt_done):
-            return
+            return [], []
         start = time.perf_counter()
         scores = self._scores(seq)
         if self.policy != "lru":
@@ -244,16 +234,16 @@ class Pager:
         self.stats["reselect_seconds"] += time.perf_counter() - start
         if prompt_done and not res.prompt_reselected:
             res.prompt_reselected = True
-            self.reselect(seq, scores)
-            return
+            return self.reselect(seq, scores)
         # a restored continuation's one-token prompt is its next decode step
         res.decoded_since_reselect += 1
         if res.decoded_since_reselect >= self.reselect_every or self._query_shifted(seq, scores):
             res.decoded_since_reselect = 0
-            self.reselect(seq, scores)
+            return self.reselect(seq, scores)
+        return [], []
 
-    def reselect(self, seq, scores: torch.Tensor) -> None:
-        """Resident set := protected blocks + the best-scoring others."""
+    def reselect(self, seq, scores: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Resident set := protected blocks + the best-scoring others: (losers to page out, winners to page in)."""
         start = time.perf_counter()
         res = seq.residency
         num_blocks = len(seq.block_table)
@@ -262,22 +252,15 @@ class Pager:
         room = self.budget_blocks - len(protected & set(range(num_blocks)))
         candidates = [i for i in range(len(seq.block_keys)) if i not in protected]
         winners = set(sorted(candidates, key=lambda i: scores[i], reverse=True)[:room])
-        for i in candidates:
-            if i not in winners and seq.block_table[i] != NOT_RESIDENT:
-                self._page_out(seq, i)
-        for i in sorted(winners):
-            if seq.block_table[i] == NOT_RESIDENT and self.pool.can_allocate(1):
-                self._page_in(seq, i)
-        self._note_peak(seq)
         self.stats["reselects"] += 1
         self.stats["reselect_seconds"] += time.perf_counter() - start
+        return ([i for i in candidates if i not in winners and seq.block_table[i] != NOT_RESIDENT],
+                [i for i in sorted(winners) if seq.block_table[i] == NOT_RESIDENT])
 
     def release(self, seq) -> None:
-        """The sequence is gone or starts over: unpin its host copies, give back its promised room in the host
-        tier and forget its ledger."""
+        """The sequence is gone or starts over (its host copies unpinned by the manager): give back its
+        promised room in the host tier and forget its ledger."""
         res = seq.residency
-        for i in res.offloaded:
-            self.host.unpin(seq.block_keys[i])
         self.host_reserved -= res.host_reserved
         seq.residency = Residency(pins=res.pins)
 
@@ -304,41 +287,10 @@ class Pager:
         paged_out = [i for i in range(len(scores)) if seq.block_table[i] == NOT_RESIDENT]
         return bool(paged_out) and float(scores[paged_out].max()) >= SHIFT_SHARE
 
-    def _page_out(self, seq, i: int) -> None:
-        res = seq.residency
-        physical = seq.block_table[i]
-        if i not in res.offloaded:        # a block paged out before is still pinned in the host tier
-            key = seq.block_keys[i]
-            if not self.host.pin(key):    # usually the background save has put it there already
-                self.host.put(key, self.pool.read_block(physical), pin=True)
-            res.offloaded.add(i)
-        self.pool.free([physical])
-        seq.block_table[i] = NOT_RESIDENT
-        self.stats["page_outs"] += 1
-
-    def _fetch(self, seq, i: int) -> torch.Tensor:
-        """A paged-out block's payload: from the host tier or, for one restored from a manifest and left
-        on disk until now, from the disk tier (then pinned in the host tier)."""
-        key, res = seq.block_keys[i], seq.residency
-        payload = self.host.get(key)
-        if payload is None and self.disk is not None:
-            payload = (self.disk.get_run([key]) or [None])[0]
-            if payload is not None:
-                self.host.put(key, payload, pin=True)
-                res.offloaded.add(i)
-        if payload is None:
-            raise RuntimeError(f"block {i} of {seq.request_id} is in no tier any more")
-        return payload
-
-    def _page_in(self, seq, i: int) -> None:
-        key, res = seq.block_keys[i], seq.residency
-        payload = self._fetch(seq, i)
-        physical = self.pool.allocate(1)[0]
-        self.pool.write_block(physical, payload)
-        self.pool.seal(physical, key)
-        seq.block_table[i] = physical
-        res.stamps[i] = self._next_tick()
-        self.stats["page_ins"] += 1
+    def placed(self, seq, i: int) -> None:
+        """Block i has just been paged in."""
+        seq.residency.stamps[i] = self._next_tick()
+        self._note_peak(seq)
 
     def _note_peak(self, seq) -> None:
         """Residency grows only when blocks seal or are paged in: the peak is seen by calling this then."""

@@ -11,8 +11,6 @@ from collections import OrderedDict
 
 import torch
 
-from kvtier.kv.keys import chain_keys
-
 CPU_POOL_SHARE = 0.10    # of available host RAM when --kv-pool-tokens is not given
 CUDA_POOL_SHARE = 0.80   # of free device memory after the weights are loaded
 
@@ -99,14 +97,29 @@ class KVPool:
         for block in blocks:
             self.ref_counts[block] += 1
 
+    def read_blocks(self, blocks: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks' payloads, one gather on the device and one copy: [n, 2, num_layers, block_size,
+        num_kv_heads, head_dim], into `out` (pinned host memory, for an asynchronous copy) or a new CPU tensor."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.kv_cache.device)
+        gathered = self._blocked().index_select(2, index).movedim(2, 0)
+        if out is None:
+            return gathered.to("cpu", copy=True).contiguous()
+        out.copy_(gathered, non_blocking=True)
+        return out
+
     def read_block(self, block: int) -> torch.Tensor:
         """A CPU copy of the block's payload, shaped [2, num_layers, block_size, num_kv_heads, head_dim]."""
-        bs = self.block_size
-        return self.kv_cache[:, :, block * bs:(block + 1) * bs].to("cpu", copy=True)
+        return self.read_blocks([block])[0]
 
-    def write_block(self, block: int, payload: torch.Tensor) -> None:
+    def block_view(self, block: int) -> torch.Tensor:
+        """The block's slots in the cache, [2, num_layers, block_size, num_kv_heads, head_dim], for copies."""
         bs = self.block_size
-        self.kv_cache[:, :, block * bs:(block + 1) * bs].copy_(payload)
+        return self.kv_cache[:, :, block * bs:(block + 1) * bs]
+
+    def _blocked(self) -> torch.Tensor:
+        """The cache viewed as [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
+        two, layers, _, heads, dim = self.kv_cache.shape
+        return self.kv_cache.view(two, layers, self.num_blocks, self.block_size, heads, dim)
 
     @property
     def block_bytes(self) -> int:
@@ -117,25 +130,21 @@ class KVPool:
         two, layers, _, heads, dim = self.kv_cache.shape
         return (two, layers, self.block_size, heads, dim)
 
-    def match_prefix(self, token_ids: list[int], max_blocks: int | None = None,
-                     root: bytes | None = None) -> tuple[list[int], list[bytes]]:
-        """The longest run (up to max_blocks) of cached blocks holding a prefix of token_ids, referenced
-        for the caller; root: the salted parent of the first block. The last token is never matched: it
-        must be computed to give fresh logits."""
+    def match_prefix(self, keys: list[bytes]) -> list[int]:
+        """The blocks of the longest run of leading keys cached here, referenced for the caller."""
         if not self.prefix_cache:
-            return [], []
-        blocks, keys = [], []
-        for key in chain_keys(token_ids[:-1], self.block_size, self.namespace, root)[:max_blocks]:
+            return []
+        blocks = []
+        for key in keys:
             block = self.cached.get(key)
             if block is None:
                 break
             blocks.append(block)
-            keys.append(key)
         for block in blocks:
             if self.ref_counts[block] == 0:
                 del self._free[block]
             self.ref_counts[block] += 1
-        return blocks, keys
+        return blocks
 
     def seal(self, block: int, key: bytes) -> None:
         """Publish a full block under its content key (the first block with a key keeps it)."""

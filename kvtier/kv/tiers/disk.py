@@ -61,10 +61,12 @@ class BlockFile:
 class Staging:
     """A reusable read buffer, kept faulted in: reading into fresh memory pays a page fault
     per page, which on this kind of machine halves the file-read rate. Grows to the largest
-    restore up to `max_bytes`; larger restores read into fresh buffers."""
+    restore up to `max_bytes`; larger restores read into fresh buffers. Pinned for a CUDA pool, so the
+    copy to the device that follows is DMA."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, pin_memory: bool = False):
         self.max_bytes = max_bytes
+        self.pin_memory = pin_memory
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
     def split(self, sizes: list[int]) -> list[torch.Tensor | None]:
@@ -72,7 +74,7 @@ class Staging:
         if total > self.max_bytes:
             return [None] * len(sizes)
         if total > self.buffer.numel():
-            self.buffer = torch.zeros(total, dtype=torch.uint8)   # zeros: touch every page once, now
+            self.buffer = torch.zeros(total, dtype=torch.uint8, pin_memory=self.pin_memory)  # zeros: fault pages in now
         return list(self.buffer[:total].split(sizes))
 
 
@@ -105,6 +107,9 @@ class DiskTier:
     def enabled(self) -> bool:
         with self._lock:
             return self._usable()
+
+    def extra_stats(self) -> dict:
+        return {"enabled": int(self.enabled)}
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
@@ -186,6 +191,13 @@ class DiskTier:
             except OSError:
                 pass
         return [blocks[place] for place in places]
+
+    def read_run(self, keys: list[bytes], staging: Staging | None = None) -> list[torch.Tensor] | None:
+        """The tier protocol's read: payloads (in `staging`, valid until its next use) or None."""
+        return self.get_run(keys, staging)
+
+    def release(self, keys: list[bytes]) -> None:
+        """Nothing is leased: a read owns its buffer."""
 
     def _open(self) -> None:
         """(Under the lock.) Make the directory and index what it holds; on failure, disable the tier."""

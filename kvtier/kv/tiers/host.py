@@ -1,9 +1,13 @@
-"""Host RAM tier: block payloads by content key, LRU under a byte budget. Thread-safe.
+"""Host RAM tier: block payloads by content key in one slab of block slots, allocated once and sized by
+the budget (pinned memory when the pool is on CUDA, so copies to and from the device are DMA), LRU.
+Thread-safe.
 
-A block can be pinned (counted): the pager pins the blocks a live bounded sequence paged
-out, so they are never evicted while it may page them back in."""
+A block can be pinned (counted): the pager pins the blocks a live bounded sequence paged out, and a
+reader leases the blocks it copies from (`lease` or `read_run`, then `release`), so a slot is never reused while
+someone may still read it."""
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 
@@ -13,52 +17,62 @@ import torch
 class HostTier:
     name = "host"
 
-    def __init__(self, budget_bytes: int):
-        self.budget_bytes = budget_bytes
-        self.bytes_used = 0
-        self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()   # least recently used first
+    def __init__(self, budget_bytes: int, block_shape: tuple[int, ...], dtype: torch.dtype,
+                 pin_memory: bool = False):
+        self.block_shape = tuple(block_shape)
+        self.block_bytes = math.prod(self.block_shape) * dtype.itemsize
+        self.num_slots = budget_bytes // self.block_bytes
+        self.budget_bytes = self.num_slots * self.block_bytes
+        self.slab = torch.empty((self.num_slots, *self.block_shape), dtype=dtype, pin_memory=pin_memory)
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self._slots: OrderedDict[bytes, int] = OrderedDict()   # key → slot, least recently used first
         self._pins: dict[bytes, int] = {}
         self._lock = threading.Lock()
         self.stats = {"lookups": 0, "hit_blocks": 0, "bytes_read": 0, "bytes_written": 0, "evictions": 0}
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._slots)
+
+    @property
+    def bytes_used(self) -> int:
+        return len(self._slots) * self.block_bytes
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
-            return key in self._blocks
+            return key in self._slots
 
     def match_prefix(self, keys: list[bytes]) -> int:
         """How many leading keys are held here."""
         with self._lock:
             self.stats["lookups"] += 1
             n = 0
-            while n < len(keys) and keys[n] in self._blocks:
+            while n < len(keys) and keys[n] in self._slots:
                 n += 1
             return n
 
     def put(self, key: bytes, payload: torch.Tensor, pin: bool = False) -> bool:
-        """Store a payload (the caller gives up the tensor: it is kept, not copied); with pin, also
-        pin it. False if it could not be stored (larger than the budget, unless pinned)."""
-        size = payload.numel() * payload.element_size()
-        if size > self.budget_bytes and not pin:
-            return False
+        """Copy a payload in; with pin, also pin it. False if no slot could be freed for it."""
         with self._lock:
+            if key not in self._slots:
+                slot = self._take_slot()
+                if slot is None:
+                    return False
+                self.slab[slot].copy_(payload)
+                self._slots[key] = slot
+                self.stats["bytes_written"] += self.block_bytes
+            self._slots.move_to_end(key)
             if pin:
                 self._pins[key] = self._pins.get(key, 0) + 1
-            if key in self._blocks:
-                self._blocks.move_to_end(key)
-                return True
-            self._blocks[key] = payload
-            self.bytes_used += size
-            self.stats["bytes_written"] += size
-            self._evict()
             return True
+
+    def put_run(self, keys: list[bytes], payloads) -> None:
+        for key, payload in zip(keys, payloads):
+            self.put(key, payload)
 
     def pin(self, key: bytes) -> bool:
         """Pin a block already held here; False if it is not."""
         with self._lock:
-            if key not in self._blocks:
+            if key not in self._slots:
                 return False
             self._pins[key] = self._pins.get(key, 0) + 1
             return True
@@ -68,38 +82,57 @@ class HostTier:
             count = self._pins.pop(key) - 1
             if count:
                 self._pins[key] = count
-            self._evict()
 
     @property
     def pinned_bytes(self) -> int:
         with self._lock:
-            return sum(self._blocks[key].numel() * self._blocks[key].element_size() for key in self._pins)
+            return len(self._pins) * self.block_bytes
+
+    def extra_stats(self) -> dict:
+        return {"pinned_bytes": self.pinned_bytes}
+
+    def lease(self, keys: list[bytes]) -> list[torch.Tensor] | None:
+        """Views of the slots of all keys, pinned until `release(keys)`; None if any is absent."""
+        with self._lock:
+            if any(k not in self._slots for k in keys):
+                return None
+            for k in keys:
+                self._slots.move_to_end(k)
+                self._pins[k] = self._pins.get(k, 0) + 1
+            return [self.slab[self._slots[k]] for k in keys]
+
+    def read_run(self, keys: list[bytes], staging=None) -> list[torch.Tensor] | None:
+        """A reader's lease (see `lease`), counted as a hit."""
+        views = self.lease(keys)
+        with self._lock:
+            self.stats["hit_blocks"] += len(keys) if views is not None else 0
+            self.stats["bytes_read"] += len(keys) * self.block_bytes if views is not None else 0
+        return views
+
+    def release(self, keys: list[bytes]) -> None:
+        for k in keys:
+            self.unpin(k)
+
+    def get_run(self, keys: list[bytes], staging=None) -> list[torch.Tensor] | None:
+        """Copies of the payloads of all keys, or None if any is absent."""
+        views = self.read_run(keys)
+        if views is None:
+            return None
+        try:
+            return [v.clone() for v in views]
+        finally:
+            self.release(keys)
 
     def get(self, key: bytes) -> torch.Tensor | None:
-        runs = self.get_run([key])
-        return runs[0] if runs else None
+        got = self.get_run([key])
+        return got[0] if got else None
 
-    def _evict(self) -> None:
-        """Drop least recently used unpinned blocks until within budget (pinned blocks may exceed it)."""
-        if self.bytes_used <= self.budget_bytes:
-            return
-        for key in list(self._blocks):
-            if self.bytes_used <= self.budget_bytes:
-                return
-            if key not in self._pins:
-                old = self._blocks.pop(key)
-                self.bytes_used -= old.numel() * old.element_size()
-                self.stats["evictions"] += 1
-
-    def get_run(self, keys: list[bytes]) -> list[torch.Tensor] | None:
-        """Payloads of all keys, or None if any has been evicted meanwhile."""
-        with self._lock:
-            if any(k not in self._blocks for k in keys):
-                return None
-            payloads = []
-            for k in keys:
-                self._blocks.move_to_end(k)
-                payloads.append(self._blocks[k])
-            self.stats["hit_blocks"] += len(keys)
-            self.stats["bytes_read"] += sum(p.numel() * p.element_size() for p in payloads)
-            return payloads
+    def _take_slot(self) -> int | None:
+        """(Under the lock.) A free slot, evicting the least recently used unpinned block if none is."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        victim = next((k for k in self._slots if k not in self._pins), None)
+        if victim is None:
+            return None
+        self.stats["evictions"] += 1
+        return self._slots.pop(victim)

@@ -1,0 +1,357 @@
+"""The KV manager: the one owner of every request's KV state (kv/state.py) and the only writer of
+block tables. It decides where each block lives; the mover (tiers/mover.py) carries the bytes.
+
+The engine talks to it in a few verbs:
+- `new_state` when a request arrives; `start_loads` each step for the waiting ones: a prompt whose
+  prefix continues below the device gets device blocks reserved and a load started, and waits in
+  its own state (`state.loading`) while the engine steps everyone else;
+- `admit` / `reserve` give a scheduled sequence its cached prefix and the blocks its next tokens
+  need (paging out first under bounded residency), `chunk` caps a prefill chunk;
+- `commit` after a step: residency bookkeeping (page-outs and page-ins), then every block the
+  step filled is sealed under its key and saved to the tiers in the background;
+- `release` (preemption) and `finish` give blocks back; `abort` of a loading request waits for
+  its copy to land; `poll` applies landed copies.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvtier.kv.keys import block_key, chain_keys
+from kvtier.kv.manifest import ManifestStore
+from kvtier.kv.pager import Pager
+from kvtier.kv.pool import KVPool
+from kvtier.kv.state import NOT_RESIDENT, KVState
+from kvtier.kv.tiers.mover import LoadJob, Mover
+from kvtier.kv.tiers.stack import TierStack
+
+log = logging.getLogger("kvtier.kv.manager")
+
+LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class KVManager:
+    def __init__(self, pool: KVPool, stack: TierStack, pager: Pager | None = None,
+                 manifests: ManifestStore | None = None):
+        self.pool, self.stack, self.pager, self.manifests = pool, stack, pager, manifests
+        self.block_size = pool.block_size
+        self.mover = Mover(pool, stack, manifests) if stack else None
+        self.loading: dict[str, KVState] = {}     # loads in flight, by request id
+        self.num_saving = 0                       # block runs pinned for a copy that has not landed
+        self._warned = False
+        self.load_counts = [0] * (len(LOAD_BUCKETS) + 1)   # per bucket, the last one is +Inf
+        self.load_seconds_sum = 0.0
+
+    def new_state(self, request_id: str, token_ids: list[int], max_tokens: int, root_key: bytes | None,
+                  pins: list[tuple[int, int]] | None = None) -> KVState:
+        """Raises PinRefused for pins the pager cannot honour."""
+        state = KVState(request_id, token_ids, max_tokens, root_key)
+        if self.pager:
+            state.residency = self.pager.new_residency(pins, len(token_ids))
+        return state
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.loading) or self.num_saving > 0
+
+    # --- admission -------------------------------------------------------------------------------
+
+    def prompt_keys(self, state: KVState) -> list[bytes]:
+        """Exact keys of every full block before the last token (which is always computed, for fresh
+        logits): hashed once per admission."""
+        cached = state.prompt_keys
+        if cached is None or len(cached) != (len(state.token_ids) - 1) // self.block_size:
+            state.prompt_keys = chain_keys(state.token_ids[:-1], self.block_size, self.pool.namespace,
+                                           state.root_key)
+        return state.prompt_keys
+
+    def start_loads(self, states: list[KVState]) -> None:
+        """Look each new waiting request up below the device; reserve blocks and start its load."""
+        if not self.stack:
+            return
+        for state in states:
+            if state.looked_up or state.loading or state.restored:
+                continue
+            if state.residency and not self.pager.reserve_host(state):
+                continue     # a restore pins host blocks: wait for room in the host budget first
+            state.looked_up = True
+            exact = self.prompt_keys(state)
+            if state.residency and (self._start_manifest_load(state, exact) or self._start_long_load(state, exact)):
+                continue
+            self._start_prefix_load(state, exact)
+
+    def _start_prefix_load(self, state: KVState, exact: list[bytes]) -> None:
+        limit = self.pager.max_shared_blocks if self.pager else None
+        on_device = self.pool.match_prefix(exact[:limit])
+        keys = exact[len(on_device):limit]
+        runs = self.stack.lookup(keys)
+        count = sum(runs.values())
+        # reserve blocks for the whole prompt, so that a restored request never waits for more
+        # blocks while holding some (two such requests could otherwise starve each other)
+        need = self.pool.blocks_for(len(state.token_ids))
+        if limit is not None:     # bounded residency: never more than the budget
+            need = min(need, self.pager.budget_blocks)
+        need -= len(on_device)
+        if count == 0 or not self.pool.can_allocate(need):
+            self.pool.free(on_device)     # admission matches the device part again
+            return
+        blocks = self.pool.allocate(need)
+        state.block_table = on_device + blocks
+        state.block_keys = exact[:len(on_device)]
+        state.tier_tokens = {"device": len(on_device) * self.block_size,
+                             **{name: n * self.block_size for name, n in runs.items()}}
+        self._begin_load(state, LoadJob(state.request_id, keys[:count], blocks[:count]))
+
+    def _start_manifest_load(self, state: KVState, exact: list[bytes]) -> bool:
+        """A bounded sequence continuing a saved one: reserve room for the resident blocks and load them.
+        exact: the prompt's block keys in the exact namespace (a manifest is found by its prefix's)."""
+        pager = self.pager
+        count, keys = len(exact), None
+        while keys is None and count > pager.max_shared_blocks:     # the longest saved prefix
+            keys = self.manifests.block_keys(pager.manifest_key(exact[count - 1]))
+            count -= keys is None
+        if keys is None or not all(self.stack.holds(key) for key in keys):
+            return False
+        need = min(count, pager.budget_blocks)
+        if not self.pool.can_allocate(need):
+            return False
+        on_host = sum(self.stack.host.contains(key) for key in keys)
+        state.tier_tokens = {"host": on_host * self.block_size, "disk": (count - on_host) * self.block_size}
+        state.block_table = self.pool.allocate(need)     # until the load lands: freed by an abort or a miss
+        self._begin_load(state, LoadJob(state.request_id, keys, state.block_table,
+                                        pager.manifest_key(exact[count - 1])))
+        return True
+
+    def _start_long_load(self, state: KVState, keys: list[bytes]) -> bool:
+        """A bounded sequence whose exact prefix in the tiers is longer than its budget: restore it with the
+        sink and tail blocks resident and the rest paged out, as if it had been prefilled here."""
+        pager = self.pager
+        runs = self.stack.lookup(keys)
+        count = sum(runs.values())
+        if count <= pager.max_shared_blocks:
+            return False
+        resident = [i < pager.sink_blocks or i >= count - pager.tail_blocks for i in range(count)]
+        if not self.pool.can_allocate(sum(resident)):
+            return False
+        state.tier_tokens = {name: n * self.block_size for name, n in runs.items()}
+        state.block_table = self.pool.allocate(sum(resident))
+        self._begin_load(state, LoadJob(state.request_id, keys[:count], state.block_table, resident=resident))
+        return True
+
+    def _begin_load(self, state: KVState, job: LoadJob) -> None:
+        state.loading = True
+        self.loading[state.request_id] = state
+        self.mover.load(job)
+
+    def admit(self, state: KVState, budget: int) -> tuple[int, int] | None:
+        """Give a waiting sequence its cached prefix and blocks for its first chunk (at most budget tokens):
+        (tokens already computed, tokens to compute now), or None (it keeps waiting) when they do not fit."""
+        if state.residency and not self.pager.reserve_host(state):
+            return None     # its paged-out blocks would pass the host budget: wait for running sequences to end
+        if state.restored:      # a load landed: the table already holds the prefix
+            cached, keys, start = [], state.block_keys, state.restored
+        else:
+            limit = self.pager.max_shared_blocks if self.pager else None
+            cached = self.pool.match_prefix(self.prompt_keys(state)[:limit])
+            keys, start = state.prompt_keys[:len(cached)], len(cached) * self.block_size
+        n = self.chunk(state, start, min(len(state.token_ids) - start, budget))
+        if state.residency and state.restored:     # restored over its budget: make room before growing
+            self._page_out(state, self.pager.victims(state, start + n))
+        held = state.block_table + cached
+        need = max(0, self.pool.blocks_for(start + n) - len(held))
+        if not self.pool.can_allocate(need):
+            self.pool.free(cached)
+            return None
+        state.block_table = held + self.pool.allocate(need)
+        state.block_keys = keys
+        state.restored = 0
+        if cached and not state.admitted:     # a preempted sequence keeps its first report
+            state.num_cached_tokens = start
+            state.tier_tokens = {"device": start}
+        state.admitted = True
+        return start, n
+
+    def chunk(self, state: KVState, start: int, n: int) -> int:
+        """At most n tokens from `start` in one step: under bounded residency, what the budget holds."""
+        return self.pager.limit_chunk(state, start, n) if state.residency else n
+
+    def reserve(self, state: KVState, end: int) -> bool:
+        """Blocks for tokens up to `end` (paging out first under bounded residency); False if the pool is short."""
+        if state.residency:
+            self._page_out(state, self.pager.victims(state, end))
+        need = self.pool.blocks_for(end) - len(state.block_table)
+        if not self.pool.can_allocate(need):
+            return False
+        state.block_table += self.pool.allocate(need)
+        return True
+
+    # --- after a step ----------------------------------------------------------------------------
+
+    def commit(self, state: KVState, num_computed: int, queries: torch.Tensor | None, prompt_done: bool,
+               decoded: bool) -> None:
+        """The step computed the sequence's K/V up to num_computed: move blocks as the pager says, then seal
+        and save every block it filled."""
+        if state.residency:
+            out, wanted = self.pager.after_step(state, queries, num_computed, prompt_done, decoded)
+            self._page_out(state, out)
+            self._page_in(state, wanted)
+        first = len(state.block_keys)
+        for i in range(first, num_computed // self.block_size):
+            ns = self.pager.namespace_for(state, i) if state.residency else self.pool.namespace
+            parent = state.block_keys[-1] if state.block_keys else state.root_key
+            key = block_key(parent, state.token_ids[i * self.block_size:(i + 1) * self.block_size], ns)
+            self.pool.seal(state.block_table[i], key)
+            state.block_keys.append(key)
+        if state.residency:
+            self.pager.sealed(state)
+        if self.mover and len(state.block_keys) > first:
+            blocks = state.block_table[first:len(state.block_keys)]
+            self.pool.pin(blocks)             # the slots stay ours until the copy lands
+            self.num_saving += 1
+            self.mover.save(state.block_keys[first:], blocks)
+
+    def _page_out(self, state: KVState, blocks: list[int]) -> None:
+        res = state.residency
+        for i in blocks:
+            physical = state.block_table[i]
+            if i not in res.offloaded:     # a block paged out before is still pinned in the host tier
+                if not self.mover.copy_out(state.block_keys[i], physical):
+                    raise RuntimeError("the host tier has no room for a paged-out block: its reservations failed")
+                res.offloaded.add(i)
+            self.pool.free([physical])
+            state.block_table[i] = NOT_RESIDENT
+            self.pager.stats["page_outs"] += 1
+
+    def _page_in(self, state: KVState, blocks: list[int]) -> None:
+        for i in blocks:
+            if not self.pool.can_allocate(1):
+                return
+            payload = self._fetch(state, i)
+            physical = self.pool.allocate(1)[0]
+            self.mover.copy_in(physical, payload)
+            self.pool.seal(physical, state.block_keys[i])
+            state.block_table[i] = physical
+            self.pager.placed(state, i)
+            self.pager.stats["page_ins"] += 1
+
+    def _fetch(self, state: KVState, i: int) -> torch.Tensor:
+        """A paged-out block's payload (a copy): from the host tier or, for one restored from a manifest and
+        left below until now, from a lower tier (then pinned in the host tier)."""
+        key, host = state.block_keys[i], self.stack.host
+        payload = host.get(key)
+        for tier in self.stack.tiers:
+            if payload is None and tier is not host:
+                payload = (tier.get_run([key]) or [None])[0]
+                if payload is not None and host.put(key, payload, pin=True):
+                    state.residency.offloaded.add(i)
+        if payload is None:
+            raise RuntimeError(f"block {i} of {state.request_id} is in no tier any more")
+        return payload
+
+    def paged_out_kv(self, state: KVState, end: int) -> torch.Tensor | None:
+        """K/V [2, layers, tokens, kv_heads, head_dim] of the paged-out blocks before token `end`, in block
+        order: exact prefill attends to them too."""
+        blocks = [i for i, b in enumerate(state.block_table[:end // self.block_size]) if b == NOT_RESIDENT]
+        if not blocks:
+            return None
+        return torch.cat([self._fetch(state, i) for i in blocks], dim=2)
+
+    # --- the end of a request --------------------------------------------------------------------
+
+    def release(self, state: KVState) -> None:
+        """Give back everything the sequence holds; it may be admitted again (preemption)."""
+        if state.residency:
+            for i in state.residency.offloaded:
+                self.stack.host.unpin(state.block_keys[i])
+            self.pager.release(state)
+        self.pool.free([b for b in state.block_table if b != NOT_RESIDENT])
+        state.block_table, state.restored, state.looked_up = [], 0, False
+
+    def finish(self, state: KVState) -> None:
+        """A finished sequence: a bounded one over its budget leaves its pager state beside its blocks."""
+        if state.residency and state.block_keys and len(state.block_table) > self.pager.budget_blocks:
+            bs = self.block_size
+            exact = chain_keys(state.token_ids[:len(state.block_keys) * bs], bs, self.pool.namespace, state.root_key)
+            self.mover.save_manifest(self.pager.manifest_key(exact[-1]), self.pager.manifest(state))
+        self.release(state)
+
+    def abort(self, state: KVState) -> bool:
+        """True if the request is loading: its blocks are freed, and `poll` returns it, once its copy lands."""
+        if state.loading:
+            state.aborted = True
+        return state.loading
+
+    # --- landed copies ---------------------------------------------------------------------------
+
+    def poll(self) -> list[KVState]:
+        """Apply finished copies; returns loading requests that were aborted meanwhile, now released."""
+        if not self.mover:
+            return []
+        events = self.mover.poll()
+        for blocks in events.saved:
+            self.pool.free(blocks)
+            self.num_saving -= 1
+        aborted = []
+        for job in events.loaded:
+            self._observe_load(job.seconds)
+            state = self.loading.pop(job.request_id)
+            state.loading = False
+            if state.aborted:      # cancelled while loading: blocks are free only now
+                self.release(state)
+                aborted.append(state)
+            elif job.ok and job.manifest is not None:
+                self._take_manifest(state, job)
+            elif job.ok:
+                for block, key in zip(job.blocks, job.keys):
+                    self.pool.seal(block, key)
+                state.block_keys += job.keys
+                state.restored = state.num_cached_tokens = len(state.block_keys) * self.block_size
+            else:
+                self._missed(state, retry=job.manifest_key is not None)
+        return aborted
+
+    def _missed(self, state: KVState, retry: bool) -> None:
+        if not self._warned:
+            log.warning("a cached prefix could not be restored (damaged or evicted); recomputing it")
+            self._warned = True
+        self.pool.free(state.block_table)
+        state.block_table, state.block_keys, state.num_cached_tokens, state.tier_tokens = [], [], 0, {}
+        # a manifest gone from the store: the next lookup restores the exact prefix only
+        state.looked_up = not retry
+
+    def _take_manifest(self, state: KVState, job: LoadJob) -> None:
+        resident = [i for i, r in enumerate(job.manifest.resident) if r]
+        placed = dict(zip(resident, job.blocks))
+        for i, block in placed.items():
+            self.pool.seal(block, job.keys[i])
+        self.pool.free(job.blocks[len(resident):])      # reserved, not needed
+        state.block_keys = list(job.keys)
+        state.block_table = [placed.get(i, NOT_RESIDENT) for i in range(len(job.keys))]
+        self.pager.restore(state, job.manifest)
+        for i, key in enumerate(job.keys):
+            if i not in placed and self.stack.host.pin(key):
+                state.residency.offloaded.add(i)
+        state.restored = state.num_cached_tokens = len(job.keys) * self.block_size
+
+    def _observe_load(self, seconds: float) -> None:
+        self.load_counts[next((i for i, le in enumerate(LOAD_BUCKETS) if seconds <= le), len(LOAD_BUCKETS))] += 1
+        self.load_seconds_sum += seconds
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a copy lands (or timeout): for an engine with nothing to do but wait for one."""
+        self.mover.wait(timeout)
+
+    def idle(self) -> bool:
+        """No copy is queued or in flight."""
+        return self.mover is None or self.mover.idle()
+
+    def shutdown(self) -> None:
+        if self.mover:
+            self.mover.shutdown()
+
+    def stats(self) -> dict:
+        if not self.stack:
+            return {}
+        return {"tiers": self.stack.stats(), "load_buckets": LOAD_BUCKETS, "load_counts": list(self.load_counts),
+                "load_seconds_sum": self.load_seconds_sum, "num_loading": len(self.loading)}

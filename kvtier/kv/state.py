@@ -1,0 +1,30 @@
+"""One request's KV state. The KV manager (manager.py) is its only writer; the scheduler and the
+runner read it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NOT_RESIDENT = -1    # a block table entry whose block waits in a lower tier (bounded residency)
+
+
+@dataclass(eq=False)
+class KVState:
+    request_id: str
+    token_ids: list[int]                    # the sequence's tokens, shared with it (it appends, we read)
+    max_tokens: int                         # the most tokens the sequence may reach: prompt + max_tokens
+    root_key: bytes | None = None           # the first block's parent: a cache salt's, or None
+    block_table: list[int] = field(default_factory=list)   # logical block → device block, or NOT_RESIDENT
+    block_keys: list[bytes] = field(default_factory=list)  # content keys of the sealed (full, computed) blocks
+    prompt_keys: list[bytes] | None = None  # exact keys of the prompt's full blocks, hashed once at lookup
+    residency: object | None = None         # the pager's Residency under bounded residency, else None
+    restored: int = 0                       # tokens a finished load put in block_table, not yet admitted
+    loading: bool = False                   # a load into its reserved blocks is in flight
+    looked_up: bool = False                 # the lower tiers were searched for its prefix
+    aborted: bool = False                   # cancelled while loading: released once the copy lands
+    admitted: bool = False                  # admitted once: a preempted sequence keeps its first cache report
+    num_cached_tokens: int = 0              # prompt tokens served from a cache
+    tier_tokens: dict[str, int] = field(default_factory=dict)   # of those, how many came from which tier
+
+    @property
+    def num_resident(self) -> int:
+        return sum(b != NOT_RESIDENT for b in self.block_table)

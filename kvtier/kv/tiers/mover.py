@@ -1,0 +1,259 @@
+"""The one mover of KV bytes between the device pool and the tiers.
+
+Two worker threads keep tier I/O off the engine loop:
+- the saver copies sealed blocks out of the pool straight into the host tier's slab and writes
+  each run through to the tiers below it as one unit (write-through: a run's blocks land in one
+  disk file while they are together);
+- the loader copies a restored prefix from the fastest tier holding each block into device
+  blocks reserved for it, then promotes what came from below into the host tier.
+Bounded residency's page-outs and page-ins use the same copies, synchronously (`copy_out`,
+`copy_in`): the pager needs the block before the next step.
+
+On CUDA every copy runs on a dedicated copy stream, after an event recorded on the compute stream
+when the job was handed over, and the worker waits for its stream before reporting: compute never
+shares a stream with a transfer, and the engine frees or reuses a device block only once `poll`
+has said its copy landed (invariant 1). Host memory on that path is pinned: the host tier's slab
+and the disk staging buffer. On CPU the same code runs with plain memory and no streams.
+The pool is not thread-safe, so workers never touch its bookkeeping: the engine pins blocks
+before handing them over and releases them when `poll` reports the copy done.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.kv.manifest import Manifest, ManifestStore
+from kvtier.kv.pool import KVPool
+from kvtier.kv.scorer import SUMMARIES, BlockSummaries
+from kvtier.kv.tiers.disk import Staging
+from kvtier.kv.tiers.stack import TierStack
+
+STAGING_MAX_BYTES = 1 << 30
+
+log = logging.getLogger("kvtier.kv.mover")
+
+
+@dataclass
+class LoadJob:
+    request_id: str
+    keys: list[bytes]                   # content keys of the prefix to restore, in order
+    blocks: list[int]                   # device blocks reserved for it
+    manifest_key: bytes | None = None   # a bounded sequence: only the manifest's resident blocks go to `blocks`
+    resident: list[bool] | None = None  # a bounded sequence without a manifest: these blocks go to `blocks`
+    manifest: Manifest | None = None    # read, or for `resident` made, by the loader
+    ok: bool = False
+    seconds: float = 0.0
+    bytes: int = 0
+    ready: object = None                # CUDA: the compute stream's event the copy waits for
+
+
+@dataclass
+class TransferEvents:
+    saved: list[list[int]] = field(default_factory=list)   # pinned block runs whose copy-out landed
+    loaded: list[LoadJob] = field(default_factory=list)
+
+
+class Mover:
+    def __init__(self, pool: KVPool, stack: TierStack, manifests: ManifestStore | None = None):
+        self.pool, self.stack, self.manifests = pool, stack, manifests
+        cuda = pool.kv_cache.device.type == "cuda"
+        self.stream = torch.cuda.Stream(pool.kv_cache.device) if cuda else None
+        self._saves: queue.Queue = queue.Queue()
+        self._loads: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self._landed = threading.Event()          # set whenever something is put on _done
+        self._staging = Staging(STAGING_MAX_BYTES, pin_memory=cuda)
+        self._threads = [threading.Thread(target=self._save_loop, name="kvtier-saver", daemon=True),
+                         threading.Thread(target=self._load_loop, name="kvtier-loader", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # --- the engine's side -----------------------------------------------------------------------
+
+    def save(self, keys: list[bytes], blocks: list[int]) -> None:
+        """Copy these sealed, pinned blocks out; `poll` reports when they may be unpinned."""
+        self._saves.put(("blocks", keys, blocks, self._compute_event()))
+
+    def save_manifest(self, key: bytes, manifest: Manifest) -> None:
+        """Store a manifest after the blocks queued before it."""
+        self._saves.put(("manifest", key, manifest, None))
+
+    def load(self, job: LoadJob) -> None:
+        job.ready = self._compute_event()
+        self._loads.put(job)
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a copy lands (or timeout): for an engine with nothing to do but wait for one."""
+        self._landed.wait(timeout)
+        self._landed.clear()
+
+    def poll(self) -> TransferEvents:
+        events = TransferEvents()
+        while True:
+            try:
+                kind, item = self._done.get_nowait()
+            except queue.Empty:
+                return events
+            (events.saved if kind == "saved" else events.loaded).append(item)
+
+    def idle(self) -> bool:
+        return self._saves.unfinished_tasks == 0 and self._loads.unfinished_tasks == 0
+
+    def shutdown(self) -> None:
+        for q in (self._saves, self._loads):
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=30)
+
+    # --- synchronous copies for paging -----------------------------------------------------------
+
+    def copy_out(self, key: bytes, block: int) -> bool:
+        """Page a block out: pin its payload in the host tier (copying it there unless a save already
+        did). False if the host tier had no room."""
+        host = self.stack.host
+        if host.pin(key):
+            return True
+        with self._on_copy_stream(self._compute_event()):
+            return host.put(key, self.pool.block_view(block), pin=True)
+
+    def copy_in(self, block: int, payload: torch.Tensor) -> None:
+        """Page a block in from a host payload; returns once it is on the device."""
+        with self._on_copy_stream(self._compute_event()):
+            self.pool.block_view(block).copy_(payload, non_blocking=True)
+
+    # --- workers ---------------------------------------------------------------------------------
+
+    def _compute_event(self):
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()         # on the compute (current) stream
+        return event
+
+    @contextlib.contextmanager
+    def _on_copy_stream(self, ready):
+        """Run copies on the copy stream after `ready`; on leaving, wait until they have landed."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            yield
+        self.stream.synchronize()
+
+    def _save_loop(self) -> None:
+        while (item := self._saves.get()) is not None:
+            kind, keys, blocks, ready = item
+            if kind == "manifest":
+                self.manifests.put(keys, blocks)
+                self._saves.task_done()
+                continue
+            try:
+                payloads, leased = self._copy_out_run(keys, blocks, ready)
+            finally:
+                self._done.put(("saved", blocks))    # the device slots may be reused from here on
+                self._landed.set()
+            try:
+                for tier in self.stack.tiers:
+                    if tier is not self.stack.host:
+                        tier.put_run(keys, payloads)
+            finally:
+                if leased:
+                    self.stack.host.release(keys)
+                self._saves.task_done()
+
+    def _copy_out_run(self, keys: list[bytes], blocks: list[int], ready) -> tuple[list[torch.Tensor], bool]:
+        """Device → host memory: into the host tier's slab if there is one (its slots leased to the caller),
+        else into a fresh CPU tensor. Returns the payloads and whether they are leased."""
+        host = self.stack.host
+        with self._on_copy_stream(ready):
+            if host is not None:
+                host.put_run(keys, [self.pool.block_view(b) for b in blocks])
+                leased = host.lease(keys)
+                if leased is not None:
+                    return leased, True
+            return list(self.pool.read_blocks(blocks)), False
+
+    def _load_loop(self) -> None:
+        while (job := self._loads.get()) is not None:
+            start = time.perf_counter()
+            try:
+                job.ok = self._restore(job)
+            except Exception:   # damaged data must never take the engine down: count it as a miss
+                log.exception("restoring %d blocks for %s failed; recomputing", len(job.keys), job.request_id)
+                job.ok = False
+            job.seconds = time.perf_counter() - start
+            self._done.put(("loaded", job))
+            self._landed.set()
+            self._loads.task_done()
+
+    def _restore(self, job: LoadJob) -> bool:
+        """Copy the job's resident blocks into the pool; False on a miss. Without a manifest, a bounded
+        sequence's blocks are all read once, to summarize their keys."""
+        resident = [True] * len(job.keys) if job.resident is None else job.resident
+        if job.manifest_key is not None:
+            job.manifest = self.manifests.get(job.manifest_key)
+            if job.manifest is None or job.manifest.keys != job.keys:
+                self.manifests.discard(job.manifest_key)     # the retry takes the exact prefix only
+                return False
+            resident = job.manifest.resident
+        wanted = [key for key, r in zip(job.keys, resident) if r]
+        if len(wanted) > len(job.blocks):
+            return False
+        keys = job.keys if job.resident is not None else wanted
+        reads = self._read(keys)
+        if reads is None:
+            return False
+        try:
+            payloads = {key: payload for tier, got in reads for key, payload in got.items()}
+            with self._on_copy_stream(job.ready):
+                for block, key in zip(job.blocks, wanted):
+                    self.pool.block_view(block).copy_(payloads[key], non_blocking=True)
+            job.bytes = len(wanted) * self.pool.block_bytes
+            if job.resident is not None:
+                job.manifest = self._summarized(job.keys, job.resident, payloads)
+            self._promote(reads)
+        finally:
+            for tier, got in reads:
+                tier.release(list(got))
+        return True
+
+    def _read(self, keys: list[bytes]) -> list[tuple[object, dict]] | None:
+        """Each key's payload from the fastest tier holding it: [(tier, {key: payload})], every read to be
+        released; None (everything released) if some key is in no tier."""
+        reads, missing = [], list(keys)
+        for tier in self.stack.tiers:
+            here = [key for key in missing if tier.contains(key)]
+            got = tier.read_run(here, self._staging) if here else None
+            if got is not None:
+                reads.append((tier, dict(zip(here, got))))
+                missing = [key for key in missing if key not in reads[-1][1]]
+        if missing:
+            for tier, got in reads:
+                tier.release(list(got))
+            return None
+        return reads
+
+    def _promote(self, reads: list[tuple[object, dict]]) -> None:
+        """The next turn finds what came from below the host tier one tier up."""
+        host = self.stack.host
+        if host is not None:
+            for tier, got in reads:
+                if tier is not host:
+                    host.put_run(list(got), list(got.values()))
+
+    def _summarized(self, keys: list[bytes], resident: list[bool], payloads: dict) -> Manifest:
+        """The pager state of a bounded sequence restored without a manifest: key summaries, nothing else."""
+        summaries = BlockSummaries()
+        for key in keys:
+            summaries.add(payloads[key][0])
+        device = self.pool.kv_cache.device
+        tensors = {name: getattr(summaries, name).to(device) for name in SUMMARIES}
+        tensors["scores"] = torch.zeros(len(keys))
+        return Manifest(keys, resident, list(range(len(keys))), 0, [], tensors)

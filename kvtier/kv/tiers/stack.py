@@ -1,0 +1,33 @@
+"""The tiers below the device, fastest first: host RAM, then local disk (a remote tier slots in after
+it). A prefix is looked up as consecutive runs, one per tier; every tier's metrics come from here."""
+from __future__ import annotations
+
+from kvtier.kv.tiers.base import Tier
+
+
+class TierStack:
+    def __init__(self, tiers: list[Tier]):
+        self.tiers = tiers
+        self.host = self.find("host")
+        self.disk = self.find("disk")
+
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    def find(self, name: str) -> Tier | None:
+        return next((t for t in self.tiers if t.name == name), None)
+
+    def lookup(self, keys: list[bytes]) -> dict[str, int]:
+        """Per tier, how many of the keys after the previous tiers' runs it holds in a row."""
+        runs, start = {}, 0
+        for tier in self.tiers:
+            runs[tier.name] = tier.match_prefix(keys[start:])
+            start += runs[tier.name]
+        return runs
+
+    def holds(self, key: bytes) -> bool:
+        return any(tier.contains(key) for tier in self.tiers)
+
+    def stats(self) -> dict[str, dict]:
+        return {tier.name: {**tier.stats, "bytes_used": tier.bytes_used, "budget_bytes": tier.budget_bytes,
+                            **tier.extra_stats()} for tier in self.tiers}
