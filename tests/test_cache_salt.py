@@ -38,5 +38,5 @@ def test_only_the_same_salt_hits(tiny_model_dir, tier):
     assert cached_tokens(engine, "b1", "tenant-b")[0] == 0        # another tenant learns nothing
     assert cached_tokens(engine, "n1", None)[0] == 0              # nor does an unsalted request
     again = cached_tokens(engine, "a2", "tenant-a")
-    assert again[0] == 96 and again[1] == first[1]                # the same tenant reuses its prefix
-    assert cached_tokens(engine, "n2", None)[0] == 96             # and so do unsalted requests, among themselves
+    assert again[0] == 99 and again[1] == first[1]                # the same tenant reuses its prefix
+    assert cached_tokens(engine, "n2", None)[0] == 99             # and so do unsalted requests, among themselves

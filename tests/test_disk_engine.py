@@ -33,9 +33,9 @@ def test_disk_hit_after_restart_warm_equals_cold(tiny_model_dir, tmp_path):
     cold = run(eng, p)
     eng = restart(eng, tiny_model_dir, tmp_path)
     warm = run(eng, p)
-    assert warm.cached == 144 and warm.tokens == cold.tokens
+    assert warm.cached == 149 and warm.tokens == cold.tokens     # all but the last token: 9 blocks and a partial one
     assert max_logit_diff(cold, warm) < 1e-4
-    assert eng.tiers.disk.stats["hit_blocks"] == 9
+    assert eng.tiers.disk.stats["hit_blocks"] == 10      # 9 blocks and the partial one
 
 
 def test_prefix_spanning_host_and_disk(tiny_model_dir, tmp_path):
@@ -46,7 +46,8 @@ def test_prefix_spanning_host_and_disk(tiny_model_dir, tmp_path):
     run(eng, short)                                          # host now holds the first 4 blocks only
     tokens, _, cached = run(eng, short + extra + [7])
     host, disk = eng.tiers.host.stats, eng.tiers.disk.stats
-    assert cached == 128 and host["hit_blocks"] >= 4 and disk["hit_blocks"] >= 4
+    # 8 blocks, then 2 tokens of the partial block the first run left (its third differs)
+    assert cached == 130 and host["hit_blocks"] >= 4 and disk["hit_blocks"] >= 4
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])

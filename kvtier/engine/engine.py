@@ -59,13 +59,12 @@ class LLMEngine:
                  self.pool.kv_cache.numel() * self.pool.kv_cache.element_size() / 2**30)
         self.tiers = build_tier_stack(config, self.pool)
         self.pager = self._build_pager(config, loaded.fingerprint) if config.resident_blocks else None
+        beside_disk = (lambda name: os.path.join(self.tiers.disk.directory, name)) if self.tiers.disk else None
         manifests = None
         if self.pager:
-            disk = self.tiers.disk
-            manifests = ManifestStore(self.pager.bounded_namespace,
-                                      os.path.join(disk.directory, "manifests") if disk else None)
+            manifests = ManifestStore(self.pager.bounded_namespace, beside_disk and beside_disk("manifests"))
         self.max_pinned_tokens = self.pager.max_pinned_tokens if self.pager else None
-        self.kv = KVManager(self.pool, self.tiers, self.pager, manifests)
+        self.kv = KVManager(self.pool, self.tiers, self.pager, manifests, beside_disk and beside_disk("partials"))
         self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self.grammars = GrammarCompiler(self.tokenizer.hf)

@@ -9,7 +9,8 @@ The engine talks to it in a few verbs:
   need (paging out first under bounded residency), `chunk` caps a prefill chunk;
 - `commit` after a step: residency bookkeeping (page-outs and page-ins), then every block the
   step filled is sealed under its key and saved to the tiers in the background;
-- `release` (preemption) and `finish` give blocks back; `abort` of a loading request waits for
+- `release` (preemption) and `finish` give blocks back (a finished exact sequence keeps its last,
+  partly filled block for the next turn: partials.py); `abort` of a loading request waits for
   its copy to land; `poll` applies landed copies.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from kvtier.kv.keys import block_key, chain_keys
 from kvtier.kv.manifest import ManifestStore
 from kvtier.kv.pager import Pager
+from kvtier.kv.partials import PartialBlocks
 from kvtier.kv.pool import KVPool
 from kvtier.kv.state import NOT_RESIDENT, KVState
 from kvtier.kv.tiers.mover import LoadJob, Mover
@@ -33,11 +35,12 @@ LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 
 
 class KVManager:
     def __init__(self, pool: KVPool, stack: TierStack, pager: Pager | None = None,
-                 manifests: ManifestStore | None = None):
+                 manifests: ManifestStore | None = None, partials_dir: str | None = None):
         self.pool, self.stack, self.pager, self.manifests = pool, stack, pager, manifests
         self.block_size = pool.block_size
         self.mover = Mover(pool, stack, manifests) if stack else None
         self.loading: dict[str, KVState] = {}     # loads in flight, by request id
+        self.partials = PartialBlocks(pool.namespace, partials_dir)
         self.num_saving = 0                       # block runs pinned for a copy that has not landed
         self._warned = False
         self.load_counts = [0] * (len(LOAD_BUCKETS) + 1)   # per bucket, the last one is +Inf
@@ -87,13 +90,15 @@ class KVManager:
         keys = exact[len(on_device):limit]
         runs = self.stack.lookup(keys)
         count = sum(runs.values())
+        partial = None if limit is not None else self._partial_in_tiers(state, exact[:len(on_device)] + keys[:count],
+                                                                         on_device_too=count == 0)
         # reserve blocks for the whole prompt, so that a restored request never waits for more
         # blocks while holding some (two such requests could otherwise starve each other)
         need = self.pool.blocks_for(len(state.token_ids))
         if limit is not None:     # bounded residency: never more than the budget
             need = min(need, self.pager.budget_blocks)
         need -= len(on_device)
-        if count == 0 or not self.pool.can_allocate(need):
+        if (count == 0 and partial is None) or not self.pool.can_allocate(need):
             self.pool.free(on_device)     # admission matches the device part again
             return
         blocks = self.pool.allocate(need)
@@ -101,7 +106,44 @@ class KVManager:
         state.block_keys = exact[:len(on_device)]
         state.tier_tokens = {"device": len(on_device) * self.block_size,
                              **{name: n * self.block_size for name, n in runs.items()}}
-        self._begin_load(state, LoadJob(state.request_id, keys[:count], blocks[:count]))
+        job = LoadJob(state.request_id, keys[:count], blocks[:count])
+        if partial is not None:
+            tier, key, job.partial_tokens = partial
+            job.keys.append(key)
+            job.blocks.append(blocks[count])
+            state.tier_tokens[tier] += job.partial_tokens
+        self._begin_load(state, job)
+
+    def _partial_in_tiers(self, state: KVState, keys: list[bytes], on_device_too: bool) -> tuple[str, bytes, int] | None:
+        """A partial block continuing these full blocks held by a tier: (the tier's name, its key, its tokens to
+        use). None where on_device_too and the device has it: admission copies it there, without a load."""
+        hit = self._partial_after(state, keys)
+        if hit is None or (on_device_too and hit[0] in self.pool.cached):
+            return None
+        tier = next((t for t in self.stack.tiers if t.contains(hit[0])), None)
+        return None if tier is None else (tier.name, *hit)
+
+    def _partial_after(self, state: KVState, keys: list[bytes]) -> tuple[bytes, int] | None:
+        """The partial block after these leading full blocks, for the prompt tokens it shares (never the last)."""
+        parent = keys[-1] if keys else state.root_key
+        start = len(keys) * self.block_size
+        return self.partials.match(parent, state.token_ids[start:len(state.token_ids) - 1])
+
+    def _partial_on_device(self, state: KVState, keys: list[bytes]) -> tuple[int, int] | None:
+        """Copy-on-write of a cached partial block continuing these full blocks: (a fresh block holding its
+        copy, the tokens it gives), or None."""
+        hit = self._partial_after(state, keys)
+        if hit is None:
+            return None
+        key, n = hit
+        found = self.pool.match_prefix([key])      # referenced, so allocating cannot evict it
+        if not found:
+            return None
+        copy = self.pool.allocate(1) if self.pool.can_allocate(1) else None
+        if copy:
+            self.pool.copy_block(found[0], copy[0])
+        self.pool.free(found)
+        return (copy[0], n) if copy else None
 
     def _start_manifest_load(self, state: KVState, exact: list[bytes]) -> bool:
         """A bounded sequence continuing a saved one: reserve room for the resident blocks and load them.
@@ -155,6 +197,11 @@ class KVManager:
             limit = self.pager.max_shared_blocks if self.pager else None
             cached = self.pool.match_prefix(self.prompt_keys(state)[:limit])
             keys, start = state.prompt_keys[:len(cached)], len(cached) * self.block_size
+        # a restored table already has a block reserved where the copy would go: its load brought any partial
+        copied = None if state.residency or state.restored else self._partial_on_device(state, keys)
+        if copied is not None:
+            cached.append(copied[0])
+            start += copied[1]
         n = self.chunk(state, start, min(len(state.token_ids) - start, budget))
         if state.residency and state.restored:     # restored over its budget: make room before growing
             self._page_out(state, self.pager.victims(state, start + n))
@@ -167,8 +214,8 @@ class KVManager:
         state.block_keys = keys
         state.restored = 0
         if cached and not state.admitted:     # a preempted sequence keeps its first report
+            state.tier_tokens = {**state.tier_tokens, "device": start - state.num_cached_tokens}
             state.num_cached_tokens = start
-            state.tier_tokens = {"device": start}
         state.admitted = True
         return start, n
 
@@ -192,6 +239,7 @@ class KVManager:
                decoded: bool) -> None:
         """The step computed the sequence's K/V up to num_computed: move blocks as the pager says, then seal
         and save every block it filled."""
+        state.num_computed = num_computed
         if state.residency:
             out, wanted = self.pager.after_step(state, queries, num_computed, prompt_done, decoded)
             self._page_out(state, out)
@@ -205,11 +253,14 @@ class KVManager:
             state.block_keys.append(key)
         if state.residency:
             self.pager.sealed(state)
-        if self.mover and len(state.block_keys) > first:
-            blocks = state.block_table[first:len(state.block_keys)]
+        if len(state.block_keys) > first:
+            self._save(state.block_keys[first:], state.block_table[first:len(state.block_keys)])
+
+    def _save(self, keys: list[bytes], blocks: list[int]) -> None:
+        if self.mover:
             self.pool.pin(blocks)             # the slots stay ours until the copy lands
             self.num_saving += 1
-            self.mover.save(state.block_keys[first:], blocks)
+            self.mover.save(keys, blocks)
 
     def _page_out(self, state: KVState, blocks: list[int]) -> None:
         res = state.residency
@@ -269,12 +320,32 @@ class KVManager:
         state.block_table, state.restored, state.looked_up = [], 0, False
 
     def finish(self, state: KVState) -> None:
-        """A finished sequence: a bounded one over its budget leaves its pager state beside its blocks."""
-        if state.residency and state.block_keys and len(state.block_table) > self.pager.budget_blocks:
+        """A finished sequence: an exact one leaves its last, partly filled block for a next turn; a bounded one
+        over its budget leaves its pager state beside its blocks."""
+        if not state.residency:
+            self._keep_partial(state)
+        elif state.block_keys and len(state.block_table) > self.pager.budget_blocks:
             bs = self.block_size
             exact = chain_keys(state.token_ids[:len(state.block_keys) * bs], bs, self.pool.namespace, state.root_key)
-            self.mover.save_manifest(self.pager.manifest_key(exact[-1]), self.pager.manifest(state))
+            key, manifest = self.pager.manifest_key(exact[-1]), self.pager.manifest(state)
+            self.mover.after_saves(lambda: self.manifests.put(key, manifest))
         self.release(state)
+
+    def _keep_partial(self, state: KVState) -> None:
+        """Publish the computed part of the last block under a key of its tokens: nothing writes to it again."""
+        full = len(state.block_keys)
+        n = state.num_computed - full * self.block_size
+        if n <= 0 or full >= len(state.block_table):
+            return
+        tokens = state.token_ids[full * self.block_size:full * self.block_size + n]
+        parent = state.block_keys[-1] if state.block_keys else state.root_key
+        key = block_key(parent, tokens, self.pool.namespace)
+        block = state.block_table[full]
+        self.pool.seal(block, key)
+        self.partials.add(parent, tokens, key)
+        if self.mover:
+            self._save([key], [block])
+            self.mover.after_saves(lambda: self.partials.write(parent, tokens, key))
 
     def abort(self, state: KVState) -> bool:
         """True if the request is loading: its blocks are freed, and `poll` returns it, once its copy lands."""
@@ -303,10 +374,12 @@ class KVManager:
             elif job.ok and job.manifest is not None:
                 self._take_manifest(state, job)
             elif job.ok:
-                for block, key in zip(job.blocks, job.keys):
+                full = len(job.keys) - bool(job.partial_tokens)    # a partial block's copy is the sequence's own
+                for block, key in zip(job.blocks[:full], job.keys[:full]):
                     self.pool.seal(block, key)
-                state.block_keys += job.keys
-                state.restored = state.num_cached_tokens = len(state.block_keys) * self.block_size
+                state.block_keys += job.keys[:full]
+                state.restored = len(state.block_keys) * self.block_size + job.partial_tokens
+                state.num_cached_tokens = state.restored
             else:
                 self._missed(state, retry=job.manifest_key is not None)
         return aborted

@@ -116,6 +116,9 @@ class KVPool:
         bs = self.block_size
         return self.kv_cache[:, :, block * bs:(block + 1) * bs]
 
+    def copy_block(self, src: int, dst: int) -> None:
+        self.block_view(dst).copy_(self.block_view(src))
+
     def _blocked(self) -> torch.Tensor:
         """The cache viewed as [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
         two, layers, _, heads, dim = self.kv_cache.shape

@@ -17,6 +17,7 @@ class KVState:
     block_keys: list[bytes] = field(default_factory=list)  # content keys of the sealed (full, computed) blocks
     prompt_keys: list[bytes] | None = None  # exact keys of the prompt's full blocks, hashed once at lookup
     residency: object | None = None         # the pager's Residency under bounded residency, else None
+    num_computed: int = 0                   # tokens whose K/V are in its blocks, as of the last commit
     restored: int = 0                       # tokens a finished load put in block_table, not yet admitted
     loading: bool = False                   # a load into its reserved blocks is in flight
     looked_up: bool = False                 # the lower tiers were searched for its prefix

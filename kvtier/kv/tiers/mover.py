@@ -47,6 +47,7 @@ class LoadJob:
     manifest_key: bytes | None = None   # a bounded sequence: only the manifest's resident blocks go to `blocks`
     resident: list[bool] | None = None  # a bounded sequence without a manifest: these blocks go to `blocks`
     manifest: Manifest | None = None    # read, or for `resident` made, by the loader
+    partial_tokens: int = 0             # the last key is a partial block's (partials.py): its tokens used
     ok: bool = False
     seconds: float = 0.0
     bytes: int = 0
@@ -80,9 +81,9 @@ class Mover:
         """Copy these sealed, pinned blocks out; `poll` reports when they may be unpinned."""
         self._saves.put(("blocks", keys, blocks, self._compute_event()))
 
-    def save_manifest(self, key: bytes, manifest: Manifest) -> None:
-        """Store a manifest after the blocks queued before it."""
-        self._saves.put(("manifest", key, manifest, None))
+    def after_saves(self, write) -> None:
+        """Call write() on the saver once the blocks queued before it are saved (a manifest, say)."""
+        self._saves.put(("call", write, None, None))
 
     def load(self, job: LoadJob) -> None:
         job.ready = self._compute_event()
@@ -150,8 +151,11 @@ class Mover:
     def _save_loop(self) -> None:
         while (item := self._saves.get()) is not None:
             kind, keys, blocks, ready = item
-            if kind == "manifest":
-                self.manifests.put(keys, blocks)
+            if kind == "call":
+                try:
+                    keys()
+                except Exception:
+                    log.exception("a write after the saves failed")
                 self._saves.task_done()
                 continue
             try:
