@@ -58,6 +58,19 @@ def test_a_prompt_diverging_inside_the_partial_block_reuses_what_it_shares(tiny_
     assert warm.tokens == cold.tokens and max_logit_diff(cold, warm) < 1e-4
 
 
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_a_prompt_diverging_inside_the_last_full_block_reuses_what_it_shares(tiny_model_dir, tmp_path, cold_engine,
+                                                                             tier):
+    """The usual next turn of a chat: the earlier prompt ended in a generation prompt the new one replaces."""
+    eng = make_engine(tiny_model_dir, tmp_path, **TIERS[tier])
+    first = prompt(160, salt=4)                     # 10 full blocks computed, nothing after them
+    run(eng, first, max_tokens=1)
+    nxt = first[:157] + prompt(20, salt=8)
+    warm, cold = run(eng, nxt), run(cold_engine, nxt)
+    assert warm.cached == 157                       # 9 blocks, then 13 of the 10th block's 16 tokens
+    assert warm.tokens == cold.tokens and max_logit_diff(cold, warm) < 1e-4
+
+
 def test_the_published_partial_block_never_changes(tiny_model_dir, tmp_path):
     eng = make_engine(tiny_model_dir, tmp_path, **TIERS["device"])
     first = prompt(150, salt=3)
@@ -76,10 +89,12 @@ def test_a_damaged_partial_entry_is_a_miss(tiny_model_dir, tmp_path, cold_engine
     first = prompt(150, salt=9)
     answer = run(eng, first, max_tokens=6).tokens
     eng.shutdown()
-    (entry,) = (tmp_path / "kv" / "partials").glob("*.kvp")
-    entry.write_text(entry.read_text().replace('"tokens": [', '"tokens": [1, '))
+    entries = list((tmp_path / "kv" / "partials").glob("*.kvp"))     # the partial block and the last full one
+    assert len(entries) == 2
+    for entry in entries:
+        entry.write_text(entry.read_text().replace('"tokens": [', '"tokens": [1, '))
     eng = make_engine(tiny_model_dir, tmp_path, **TIERS["disk"])
     nxt = first + answer + prompt(20, salt=5)
     warm, cold = run(eng, nxt), run(cold_engine, nxt)
     assert warm.cached == 144 and warm.tokens == cold.tokens
-    assert not entry.exists()
+    assert not any(entry.exists() for entry in entries)

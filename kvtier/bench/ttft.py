@@ -95,7 +95,7 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def build_turns(tokenizer, lengths: list[int], repeats: int, max_model_len: int, block_size: int) -> list[dict]:
+def build_turns(tokenizer, lengths: list[int], repeats: int, max_model_len: int) -> list[dict]:
     """Per history length: the history prompt, one new-turn prompt per repeat (a different message
     each), and per repeat the prompt tokens a warm run must find cached."""
     turns = []
@@ -105,10 +105,10 @@ def build_turns(tokenizer, lengths: list[int], repeats: int, max_model_len: int,
         rng = random.Random(-length)
         prompts = [tokenizer.apply_chat_template(messages + [
             {"role": "user", "content": text(rng, tokenizer, NEW_MESSAGE_TOKENS)}]) for _ in range(repeats)]
-        # whole blocks of the longest prefix shared with what the engine saw before: the history and the
-        # earlier repeats' turns (their first new block can be common); the last token is always computed
+        # the longest prefix shared with what the engine computed before: the history and the earlier
+        # repeats' turns, whose last blocks are kept whole or partial (the last token is always computed)
         expected = [min(max(shared_prefix(seen, p) for seen in [history, *prompts[:r]]), len(p) - 1)
-                    // block_size * block_size for r, p in enumerate(prompts)]
+                    for r, p in enumerate(prompts)]
         turns.append({"length": length, "history": history, "prompts": prompts, "expected": expected})
     return turns
 
@@ -252,7 +252,7 @@ def measure(args: argparse.Namespace) -> dict:
     single = 2 * (max(args.lengths) + NEW_TURN_ROOM)
     cold = engine(args, single, prefix_cache=False, kv_host_gib=0, kv_disk=False)
     mc = cold.model_config
-    turns = build_turns(cold.tokenizer, args.lengths, args.repeats, cold.max_model_len, cold.config.block_size)
+    turns = build_turns(cold.tokenizer, args.lengths, args.repeats, cold.max_model_len)
     results.update(model=cold.model_name, dtype=cold.config.dtype, threads=torch.get_num_threads(), turns=turns,
                    bytes_per_token=KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                                       cold.config.torch_dtype))

@@ -332,19 +332,26 @@ class KVManager:
         self.release(state)
 
     def _keep_partial(self, state: KVState) -> None:
-        """Publish the computed part of the last block under a key of its tokens: nothing writes to it again."""
-        full = len(state.block_keys)
-        n = state.num_computed - full * self.block_size
+        """Publish the computed part of the last block under a key of its tokens (nothing writes to it again),
+        and remember it and the last full block for prompts that share only their first tokens: a next turn
+        diverges near the end of this one (a chat template's generation prompt, say)."""
+        bs, full = self.block_size, len(state.block_keys)
+        n = state.num_computed - full * bs
+        if full:
+            self._remember(state.block_keys[-2] if full > 1 else state.root_key,
+                           state.token_ids[(full - 1) * bs:full * bs], state.block_keys[-1])
         if n <= 0 or full >= len(state.block_table):
             return
-        tokens = state.token_ids[full * self.block_size:full * self.block_size + n]
-        parent = state.block_keys[-1] if state.block_keys else state.root_key
+        parent = state.block_keys[-1] if full else state.root_key
+        tokens = state.token_ids[full * bs:full * bs + n]
         key = block_key(parent, tokens, self.pool.namespace)
-        block = state.block_table[full]
-        self.pool.seal(block, key)
+        self.pool.seal(state.block_table[full], key)
+        self._save([key], [state.block_table[full]])
+        self._remember(parent, tokens, key)
+
+    def _remember(self, parent: bytes | None, tokens: list[int], key: bytes) -> None:
         self.partials.add(parent, tokens, key)
-        if self.mover:
-            self._save([key], [block])
+        if self.mover:     # after the block's own save
             self.mover.after_saves(lambda: self.partials.write(parent, tokens, key))
 
     def abort(self, state: KVState) -> bool:

@@ -13,6 +13,7 @@ out, and a payload only after its own checksum does. Token count 0 means "not re
 """
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import struct
@@ -152,6 +153,7 @@ def read_blocks(path: str, header: Header, indices: list[int], into: torch.Tenso
     start, end = read_span(header, indices)
     buf = torch.empty(end - start, dtype=torch.uint8) if into is None else into[:end - start]
     with open(path, "rb", buffering=0) as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_SH)     # an evictor in another process leaves the file alone
         f.seek(start)
         view, got = memoryview(buf.numpy()), 0
         while got < len(view):

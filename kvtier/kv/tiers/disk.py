@@ -14,10 +14,21 @@ by one. Temp files name their writer's pid; start-up removes only those of dead 
 Files of another namespace, block shape, dtype or format version are left alone: not
 indexed, not counted against the budget, never evicted. Thread-safe; file I/O runs outside
 the lock.
+
+Several processes may share one directory (two servers, a restart beside a running one):
+- a writer holds DIR/.lock (flock) while it makes room and writes, and first brings its index
+  up to date with the directory (peers' new files become hits for it, files they evicted
+  leave it), so the budget holds for all of them together and eviction is LRU across them
+  (a read touches its file's mtime);
+- a reader holds a shared flock on the file it reads, and an evictor skips a file it cannot
+  lock exclusively: no process deletes a file another is reading;
+- a file that vanished or was replaced under a reader is a plain miss, not damage.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import math
 import os
@@ -46,6 +57,7 @@ from kvtier.kv.tiers.files import TMP_SUFFIX, is_stale_temp, regular_files, remo
 log = logging.getLogger("kvtier.kv.disk")
 
 SUFFIX = ".kvb"
+LOCK_NAME = ".lock"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EIO)   # worth making room and trying once more
 FIRST_BACKOFF_S = 5.0
 MAX_BACKOFF_S = 300.0
@@ -56,6 +68,8 @@ class BlockFile:
     path: str
     size: int
     header: Header
+    inode: int = 0
+    mtime_ns: int = 0     # last write or read: its mtime, or our own finer clock when we touched it last
 
 
 class Staging:
@@ -100,6 +114,7 @@ class DiskTier:
         self.stats = dict.fromkeys(("lookups", "hit_blocks", "bytes_read", "bytes_written", "evictions", "errors",
                                     "retries", "damaged_removed"), 0)
         self._lock = threading.Lock()
+        self._lock_fd: int | None = None    # DIR/.lock, held by put_run while it evicts and writes
         with self._lock:
             self._open()
 
@@ -132,7 +147,16 @@ class DiskTier:
             raise ValueError(f"put_run got {len(keys)} keys, {len(payloads)} payloads, "
                              f"{len(token_counts)} token counts")
         with self._lock:
-            new = [i for i, key in enumerate(keys) if key not in self.index] if self._usable() else []
+            usable = self._usable()
+        if usable:
+            with self._directory_locked():
+                self._put_run(keys, payloads, token_counts)
+
+    def _put_run(self, keys: list[bytes], payloads: list[torch.Tensor], token_counts: list[int]) -> None:
+        """(Under the directory lock.)"""
+        self._sync()          # what peers wrote or evicted since
+        with self._lock:
+            new = [i for i, key in enumerate(keys) if key not in self.index]
         if not new:
             return
         size = file_size(len(new), len(self.block_shape), self.block_bytes)
@@ -153,10 +177,27 @@ class DiskTier:
                     continue      # the disk filled up under us: our least recently used files made room
                 self._disable(f"cannot write {path}: {e}")
                 return
+        written = os.stat(path)
         with self._lock:
-            self._add(BlockFile(path, size, header))
+            self._add(BlockFile(path, size, header, written.st_ino, time.time_ns()))
             self.stats["bytes_written"] += size
             self._evict(self.budget_bytes)
+
+    @contextlib.contextmanager
+    def _directory_locked(self):
+        """Hold DIR/.lock: one process at a time makes room and writes. Without a lock file (a read-only
+        directory, say) the writes that follow fail and disable the tier as before."""
+        try:
+            if self._lock_fd is None:
+                self._lock_fd = os.open(os.path.join(self.directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        except OSError:
+            yield
+            return
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def get_run(self, keys: list[bytes], staging: Staging | None = None) -> list[torch.Tensor] | None:
         """Payloads of these keys, or None (a miss) if any is absent or its file is damaged.
@@ -177,12 +218,18 @@ class DiskTier:
             try:
                 blocks.update(zip(((file, i) for i in indices), read_blocks(file.path, file.header, indices, buf)))
             except (BlockFileError, OSError) as e:
-                self._discard(file, e)
+                if self._replaced(file):
+                    with self._lock:      # a peer evicted or rewrote it: not damage, a miss
+                        if self.files.get(file.path) is file:
+                            self._drop(file)
+                else:
+                    self._discard(file, e)
                 return None
         with self._lock:
             for file in wanted:
                 if self.files.get(file.path) is file:
                     self.files.move_to_end(file.path)
+                    file.mtime_ns = time.time_ns()
             self.stats["hit_blocks"] += len(keys)
             self.stats["bytes_read"] += len(keys) * self.block_bytes
         for file in wanted:
@@ -199,13 +246,21 @@ class DiskTier:
     def release(self, keys: list[bytes]) -> None:
         """Nothing is leased: a read owns its buffer."""
 
+    def _replaced(self, file: BlockFile) -> bool:
+        try:
+            return os.stat(file.path).st_ino != file.inode
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+
     def _open(self) -> None:
         """(Under the lock.) Make the directory and index what it holds; on failure, disable the tier."""
         try:
             os.makedirs(self.directory, exist_ok=True)
             if not os.access(self.directory, os.W_OK | os.X_OK):
                 raise PermissionError(f"{self.directory} is not writable")
-            self._load()
+            self._take(self._scan(dict(self.files)))
         except OSError as e:
             self._disable_locked(f"cannot use {self.directory}: {e}")
             return
@@ -225,9 +280,18 @@ class DiskTier:
             log.warning("disk tier enabled again: %s", self.directory)
         return self.disabled_until is None
 
-    def _load(self) -> None:
-        """Index the compatible files, oldest first. Temp files of dead writers and damaged files are deleted,
-        anything but a regular file skipped; one warning for each kind."""
+    def _sync(self) -> None:
+        """Make the index what the directory holds now; the scan runs outside the lock."""
+        with self._lock:
+            known = dict(self.files)
+        found = self._scan(known)
+        with self._lock:
+            self._take(found)
+
+    def _scan(self, known: dict[str, BlockFile]) -> list[BlockFile]:
+        """The compatible files in the directory; headers are read only for files not known yet. Temp files
+        of dead writers and damaged files are deleted, anything but a regular file skipped; one warning for
+        each kind."""
         found, damaged, skipped = [], [], []
         shards, other = regular_subdirs(self.directory)
         skipped += other
@@ -244,25 +308,39 @@ class DiskTier:
                         remove(entry.path)
                 elif entry.name.endswith(SUFFIX):
                     try:
-                        header = read_header(entry.path)
                         stat = entry.stat(follow_symlinks=False)
+                        same = known.get(entry.path)
+                        if same is not None and same.inode == stat.st_ino:
+                            header = same.header
+                            mtime_ns = max(stat.st_mtime_ns, same.mtime_ns)
+                        else:
+                            header, mtime_ns = read_header(entry.path), stat.st_mtime_ns
                     except UnknownVersion:
+                        continue
+                    except FileNotFoundError:     # a peer evicted it meanwhile
                         continue
                     except (BlockFileError, OSError) as e:
                         damaged.append(str(e))
                         remove(entry.path)
                         continue
                     if self._compatible(header):
-                        found.append((stat.st_mtime_ns, entry.path, stat.st_size, header))
-        for _, path, size, header in sorted(found, key=lambda f: f[:2]):
-            self._add(BlockFile(path, size, header))
+                        found.append(BlockFile(entry.path, stat.st_size, header, stat.st_ino, mtime_ns))
         if damaged:
-            self.stats["damaged_removed"] += len(damaged)
+            self.stats["damaged_removed"] += len(damaged)     # a counter: no lock (the scan may run under it)
             log.warning("disk tier deleted %d damaged file(s) in %s, e.g. %s", len(damaged), self.directory,
                         damaged[0])
         if skipped:
             log.warning("disk tier skipped %d entries that are not regular files or directories in %s, e.g. %s",
                         len(skipped), self.directory, skipped[0])
+        return found
+
+    def _take(self, found: list[BlockFile]) -> None:
+        """(Under the lock.) Index these files, least recently used (oldest mtime) first."""
+        self.files.clear()
+        self.index.clear()
+        self.bytes_used = 0
+        for file in sorted(found, key=lambda f: (f.mtime_ns, f.path)):
+            self._add(file)
 
     def _compatible(self, header: Header) -> bool:
         return (header.namespace == self.namespace and header.dtype == dtype_name(self.dtype)
@@ -284,12 +362,14 @@ class DiskTier:
         self.bytes_used -= file.size
 
     def _evict(self, limit: int) -> None:
-        """(Under the lock.) Delete least recently used files until at most `limit` bytes are used."""
-        while self.files and self.bytes_used > limit:
-            file = next(iter(self.files.values()))
-            self._drop(file)
-            remove(file.path)
-            self.stats["evictions"] += 1
+        """(Under the lock.) Delete least recently used files until at most `limit` bytes are used, skipping those
+        a peer is reading."""
+        for file in list(self.files.values()):
+            if self.bytes_used <= limit:
+                return
+            if remove_unless_read(file.path):
+                self._drop(file)
+                self.stats["evictions"] += 1
 
     def _make_room(self, size: int) -> bool:
         """After a full disk: evict at least `size` bytes more of our files; False if there were none."""
@@ -337,3 +417,25 @@ def regular_subdirs(directory: str) -> tuple[list[os.DirEntry], list[str]]:
                 real_dir = False
             (shards.append(entry) if real_dir else skipped.append(entry.name))
     return shards, skipped
+
+
+def remove_unless_read(path: str) -> bool:
+    """Delete a block file unless another process holds a read lock on it; True if it is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        remove(path)
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        pass
+    try:
+        remove(path)
+        return True
+    finally:
+        os.close(fd)
