@@ -1,4 +1,4 @@
-"""Command line: kvtier serve | generate | bench.
+"""Command line: kvtier serve | generate | bench | cache.
 
 Heavy imports (torch, the engine, uvicorn) happen inside the handlers so that `kvtier --help` is fast.
 """
@@ -92,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("argv", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     bench.set_defaults(handler=_bench)
+
+    cache = commands.add_parser("cache", help="show what the disk tier holds, or clear it")
+    cache.add_argument("action", nargs="?", choices=("info", "clear"), default="info",
+                       help="info (default): size, files and namespaces; clear: delete the cached KV")
+    cache.add_argument("--kv-disk-dir", metavar="DIR", help="disk tier directory (default: ~/.cache/kvtier/kv)")
+    cache.set_defaults(handler=_cache)
     return parser
 
 
@@ -182,6 +188,36 @@ def _bench(args) -> int:
 
     module = importlib.import_module(f"kvtier.bench.{args.name}")
     return module.main(args.argv) or 0
+
+
+def _cache(args) -> int:
+    from kvtier.config import default_disk_dir
+    from kvtier.kv.tiers import inventory
+
+    directory = os.path.expanduser(args.kv_disk_dir or default_disk_dir())
+    if not os.path.isdir(directory):
+        print(f"{directory}: no disk tier here (nothing cached yet)")
+        return 0
+    if args.action == "clear":
+        removed = inventory.clear(directory)
+        print(f"{directory}: deleted {removed['files']} files ({_size(removed['bytes'])})")
+        return 0
+    report = inventory.survey(directory)
+    print(f"{directory}: {_size(report['bytes'])}")
+    for ns in report["namespaces"]:
+        shape = "x".join(map(str, ns["block_shape"]))
+        print(f"  namespace {ns['namespace'][:16]} ({ns['dtype']}, blocks of {shape}): {ns['blocks']} blocks "
+              f"in {ns['files']} files, {_size(ns['bytes'])}")
+    for name in inventory.SIDE_STORES:
+        print(f"  {name}: {report[name]['files']} files, {_size(report[name]['bytes'])}")
+    if report["damaged"] or report["temp_files"]:
+        print(f"  also: {report['damaged']} unreadable block files, {report['temp_files']} temp files "
+              "(a server deletes them at start-up)")
+    return 0
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def test_ttft_bench_measures_every_tier(tiny_model_dir, tmp_path, one_thread):
     results = ttft.measure(args)
     rows = ttft.summarize(results)
 
-    assert results["memcpy_gbs"] > 0 and results["file_read_gbs"] > 0
+    assert results["copy_gbs"] > 0 and results["copy_label"] == "memcpy" and results["file_read_gbs"] > 0
     assert results["bytes_per_token"] == 2 * 2 * 2 * 16 * 4   # K and V, 2 layers, 2 KV heads, head dim 16, float32
     assert list(rows) == [256, 1900]
     for length, row in rows.items():

@@ -29,7 +29,16 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.bench.heatmap import write_heatmap
-from kvtier.bench.report import add_output_args, cpu_model, header, int_list, publish, verdict
+from kvtier.bench.report import (
+    add_device_args,
+    add_output_args,
+    cpu_model,
+    device_settings,
+    header,
+    int_list,
+    publish,
+    verdict,
+)
 from kvtier.bench.ttft import conversation
 from kvtier.config import BOUNDED_BLOCK_SIZE, KV_POLICIES, Config
 from kvtier.engine.engine import LLMEngine
@@ -119,7 +128,7 @@ def recall_chat(tokenizer, length: int, key: int, where: float) -> list[dict]:
 
 def engine(args: argparse.Namespace, pool_tokens: int, budget: int | None, policy: str | None) -> LLMEngine:
     eng = LLMEngine(Config(model=args.model, num_threads=args.threads, kv_pool_tokens=pool_tokens,
-                           block_size=BOUNDED_BLOCK_SIZE, prefix_cache=False, kv_disk_dir=args.kv_dir,
+                           **device_settings(args), block_size=BOUNDED_BLOCK_SIZE, prefix_cache=False, kv_disk_dir=args.kv_dir,
                            kv_disk_gib=64.0, kv_host_gib=4.0, kv_resident_tokens=budget,
                            kv_policy=policy or Config.kv_policy))
     # a first request below one block: later timings pay no first-call costs
@@ -172,7 +181,8 @@ def restore_probe(args: argparse.Namespace, case: dict, budget: int) -> dict:
     """A bounded conversation saved, then continued on a fresh engine over the same disk directory: how many
     blocks its restore moved to the device, against the budget."""
     disk_dir = tempfile.mkdtemp(prefix="kvtier-niah-")
-    settings = dict(model=args.model, num_threads=args.threads, kv_pool_tokens=len(case["prompt"]) + 256,
+    settings = dict(model=args.model, num_threads=args.threads, **device_settings(args),
+                    kv_pool_tokens=len(case["prompt"]) + 256,
                     prefix_cache=False, kv_disk_dir=disk_dir, kv_resident_tokens=budget)
     first = LLMEngine(Config(**settings))
     first.add_request("saved", case["prompt"], SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0))
@@ -218,7 +228,8 @@ def budgets(args: argparse.Namespace) -> list[Budget]:
 def measure(args: argparse.Namespace) -> dict:
     """Per (length, budget label, policy; None for exact attention) cell: its runs, one per depth and trial,
     or the reason it was skipped. Cells with the same resident tokens at a length are run once."""
-    probe = LLMEngine(Config(model=args.model, num_threads=args.threads, kv_pool_tokens=64, prefix_cache=False,
+    probe = LLMEngine(Config(model=args.model, num_threads=args.threads, **device_settings(args),
+                             kv_pool_tokens=64, prefix_cache=False,
                              kv_disk=False, kv_host_gib=0, block_size=BOUNDED_BLOCK_SIZE))
     mc, block_size = probe.model_config, probe.config.block_size
     results = {"model": probe.model_name, "dtype": probe.config.dtype, "threads": torch.get_num_threads(),
@@ -510,6 +521,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="tokens of the chat probe, run at the fixed budget; 0: no chat probe")
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the bundled SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    add_device_args(p)
     add_output_args(p)
     p.add_argument("--docs-dir", default="docs", help="where the heatmap PNGs go")
     args = p.parse_args(argv)

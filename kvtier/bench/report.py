@@ -61,3 +61,14 @@ def publish(section: str, args: argparse.Namespace) -> None:
     if not args.no_write:
         write_section(args.output, section)
         print(f"wrote {args.output}")
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """--device and --dtype, as `kvtier serve` takes them."""
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the server's)")
+
+
+def device_settings(args: argparse.Namespace) -> dict:
+    """The Config settings of --device and --dtype."""
+    return {"device": args.device, **({"dtype": args.dtype} if args.dtype else {})}

@@ -1,0 +1,97 @@
+"""One disk tier directory shared by several processes, and `kvtier cache` on it."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import subprocess
+import sys
+
+import torch
+
+from kvtier.kv.keys import chain_keys
+from kvtier.kv.tiers.blockfile import file_size
+from kvtier.kv.tiers.disk import DiskTier
+
+SHAPE = (2, 2, 4, 2, 8)
+NS = b"namespace-shared"
+RUN_BLOCKS, RUNS = 3, 24
+FILE_BYTES = file_size(RUN_BLOCKS, len(SHAPE), 2 * 2 * 4 * 2 * 8 * 4)
+
+
+def run_of(i: int) -> tuple[list[bytes], list[torch.Tensor]]:
+    """Run i: its keys and payloads, the same in every process (content-addressed)."""
+    g = torch.Generator().manual_seed(i)
+    keys = chain_keys(list(range(i * 1000, i * 1000 + RUN_BLOCKS * SHAPE[2])), SHAPE[2], NS)
+    return keys, [torch.randn(SHAPE, generator=g) for _ in range(RUN_BLOCKS)]
+
+
+def on_disk(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, names in os.walk(directory)
+               for f in names if f.endswith(".kvb"))
+
+
+def hammer(directory: str, seed: int, budget: int, rounds: int, results) -> None:
+    """Write and read random runs; count wrong payloads and the most bytes ever seen on disk."""
+    tier = DiskTier(directory, budget, NS, SHAPE, torch.float32)
+    rng = random.Random(seed)
+    wrong = hits = peak = 0
+    for _ in range(rounds):
+        tier.put_run(*run_of(rng.randrange(RUNS)))
+        keys, payloads = run_of(rng.randrange(RUNS))
+        got = tier.get_run(keys)
+        if got is not None:
+            hits += 1
+            wrong += not all(torch.equal(a, b) for a, b in zip(got, payloads))
+        peak = max(peak, on_disk(directory))
+    results.put({"stats": dict(tier.stats), "wrong": wrong, "hits": hits, "peak": peak})
+
+
+def test_processes_sharing_a_directory_keep_one_budget_and_never_read_wrong_bytes(tmp_path):
+    budget = 6 * FILE_BYTES                    # a quarter of the runs fit: eviction all the time
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=hammer, args=(str(tmp_path), seed, budget, 80, results)) for seed in range(3)]
+    for p in procs:
+        p.start()
+    reports = [results.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for report in reports:
+        assert report["wrong"] == 0 and report["hits"] > 0
+        assert report["stats"]["errors"] == 0 and report["stats"]["damaged_removed"] == 0
+        assert report["peak"] <= budget
+    assert sum(r["stats"]["evictions"] for r in reports) > 0
+    assert on_disk(str(tmp_path)) <= budget
+
+
+def test_a_process_finds_what_another_wrote_after_it_started(tmp_path):
+    early = DiskTier(str(tmp_path), 1 << 30, NS, SHAPE, torch.float32)
+    late = DiskTier(str(tmp_path), 1 << 30, NS, SHAPE, torch.float32)
+    keys, payloads = run_of(1)
+    late.put_run(keys, payloads)
+    early.put_run(*run_of(2))                  # a write brings early's index up to date with the directory
+    assert all(torch.equal(a, b) for a, b in zip(early.get_run(keys), payloads))
+
+
+def kvtier_cache(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "cache", *args], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_cache_command_shows_and_clears_under_a_live_tier(tmp_path):
+    tier = DiskTier(str(tmp_path), 1 << 30, NS, SHAPE, torch.float32)
+    for i in range(3):
+        tier.put_run(*run_of(i))
+    info = kvtier_cache("--kv-disk-dir", str(tmp_path))
+    assert f"namespace {NS.hex()[:16]} (float32, blocks of 2x2x4x2x8): 9 blocks in 3 files" in info
+    assert "deleted 3 files" in kvtier_cache("clear", "--kv-disk-dir", str(tmp_path))
+    assert on_disk(str(tmp_path)) == 0
+    keys, payloads = run_of(0)
+    assert tier.get_run(keys) is None and tier.stats["errors"] == 0    # cleared under it: a plain miss
+    tier.put_run(keys, payloads)
+    assert all(torch.equal(a, b) for a, b in zip(tier.get_run(keys), payloads))
+    assert "0 blocks" not in kvtier_cache("info", "--kv-disk-dir", str(tmp_path))
