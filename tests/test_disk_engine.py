@@ -87,3 +87,22 @@ def test_unwritable_disk_dir_degrades_to_compute(tiny_model_dir, tmp_path):
     first, _, _ = run(eng, p)
     again, _, cached = run(eng, p)
     assert again == first and cached == 0
+
+
+@pytest.mark.parametrize("disk_faster", [True, False], ids=["load", "compute"])
+def test_compute_or_load_takes_the_faster_path_with_the_same_tokens(tiny_model_dir, tmp_path, disk_faster):
+    """Controlled rates: a disk tier measured faster than computing is loaded from, one measured slower is not;
+    the tokens are the same either way."""
+    eng = make_engine(tiny_model_dir, tmp_path)
+    p = prompt(150, salt=21)
+    first = run(eng, p)
+    eng = restart(eng, tiny_model_dir, tmp_path)
+    rates = eng.kv.rates
+    rates.observe_prefill = rates.observe_tier = lambda *args: None      # hold the rates where the test puts them
+    rates.prefill_tokens_per_s = 1000.0
+    per_token = rates.bytes_per_token * rates.prefill_tokens_per_s       # computing moves this many bytes/s
+    rates.tier_bytes_per_s["disk"] = per_token * (10 if disk_faster else 0.1)
+    again = run(eng, p)
+    assert again.tokens == first.tokens
+    assert again.cached == (149 if disk_faster else 0)
+    assert eng.stats()["rates"]["computed_instead"] == ({} if disk_faster else {"disk": 1})

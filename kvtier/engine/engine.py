@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 
 import torch
 
@@ -150,6 +151,7 @@ class LLMEngine:
             self._end(self.scheduler.find(state.request_id), "abort")
         self.kv.start_loads([seq.kv for seq in self.scheduler.waiting])
         batch = self.scheduler.schedule()
+        start = time.perf_counter()
         results = self._forward(batch) if batch else []
         outputs = []
         for seq, n, result in zip(batch.seqs, batch.num_tokens, results):
@@ -160,6 +162,8 @@ class LLMEngine:
                     outputs.append(self._output(seq))
             except Exception as e:     # it belongs to this request: fail it alone, the others go on
                 self._fail(seq, e)
+        if any(n > 1 for n in batch.num_tokens):    # a prefill step (sampling synchronized it): the rate of compute
+            self.kv.rates.observe_prefill(sum(batch.num_tokens), time.perf_counter() - start)
         outputs += [self._output(seq) for seq in self._ended]
         self._ended.clear()
         if not batch and not outputs and self.kv.busy:

@@ -4,7 +4,8 @@ block tables. It decides where each block lives; the mover (tiers/mover.py) carr
 The engine talks to it in a few verbs:
 - `new_state` when a request arrives; `start_loads` each step for the waiting ones: a prompt whose
   prefix continues below the device gets device blocks reserved and a load started, and waits in
-  its own state (`state.loading`) while the engine steps everyone else;
+  its own state (`state.loading`) while the engine steps everyone else. A prefix is loaded only
+  from the tiers that move it faster than the engine would compute it (rates.py);
 - `admit` / `reserve` give a scheduled sequence its cached prefix and the blocks its next tokens
   need (paging out first under bounded residency), `chunk` caps a prefill chunk;
 - `commit` after a step: residency bookkeeping (page-outs and page-ins), then every block the
@@ -24,6 +25,7 @@ from kvtier.kv.manifest import ManifestStore
 from kvtier.kv.pager import Pager
 from kvtier.kv.partials import PartialBlocks
 from kvtier.kv.pool import KVPool
+from kvtier.kv.rates import Rates
 from kvtier.kv.state import NOT_RESIDENT, KVState
 from kvtier.kv.tiers.mover import LoadJob, Mover
 from kvtier.kv.tiers.stack import TierStack
@@ -41,6 +43,7 @@ class KVManager:
         self.mover = Mover(pool, stack, manifests) if stack else None
         self.loading: dict[str, KVState] = {}     # loads in flight, by request id
         self.partials = PartialBlocks(pool.namespace, partials_dir)
+        self.rates = Rates(pool.block_bytes // pool.block_size)
         self.num_saving = 0                       # block runs pinned for a copy that has not landed
         self._warned = False
         self.load_counts = [0] * (len(LOAD_BUCKETS) + 1)   # per bucket, the last one is +Inf
@@ -88,7 +91,7 @@ class KVManager:
         limit = self.pager.max_shared_blocks if self.pager else None
         on_device = self.pool.match_prefix(exact[:limit])
         keys = exact[len(on_device):limit]
-        runs = self.stack.lookup(keys)
+        runs = self._worth_loading(self.stack.lookup(keys))
         count = sum(runs.values())
         partial = None if limit is not None else self._partial_in_tiers(state, exact[:len(on_device)] + keys[:count],
                                                                          on_device_too=count == 0)
@@ -111,8 +114,19 @@ class KVManager:
             tier, key, job.partial_tokens = partial
             job.keys.append(key)
             job.blocks.append(blocks[count])
-            state.tier_tokens[tier] += job.partial_tokens
+            state.tier_tokens[tier] = state.tier_tokens.get(tier, 0) + job.partial_tokens
         self._begin_load(state, job)
+
+    def _worth_loading(self, runs: dict[str, int]) -> dict[str, int]:
+        """The tiers' runs up to the first tier that would move its blocks slower than computing them."""
+        kept = {}
+        for tier, n in runs.items():
+            if n and not self.rates.worth_loading(tier):
+                log.info("computing %d cached tokens instead of loading them from the %s tier (%s)",
+                         n * self.block_size, tier, self.rates.stats())
+                break
+            kept[tier] = n
+        return kept
 
     def _partial_in_tiers(self, state: KVState, keys: list[bytes], on_device_too: bool) -> tuple[str, bytes, int] | None:
         """A partial block continuing these full blocks held by a tier: (the tier's name, its key, its tokens to
@@ -373,6 +387,8 @@ class KVManager:
         aborted = []
         for job in events.loaded:
             self._observe_load(job.seconds)
+            for tier, (nbytes, seconds) in job.tier_times.items():
+                self.rates.observe_tier(tier, nbytes, seconds)
             state = self.loading.pop(job.request_id)
             state.loading = False
             if state.aborted:      # cancelled while loading: blocks are free only now
@@ -433,5 +449,5 @@ class KVManager:
     def stats(self) -> dict:
         if not self.stack:
             return {}
-        return {"tiers": self.stack.stats(), "load_buckets": LOAD_BUCKETS, "load_counts": list(self.load_counts),
+        return {"tiers": self.stack.stats(), "rates": self.rates.stats(), "load_buckets": LOAD_BUCKETS, "load_counts": list(self.load_counts),
                 "load_seconds_sum": self.load_seconds_sum, "num_loading": len(self.loading)}

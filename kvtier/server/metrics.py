@@ -111,6 +111,21 @@ class _EngineCollector:
         if "disk" in tiers:
             yield GaugeMetricFamily("kvtier_kv_disk_enabled", "1 while the disk tier serves, 0 while it is "
                                     "disabled (it tries again after a back-off)", value=tiers["disk"]["enabled"])
+        rates = s["rates"]
+        bandwidth = GaugeMetricFamily("kvtier_kv_tier_bandwidth_bytes_per_second", "Measured restore bandwidth of "
+                                      "the tier (read and copy to the device), which compute-or-load weighs",
+                                      labels=["tier"])
+        for tier, value in rates["tier_bytes_per_s"].items():
+            bandwidth.add_metric([tier], value)
+        yield bandwidth
+        if rates["prefill_tokens_per_s"] is not None:
+            yield GaugeMetricFamily("kvtier_prefill_tokens_per_second", "Measured prefill rate, which "
+                                    "compute-or-load weighs", value=rates["prefill_tokens_per_s"])
+        computed = CounterMetricFamily("kvtier_kv_tier_computed_instead", "Cached prefixes computed again because "
+                                       "the tier was measured slower than computing", labels=["tier"])
+        for tier, value in rates["computed_instead"].items():
+            computed.add_metric([tier], value)
+        yield computed
         cumulative, buckets = 0, []
         for le, count in zip((*s["load_buckets"], float("inf")), s["load_counts"]):
             cumulative += count

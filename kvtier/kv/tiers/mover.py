@@ -48,6 +48,7 @@ class LoadJob:
     resident: list[bool] | None = None  # a bounded sequence without a manifest: these blocks go to `blocks`
     manifest: Manifest | None = None    # read, or for `resident` made, by the loader
     partial_tokens: int = 0             # the last key is a partial block's (partials.py): its tokens used
+    tier_times: dict[str, tuple[int, float]] = field(default_factory=dict)   # tier → (bytes, seconds) it took
     ok: bool = False
     seconds: float = 0.0
     bytes: int = 0
@@ -215,31 +216,36 @@ class Mover:
         if reads is None:
             return False
         try:
-            payloads = {key: payload for tier, got in reads for key, payload in got.items()}
+            payloads = {key: payload for tier, got, _ in reads for key, payload in got.items()}
+            start = time.perf_counter()
             with self._on_copy_stream(job.ready):
                 for block, key in zip(job.blocks, wanted):
                     self.pool.block_view(block).copy_(payloads[key], non_blocking=True)
+            copy_s = (time.perf_counter() - start) / max(1, len(wanted))
             job.bytes = len(wanted) * self.pool.block_bytes
+            for tier, got, read_s in reads:      # the copy's time shared out by blocks
+                job.tier_times[tier.name] = (len(got) * self.pool.block_bytes, read_s + copy_s * len(got))
             if job.resident is not None:
                 job.manifest = self._summarized(job.keys, job.resident, payloads)
             self._promote(reads)
         finally:
-            for tier, got in reads:
+            for tier, got, _ in reads:
                 tier.release(list(got))
         return True
 
-    def _read(self, keys: list[bytes]) -> list[tuple[object, dict]] | None:
-        """Each key's payload from the fastest tier holding it: [(tier, {key: payload})], every read to be
-        released; None (everything released) if some key is in no tier."""
+    def _read(self, keys: list[bytes]) -> list[tuple[object, dict, float]] | None:
+        """Each key's payload from the fastest tier holding it: [(tier, {key: payload}, seconds)], every read
+        to be released; None (everything released) if some key is in no tier."""
         reads, missing = [], list(keys)
         for tier in self.stack.tiers:
             here = [key for key in missing if tier.contains(key)]
+            start = time.perf_counter()
             got = tier.read_run(here, self._staging) if here else None
             if got is not None:
-                reads.append((tier, dict(zip(here, got))))
+                reads.append((tier, dict(zip(here, got)), time.perf_counter() - start))
                 missing = [key for key in missing if key not in reads[-1][1]]
         if missing:
-            for tier, got in reads:
+            for tier, got, _ in reads:
                 tier.release(list(got))
             return None
         return reads
@@ -248,7 +254,7 @@ class Mover:
         """The next turn finds what came from below the host tier one tier up."""
         host = self.stack.host
         if host is not None:
-            for tier, got in reads:
+            for tier, got, _ in reads:
                 if tier is not host:
                     host.put_run(list(got), list(got.values()))
 
