@@ -22,6 +22,15 @@ from kvtier.models.loader import BUNDLED_MODEL
 from kvtier.models.tokenizer import Tokenizer
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu need CUDA: skipped (and reported as skipped) without it."""
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
 @pytest.fixture(scope="session")
 def bundled_tokenizer() -> Tokenizer:
     return Tokenizer.load(BUNDLED_MODEL)

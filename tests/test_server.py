@@ -145,9 +145,13 @@ def test_n_choices_share_the_prompt(client, model, http):
              for i in range(2)]
     assert texts[0] == texts[1] and texts[0]                 # greedy choices agree
     assert chunks[-1].usage.completion_tokens == 12
-    # the prompt is computed once: the second choice takes all its full blocks from the first
-    full_blocks = (chunks[-1].usage.prompt_tokens - 1) // 64 * 64
-    assert full_blocks > 0 and scrape(http)["kvtier_cached_prompt_tokens_total"] - before == full_blocks
+    # the prompt is computed once: the second choice takes at least all its full blocks from the first (the rest
+    # of the prompt but its last token too when the first has finished by then and left its partial block); the
+    # first choice may find the chat template's opening tokens kept by an earlier request
+    prompt_tokens = chunks[-1].usage.prompt_tokens
+    full_blocks = (prompt_tokens - 1) // 64 * 64
+    assert full_blocks > 0
+    assert full_blocks <= scrape(http)["kvtier_cached_prompt_tokens_total"] - before <= 2 * (prompt_tokens - 1)
 
 
 def test_concurrent_requests(client, model):

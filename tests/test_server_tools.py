@@ -162,6 +162,8 @@ def test_a_langchain_agent_completes_a_two_tool_loop(agent_server, model):
         messages.append(tools[call["name"]].invoke(call))      # runs the tool: its arguments fit its signature
     assert messages[-1].content and not messages[-1].tool_calls
     assert [m.type for m in messages] == ["human", "ai", "tool", "ai", "tool", "ai"]
-    assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
+    # the first turn shares at most the chat template's opening with earlier requests; each later turn reuses
+    # everything before its new messages
+    assert cached[0] < 64 and all(c > 64 for c in cached[1:]), cached
     finished = [line for line in log.read_text().splitlines() if " prompt tokens (" in line][-3:]
-    assert "none cached" in finished[0] and all("from device" in line for line in finished[1:]), finished
+    assert all("from device" in line for line in finished[1:]), finished

@@ -307,6 +307,8 @@ def measure(args: argparse.Namespace) -> dict:
                     runs[turn["length"]]["file_read"].append(file_read_bandwidth(*probe))
                     read = runs[turn["length"]]["file_read"][-1]
                     print(f"    raw file read right after: {read:.2f} GB/s", flush=True)
+    # the rates compute-or-load weighed, as each tier's engine measured them while serving
+    results["rates"] = {mode: engines[mode].stats()["rates"] for mode in ("host", "disk")}
     for eng in engines.values():
         eng.shutdown()
     os.remove(probe[0])
@@ -379,6 +381,21 @@ def targets(rows: dict, results: dict) -> list[str]:
     return lines
 
 
+def rates_line(rates: dict, bytes_per_token: int) -> str:
+    """What compute-or-load saw: each tier's restore bandwidth against the prefill rate, in bytes of KV."""
+    parts = []
+    for mode, r in rates.items():
+        gbs, tps = r["tier_bytes_per_s"].get(mode), r["prefill_tokens_per_s"]
+        if gbs is None or tps is None:
+            parts.append(f"{mode}: not measured")
+            continue
+        parts.append(f"{mode} tier {gbs / 1e9:.2f} GB/s against prefill {tps:.0f} tokens/s "
+                     f"({tps * bytes_per_token / 1e9:.3f} GB/s of KV): loading at {gbs / (tps * bytes_per_token):.1f}× "
+                     f"the speed of computing, {sum(r['computed_instead'].values())} prefixes computed instead")
+    return ("Compute-or-load, the rates each warm engine measured while serving (moving averages): "
+            + "; ".join(parts) + ".")
+
+
 def layout_line(layout: dict) -> str:
     through, back = layout["write-through"], layout["write-back"]
     return (f"Write-through vs write-back, by the files each leaves: restoring {layout['blocks']} blocks (page cache "
@@ -426,6 +443,8 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
          f"cache dropped, one readinto into a preallocated buffer: {results['file_read_gbs']:.2f} GB/s at the start "
          f"(best of 3); {min(reads):.2f}-{max(reads):.2f} GB/s per row, each row's best read right after its disk "
          f"restores, which is what that row's disk restore is compared with."),
+        "",
+        rates_line(results["rates"], results["bytes_per_token"]),
         "",
         layout_line(results["layout"]),
         "",

@@ -1,0 +1,103 @@
+"""The mover: byte-exact copies both ways (on CUDA through its copy stream), decode that keeps its pace while
+a slow tier loads, and a cancel that waits for the copy in flight."""
+import statistics
+import time
+
+import pytest
+import torch
+from conftest import run_greedy as run
+
+from kvtier.config import Config
+from kvtier.engine.engine import LLMEngine
+from kvtier.engine.sampling_params import SamplingParams
+from kvtier.kv.keys import chain_keys
+from kvtier.kv.pool import KVPool
+from kvtier.kv.tiers.host import HostTier
+from kvtier.kv.tiers.mover import LoadJob, Mover
+from kvtier.kv.tiers.stack import TierStack
+
+BS = 16
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def wait_for(mover: Mover, count: int):
+    events, deadline = [], time.monotonic() + 30
+    while len(events) < count and time.monotonic() < deadline:
+        mover.wait(0.05)
+        polled = mover.poll()
+        events += polled.saved + polled.loaded
+    assert len(events) == count
+    return events
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_run_saved_and_restored_through_the_mover_is_byte_exact(device):
+    pool = KVPool(3, 2, 8, BS, 16 * BS, torch.float32, torch.device(device))
+    pool.kv_cache.normal_()
+    host = HostTier(8 * pool.block_bytes, pool.block_shape, torch.float32, pin_memory=device == "cuda")
+    mover = Mover(pool, TierStack([host]))
+    keys = chain_keys(list(range(5 * BS)), BS, b"ns")
+    before = [pool.read_block(b) for b in (2, 3, 5, 7, 11)]
+    mover.save(keys, [2, 3, 5, 7, 11])
+    wait_for(mover, 1)
+    job = LoadJob("r", keys, [12, 13, 14, 15, 0])
+    mover.load(job)
+    (landed,) = wait_for(mover, 1)
+    assert landed.ok and landed.bytes == 5 * pool.block_bytes
+    assert all(torch.equal(pool.read_block(b), want) for b, want in zip([12, 13, 14, 15, 0], before))
+    mover.shutdown()
+
+
+def stall(engine: LLMEngine, seconds: float) -> None:
+    """Slow every read of the host tier down: a stalled tier."""
+    host = engine.tiers.host
+    read = host.read_run
+    host.read_run = lambda keys, staging=None: (time.sleep(seconds), read(keys, staging))[1]
+
+
+def test_decode_keeps_its_pace_while_a_stalled_tier_loads(tiny_model_dir):
+    eng = LLMEngine(Config(model=tiny_model_dir, block_size=BS, kv_pool_tokens=64 * BS, max_batched_tokens=256,
+                           kv_host_gib=0.01, kv_disk=False, prefix_cache=False))
+    history = [(7 * i) % 800 + 40 for i in range(400)]
+    run(eng, history, max_tokens=1)                  # its blocks land in the host tier
+    eng.add_request("stream", [5, 6, 7, 8], SamplingParams(max_tokens=200, ignore_eos=True))
+    eng.step()                                       # prefilled: decoding from here on
+
+    def timed_steps(n):
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            eng.step()
+            times.append(time.perf_counter() - start)
+        return times
+    alone = timed_steps(20)
+    stall(eng, 1.5)
+    eng.add_request("warm", history + [9], SamplingParams(max_tokens=1))
+    during = []
+    while eng.kv.loading or not during:
+        during += timed_steps(1)
+    assert len(during) >= 10                         # the engine kept stepping while the load was stalled
+    assert statistics.median(during) <= 1.5 * statistics.median(alone) + 0.002
+    while eng.has_unfinished():
+        eng.step()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cancel_during_a_load_frees_the_blocks_once_the_copy_has_landed(tiny_model_dir, device):
+    eng = LLMEngine(Config(model=tiny_model_dir, device=device, block_size=BS, kv_pool_tokens=40 * BS,
+                           max_batched_tokens=64, kv_host_gib=0.01, kv_disk=False, prefix_cache=False))
+    p = [(11 * i) % 800 + 40 for i in range(200)]
+    run(eng, p, max_tokens=1)
+    stall(eng, 0.5)
+    eng.add_request("c", p + [3], SamplingParams(max_tokens=4))
+    eng.step()
+    reserved = list(eng.kv.loading["c"].block_table)
+    eng.abort_request("c")
+    eng.step()
+    assert "c" in eng.kv.loading and all(eng.pool.ref_counts[b] > 0 for b in reserved)   # the copy is in flight
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("c", "abort")]
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks
+    eng.shutdown()
