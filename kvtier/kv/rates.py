@@ -11,6 +11,9 @@ from __future__ import annotations
 
 SMOOTHING = 0.3       # weight of the newest measurement
 EXPLORE_EVERY = 16
+# A restore replaces the prefill of a long prefix, which runs in long chunks: steps with fewer prompt tokens
+# (the suffix after a restore, a short question) run at a lower rate and would make computing look slower.
+MIN_PREFILL_TOKENS = 256
 
 
 class Rates:
@@ -26,7 +29,7 @@ class Rates:
             self.tier_bytes_per_s[tier] = _smoothed(self.tier_bytes_per_s.get(tier), nbytes / seconds)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens and seconds > 0:
+        if tokens >= MIN_PREFILL_TOKENS and seconds > 0:
             self.prefill_tokens_per_s = _smoothed(self.prefill_tokens_per_s, tokens / seconds)
 
     def worth_loading(self, tier: str) -> bool:
