@@ -128,8 +128,8 @@ def recall_chat(tokenizer, length: int, key: int, where: float) -> list[dict]:
 
 def engine(args: argparse.Namespace, pool_tokens: int, budget: int | None, policy: str | None) -> LLMEngine:
     eng = LLMEngine(Config(model=args.model, num_threads=args.threads, kv_pool_tokens=pool_tokens,
-                           **device_settings(args), block_size=BOUNDED_BLOCK_SIZE, prefix_cache=False, kv_disk_dir=args.kv_dir,
-                           kv_disk_gib=64.0, kv_host_gib=4.0, kv_resident_tokens=budget,
+                           **device_settings(args), block_size=BOUNDED_BLOCK_SIZE, prefix_cache=False,
+                           kv_disk_dir=args.kv_dir, kv_disk_gib=64.0, kv_host_gib=4.0, kv_resident_tokens=budget,
                            kv_policy=policy or Config.kv_policy))
     # a first request below one block: later timings pay no first-call costs
     ask(eng, "warm-up", eng.tokenizer.encode(" ".join(FILLER))[:40], max_tokens=3)

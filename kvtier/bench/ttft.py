@@ -389,9 +389,10 @@ def rates_line(rates: dict, bytes_per_token: int) -> str:
         if gbs is None or tps is None:
             parts.append(f"{mode}: not measured")
             continue
-        parts.append(f"{mode} tier {gbs / 1e9:.2f} GB/s against prefill {tps:.0f} tokens/s "
-                     f"({tps * bytes_per_token / 1e9:.3f} GB/s of KV): loading at {gbs / (tps * bytes_per_token):.1f}× "
-                     f"the speed of computing, {sum(r['computed_instead'].values())} prefixes computed instead")
+        compute_gbs = tps * bytes_per_token / 1e9
+        parts.append(f"{mode} tier {gbs / 1e9:.2f} GB/s against prefill {tps:.0f} tokens/s ({compute_gbs:.3f} GB/s "
+                     f"of KV): loading at {gbs / 1e9 / compute_gbs:.1f}× the speed of computing, "
+                     f"{sum(r['computed_instead'].values())} prefixes computed instead")
     return ("Compute-or-load, the rates each warm engine measured while serving (moving averages): "
             + "; ".join(parts) + ".")
 

@@ -128,7 +128,8 @@ class KVManager:
             kept[tier] = n
         return kept
 
-    def _partial_in_tiers(self, state: KVState, keys: list[bytes], on_device_too: bool) -> tuple[str, bytes, int] | None:
+    def _partial_in_tiers(self, state: KVState, keys: list[bytes],
+                          on_device_too: bool) -> tuple[str, bytes, int] | None:
         """A partial block continuing these full blocks held by a tier: (the tier's name, its key, its tokens to
         use). None where on_device_too and the device has it: admission copies it there, without a load."""
         hit = self._partial_after(state, keys)
@@ -449,5 +450,6 @@ class KVManager:
     def stats(self) -> dict:
         if not self.stack:
             return {}
-        return {"tiers": self.stack.stats(), "rates": self.rates.stats(), "load_buckets": LOAD_BUCKETS, "load_counts": list(self.load_counts),
-                "load_seconds_sum": self.load_seconds_sum, "num_loading": len(self.loading)}
+        return {"tiers": self.stack.stats(), "rates": self.rates.stats(), "load_buckets": LOAD_BUCKETS,
+                "load_counts": list(self.load_counts), "load_seconds_sum": self.load_seconds_sum,
+                "num_loading": len(self.loading)}

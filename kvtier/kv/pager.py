@@ -137,8 +137,8 @@ class Pager:
         """Blocks a new sequence may take from a prefix cache: its first chunk must still fit the budget."""
         return self.budget_blocks - self.tail_blocks
 
-    def namespace_for(self, seq, block: int) -> bytes:
-        bounded = seq.residency.bounded_from
+    def namespace_for(self, state, block: int) -> bytes:
+        bounded = state.residency.bounded_from
         if bounded is not None and (block + 1) * self.pool.block_size > bounded:
             return self.bounded_namespace
         return self.exact_namespace
@@ -149,14 +149,14 @@ class Pager:
 
     # --- manifests -------------------------------------------------------------------------------
 
-    def manifest(self, seq) -> Manifest:
-        res = seq.residency
-        self.sealed(seq)                  # brings the summaries up to date
+    def manifest(self, state) -> Manifest:
+        res = state.residency
+        self.sealed(state)                  # brings the summaries up to date
         scores = res.ledger if res.ledger is not None else torch.zeros(len(res.summaries))
         tensors = {**{name: getattr(res.summaries, name).clone() for name in SUMMARIES}, "scores": scores}
         if res.queries is not None:
             tensors["queries"] = res.queries
-        return Manifest(list(seq.block_keys), [b != NOT_RESIDENT for b in seq.block_table[:len(seq.block_keys)]],
+        return Manifest(list(state.block_keys), [b != NOT_RESIDENT for b in state.block_table[:len(state.block_keys)]],
                         list(res.stamps), res.decoded_since_reselect, list(res.pins), tensors, res.bounded_from)
 
     def restore(self, state, manifest: Manifest) -> None:
@@ -178,98 +178,98 @@ class Pager:
 
     # --- scheduling ------------------------------------------------------------------------------
 
-    def limit_chunk(self, seq, num_computed: int, n: int) -> int:
+    def limit_chunk(self, state, num_computed: int, n: int) -> int:
         bs = self.pool.block_size
         edge = self.budget_blocks * bs
         if num_computed < edge:                   # exact so far: run up to the edge of the budget
             return min(n, edge - num_computed)
         # beyond it, every block the chunk writes is resident beside the sink and the pinned blocks
-        held = len(self._pinned_blocks(seq.residency) | set(range(self.sink_blocks)))
+        held = len(self._pinned_blocks(state.residency) | set(range(self.sink_blocks)))
         return min(n, (num_computed // bs + self.budget_blocks - held) * bs - num_computed)
 
-    def victims(self, seq, end: int) -> list[int]:
+    def victims(self, state, end: int) -> list[int]:
         """The blocks to page out so that the sequence stays in budget once it holds tokens 0 .. end-1."""
         num_blocks = self.pool.blocks_for(end)
-        resident = self._resident(seq)
-        over = len(resident) + max(0, num_blocks - len(seq.block_table)) - self.budget_blocks
+        resident = self._resident(state)
+        over = len(resident) + max(0, num_blocks - len(state.block_table)) - self.budget_blocks
         if over <= 0:
             return []
-        protected = self._protected(seq.residency, num_blocks)
-        candidates = [i for i in resident if i not in protected and i < len(seq.block_keys)]
+        protected = self._protected(state.residency, num_blocks)
+        candidates = [i for i in resident if i not in protected and i < len(state.block_keys)]
         if len(candidates) < over:
             raise RuntimeError(f"{len(candidates)} evictable blocks, {over} needed: the budget checks failed")
-        scores = self._scores(seq)
+        scores = self._scores(state)
         return sorted(candidates, key=lambda i: scores[i])[:over]
 
     # --- after a step ----------------------------------------------------------------------------
 
-    def sealed(self, seq) -> None:
+    def sealed(self, state) -> None:
         """Summarize the sequence's sealed blocks that have no key summary yet: just computed, or taken
         from a prefix cache (read from the device, kept on the device)."""
-        bs, res = self.pool.block_size, seq.residency
-        if len(res.summaries) == len(seq.block_keys):
+        bs, res = self.pool.block_size, state.residency
+        if len(res.summaries) == len(state.block_keys):
             return
-        for i in range(len(res.summaries), len(seq.block_keys)):
-            physical = seq.block_table[i]
+        for i in range(len(res.summaries), len(state.block_keys)):
+            physical = state.block_table[i]
             res.summaries.add(self.pool.kv_cache[0, :, physical * bs:(physical + 1) * bs])
             res.stamps.append(self._next_tick())
-        self._note_peak(seq)
+        self._note_peak(state)
 
-    def after_step(self, seq, queries: torch.Tensor | None, num_computed: int, prompt_done: bool,
+    def after_step(self, state, queries: torch.Tensor | None, num_computed: int, prompt_done: bool,
                    decoded: bool) -> tuple[list[int], list[int]]:
         """Keep the step's queries; when a reselection is due, the blocks to page out and to page in."""
-        res = seq.residency
+        res = state.residency
         if queries is not None:
             res.queries = queries
-        if not self._is_over(seq):
+        if not self._is_over(state):
             return [], []
         if decoded and res.bounded_from is None:
             res.bounded_from = num_computed - 1
         if not (decoded or prompt_done):
             return [], []
         start = time.perf_counter()
-        scores = self._scores(seq)
+        scores = self._scores(state)
         if self.policy != "lru":
             res.ledger = scores
         self.stats["reselect_seconds"] += time.perf_counter() - start
         if prompt_done and not res.prompt_reselected:
             res.prompt_reselected = True
-            return self.reselect(seq, scores)
+            return self.reselect(state, scores)
         # a restored continuation's one-token prompt is its next decode step
         res.decoded_since_reselect += 1
-        if res.decoded_since_reselect >= self.reselect_every or self._query_shifted(seq, scores):
+        if res.decoded_since_reselect >= self.reselect_every or self._query_shifted(state, scores):
             res.decoded_since_reselect = 0
-            return self.reselect(seq, scores)
+            return self.reselect(state, scores)
         return [], []
 
-    def reselect(self, seq, scores: torch.Tensor) -> tuple[list[int], list[int]]:
+    def reselect(self, state, scores: torch.Tensor) -> tuple[list[int], list[int]]:
         """Resident set := protected blocks + the best-scoring others: (losers to page out, winners to page in)."""
         start = time.perf_counter()
-        res = seq.residency
-        num_blocks = len(seq.block_table)
+        res = state.residency
+        num_blocks = len(state.block_table)
         # blocks a prompt chunk has just filled are sealed after this: they stay, like the tail
-        protected = self._protected(res, num_blocks) | set(range(len(seq.block_keys), num_blocks))
+        protected = self._protected(res, num_blocks) | set(range(len(state.block_keys), num_blocks))
         room = self.budget_blocks - len(protected & set(range(num_blocks)))
-        candidates = [i for i in range(len(seq.block_keys)) if i not in protected]
+        candidates = [i for i in range(len(state.block_keys)) if i not in protected]
         winners = set(sorted(candidates, key=lambda i: scores[i], reverse=True)[:room])
         self.stats["reselects"] += 1
         self.stats["reselect_seconds"] += time.perf_counter() - start
-        return ([i for i in candidates if i not in winners and seq.block_table[i] != NOT_RESIDENT],
-                [i for i in sorted(winners) if seq.block_table[i] == NOT_RESIDENT])
+        return ([i for i in candidates if i not in winners and state.block_table[i] != NOT_RESIDENT],
+                [i for i in sorted(winners) if state.block_table[i] == NOT_RESIDENT])
 
-    def release(self, seq) -> None:
+    def release(self, state) -> None:
         """The sequence is gone or starts over (its host copies unpinned by the manager): give back its
         promised room in the host tier and forget its ledger."""
-        res = seq.residency
+        res = state.residency
         self.host_reserved -= res.host_reserved
-        seq.residency = Residency(pins=res.pins)
+        state.residency = Residency(pins=res.pins)
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _scores(self, seq) -> torch.Tensor:
+    def _scores(self, state) -> torch.Tensor:
         """One score per sealed block, higher is better."""
-        self.sealed(seq)
-        res = seq.residency
+        self.sealed(state)
+        res = state.residency
         if self.policy == "lru" or res.queries is None or not len(res.summaries):
             return torch.tensor(res.stamps, dtype=torch.float32)   # recency
         shares = attention_share(self.policy, res.summaries, res.queries, self.scale).cpu()
@@ -281,26 +281,26 @@ class Pager:
             shares = torch.maximum(shares, LEDGER_DECAY * past)
         return shares
 
-    def _query_shifted(self, seq, scores: torch.Tensor) -> bool:
+    def _query_shifted(self, state, scores: torch.Tensor) -> bool:
         if self.policy == "lru":      # recency scores say nothing about the queries
             return False
-        paged_out = [i for i in range(len(scores)) if seq.block_table[i] == NOT_RESIDENT]
+        paged_out = [i for i in range(len(scores)) if state.block_table[i] == NOT_RESIDENT]
         return bool(paged_out) and float(scores[paged_out].max()) >= SHIFT_SHARE
 
-    def placed(self, seq, i: int) -> None:
+    def placed(self, state, i: int) -> None:
         """Block i has just been paged in."""
-        seq.residency.stamps[i] = self._next_tick()
-        self._note_peak(seq)
+        state.residency.stamps[i] = self._next_tick()
+        self._note_peak(state)
 
-    def _note_peak(self, seq) -> None:
+    def _note_peak(self, state) -> None:
         """Residency grows only when blocks seal or are paged in: the peak is seen by calling this then."""
-        self.stats["max_resident_blocks"] = max(self.stats["max_resident_blocks"], len(self._resident(seq)))
+        self.stats["max_resident_blocks"] = max(self.stats["max_resident_blocks"], len(self._resident(state)))
 
-    def _resident(self, seq) -> list[int]:
-        return [i for i, b in enumerate(seq.block_table) if b != NOT_RESIDENT]
+    def _resident(self, state) -> list[int]:
+        return [i for i, b in enumerate(state.block_table) if b != NOT_RESIDENT]
 
-    def _is_over(self, seq) -> bool:
-        return len(seq.block_table) > self.budget_blocks
+    def _is_over(self, state) -> bool:
+        return len(state.block_table) > self.budget_blocks
 
     def _pinned_blocks(self, res: Residency) -> set[int]:
         bs = self.pool.block_size
