@@ -55,17 +55,23 @@ def hammer(directory: str, seed: int, budget: int, rounds: int, results) -> None
     results.put({"stats": dict(tier.stats), "wrong": wrong, "hits": hits, "peak": peak})
 
 
-def test_processes_sharing_a_directory_keep_one_budget_and_never_read_wrong_bytes(tmp_path):
-    budget = 6 * FILE_BYTES                    # a quarter of the runs fit: eviction all the time
+def in_processes(target, args_per_process: list[tuple]) -> list[dict]:
+    """Run target(*args, results) in one spawned process per args; what each put on results."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=hammer, args=(str(tmp_path), seed, budget, 80, results)) for seed in range(3)]
+    procs = [ctx.Process(target=target, args=(*args, results)) for args in args_per_process]
     for p in procs:
         p.start()
     reports = [results.get(timeout=180) for _ in procs]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
+    return reports
+
+
+def test_processes_sharing_a_directory_keep_one_budget_and_never_read_wrong_bytes(tmp_path):
+    budget = 6 * FILE_BYTES                    # a quarter of the runs fit: eviction all the time
+    reports = in_processes(hammer, [(str(tmp_path), seed, budget, 80) for seed in range(3)])
     for report in reports:
         assert report["wrong"] == 0 and report["hits"] > 0
         assert report["stats"]["errors"] == 0 and report["stats"]["damaged_removed"] == 0
@@ -132,16 +138,7 @@ def test_engines_in_two_processes_share_a_directory_under_load_and_answer_as_col
     cold = LLMEngine(Config(model=tiny_model_dir, block_size=16, kv_pool_tokens=64 * 16, max_batched_tokens=64,
                             prefix_cache=False, kv_host_gib=0, kv_disk=False))
     want = [run_greedy(cold, p, max_tokens=4, logprobs=None).tokens for p in prompts]
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=serve_prompts, args=(tiny_model_dir, str(tmp_path), prompts, seed, results))
-             for seed in range(2)]
-    for p in procs:
-        p.start()
-    reports = [results.get(timeout=180) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    reports = in_processes(serve_prompts, [(tiny_model_dir, str(tmp_path), prompts, seed) for seed in range(2)])
     for report in reports:
         assert report["answers"] == dict(enumerate(want))
         assert report["disk"]["errors"] == 0 and report["disk"]["damaged_removed"] == 0

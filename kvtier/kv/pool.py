@@ -97,15 +97,11 @@ class KVPool:
         for block in blocks:
             self.ref_counts[block] += 1
 
-    def read_blocks(self, blocks: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """The blocks' payloads, one gather on the device and one copy: [n, 2, num_layers, block_size,
-        num_kv_heads, head_dim], into `out` (pinned host memory, for an asynchronous copy) or a new CPU tensor."""
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """CPU copies of the blocks' payloads, one gather on the device and one copy: [n, 2, num_layers,
+        block_size, num_kv_heads, head_dim]."""
         index = torch.tensor(blocks, dtype=torch.long, device=self.kv_cache.device)
-        gathered = self._blocked().index_select(2, index).movedim(2, 0)
-        if out is None:
-            return gathered.to("cpu", copy=True).contiguous()
-        out.copy_(gathered, non_blocking=True)
-        return out
+        return self._blocked().index_select(2, index).movedim(2, 0).to("cpu", copy=True).contiguous()
 
     def read_block(self, block: int) -> torch.Tensor:
         """A CPU copy of the block's payload, shaped [2, num_layers, block_size, num_kv_heads, head_dim]."""

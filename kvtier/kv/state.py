@@ -25,7 +25,3 @@ class KVState:
     admitted: bool = False                  # admitted once: a preempted sequence keeps its first cache report
     num_cached_tokens: int = 0              # prompt tokens served from a cache
     tier_tokens: dict[str, int] = field(default_factory=dict)   # of those, how many came from which tier
-
-    @property
-    def num_resident(self) -> int:
-        return sum(b != NOT_RESIDENT for b in self.block_table)
