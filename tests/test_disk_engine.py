@@ -1,6 +1,7 @@
 """Disk tier through the engine: restart hits, prefixes spanning tiers, damaged files, foreign namespaces."""
 import logging
 import pathlib
+import time
 
 import pytest
 from conftest import max_logit_diff
@@ -8,6 +9,7 @@ from conftest import run_greedy as run
 
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
+from kvtier.engine.sampling_params import SamplingParams
 
 BS = 16
 
@@ -89,20 +91,95 @@ def test_unwritable_disk_dir_degrades_to_compute(tiny_model_dir, tmp_path):
     assert again == first and cached == 0
 
 
-@pytest.mark.parametrize("disk_faster", [True, False], ids=["load", "compute"])
-def test_compute_or_load_takes_the_faster_path_with_the_same_tokens(tiny_model_dir, tmp_path, disk_faster):
-    """Controlled rates: a disk tier measured faster than computing is loaded from, one measured slower is not;
-    the tokens are the same either way."""
+def hold_rates(eng, disk_speed):
+    """Hold the rates where the test puts them: computing at 1000 tokens/s, the disk `disk_speed` times as fast."""
+    rates = eng.kv.rates
+    rates.observe_prefill = rates.observe_tier = lambda *args: None
+    rates.prefill_tokens_per_s = 1000.0
+    rates.tier_bytes_per_s["disk"] = rates.bytes_per_token * rates.prefill_tokens_per_s * disk_speed
+
+
+# 150 tokens: 9 full blocks and a partial one below the device. At the same speed as computing, the front 4 are
+# computed while the other 5 and the partial one load (5 blocks' time either way); at 0.1× even the last block
+# loads slower than computing all 9.
+@pytest.mark.parametrize("disk_speed, cached, computed", [(10, 149, {}), (1, 149 - 4 * BS, {"disk": 4 * BS}),
+                                                          (0.1, 0, {"disk": 9 * BS})], ids=["load", "both", "compute"])
+def test_compute_or_load_takes_the_faster_path_with_the_same_tokens(tiny_model_dir, tmp_path, disk_speed, cached,
+                                                                     computed):
     eng = make_engine(tiny_model_dir, tmp_path)
     p = prompt(150, salt=21)
     first = run(eng, p)
     eng = restart(eng, tiny_model_dir, tmp_path)
-    rates = eng.kv.rates
-    rates.observe_prefill = rates.observe_tier = lambda *args: None      # hold the rates where the test puts them
-    rates.prefill_tokens_per_s = 1000.0
-    per_token = rates.bytes_per_token * rates.prefill_tokens_per_s       # computing moves this many bytes/s
-    rates.tier_bytes_per_s["disk"] = per_token * (10 if disk_faster else 0.1)
+    hold_rates(eng, disk_speed)
     again = run(eng, p)
-    assert again.tokens == first.tokens
-    assert again.cached == (149 if disk_faster else 0)
-    assert eng.stats()["rates"]["computed_instead"] == ({} if disk_faster else {"disk": 1})
+    assert again.tokens == first.tokens and max_logit_diff(first, again) < 1e-4
+    assert again.cached == cached
+    assert eng.stats()["rates"]["computed_instead"] == computed
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks
+
+
+def stall_disk(eng, seconds):
+    disk = eng.tiers.disk
+    read = disk.read_run
+    disk.read_run = lambda keys, staging=None: (time.sleep(seconds), read(keys, staging))[1]
+
+
+def test_the_front_is_computed_while_the_back_loads(tiny_model_dir, tmp_path):
+    """A request computing its front runs beside its load, waits at the loaded blocks until they land, then goes
+    on after them."""
+    eng = make_engine(tiny_model_dir, tmp_path)
+    p = prompt(150, salt=22)
+    first = run(eng, p)
+    eng = restart(eng, tiny_model_dir, tmp_path)
+    hold_rates(eng, 1)
+    stall_disk(eng, 0.5)
+    eng.add_request("r", p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    computed_while_loading, tokens = 0, []
+    while eng.kv.loading or not computed_while_loading:
+        tokens += [t for out in eng.step() for t in out.new_token_ids]
+        seq = eng.scheduler.find("r")
+        if eng.kv.loading:
+            computed_while_loading = seq.num_computed_tokens
+            assert seq.num_computed_tokens <= seq.kv.load_from      # never past the blocks still loading
+    assert computed_while_loading == 4 * BS
+    while eng.has_unfinished():
+        tokens += [t for out in eng.step() for t in out.new_token_ids]
+    assert tokens == first.tokens
+
+
+def test_a_missed_load_while_computing_the_front_computes_the_rest(tiny_model_dir, tmp_path):
+    eng = make_engine(tiny_model_dir, tmp_path)
+    p = prompt(150, salt=23)
+    first = run(eng, p)
+    eng.shutdown()
+    for f in pathlib.Path(tmp_path).rglob("*.kvb"):      # every block's payload damaged: the load of the back misses
+        data = bytearray(f.read_bytes())
+        data[-100] ^= 0xFF
+        f.write_bytes(bytes(data))
+    eng = make_engine(tiny_model_dir, tmp_path)
+    hold_rates(eng, 1)
+    again = run(eng, p)
+    assert again.tokens == first.tokens and again.cached == 0
+    assert eng.stats()["rates"]["computed_instead"] == {"disk": 4 * BS}
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks
+
+
+def test_abort_while_computing_the_front_frees_the_blocks_once_the_copy_lands(tiny_model_dir, tmp_path):
+    eng = make_engine(tiny_model_dir, tmp_path)
+    p = prompt(150, salt=24)
+    run(eng, p)
+    eng = restart(eng, tiny_model_dir, tmp_path)
+    hold_rates(eng, 1)
+    stall_disk(eng, 0.5)
+    eng.add_request("r", p, SamplingParams(max_tokens=6))
+    eng.step()
+    assert eng.scheduler.find("r").num_computed_tokens == 4 * BS and eng.kv.loading
+    eng.abort_request("r")
+    eng.step()
+    reserved = eng.kv.loading["r"].block_table
+    assert all(eng.pool.ref_counts[b] > 0 for b in reserved)     # the copy is in flight: nothing freed yet
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("r", "abort")]
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks

@@ -392,7 +392,7 @@ def rates_line(rates: dict, bytes_per_token: int) -> str:
         compute_gbs = tps * bytes_per_token / 1e9
         parts.append(f"{mode} tier {gbs / 1e9:.2f} GB/s against prefill {tps:.0f} tokens/s ({compute_gbs:.3f} GB/s "
                      f"of KV): loading at {gbs / 1e9 / compute_gbs:.1f}× the speed of computing, "
-                     f"{sum(r['computed_instead'].values())} prefixes computed instead")
+                     f"{sum(r['computed_instead'].values())} cached tokens computed instead")
     return ("Compute-or-load, the rates each warm engine measured while serving (moving averages): "
             + "; ".join(parts) + ".")
 

@@ -148,7 +148,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         for state in self.kv.poll():       # loads aborted meanwhile, now released
-            self._end(self.scheduler.find(state.request_id), "abort")
+            seq = self.scheduler.find(state.request_id)
+            if seq is not None:       # not failed meanwhile
+                self._end(seq, "abort")
         self.kv.start_loads([seq.kv for seq in self.scheduler.waiting])
         batch = self.scheduler.schedule()
         start = time.perf_counter()

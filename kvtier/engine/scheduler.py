@@ -2,7 +2,8 @@
 
 Each step: running decodes first (one token each, oldest first), then prefill chunks of
 running sequences, then new admissions while budget, sequence slots and free blocks last.
-A waiting sequence whose prefix is loading from a lower tier is passed over until it lands.
+A waiting sequence whose prefix is loading from a lower tier is passed over until it lands,
+unless it computes its front meanwhile (then it runs up to the loading blocks and waits there).
 When the pool runs dry, the newest unscheduled running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later. Where blocks
 come from and go to is the KV manager's business (kv/manager.py); this decides who runs.
@@ -62,14 +63,17 @@ class Scheduler:
         for seq in prefilling:
             if budget == 0:
                 break
+            seq.num_computed_tokens = self.kv.take_landed(seq.kv, seq.num_computed_tokens)
             n = self.kv.chunk(seq.kv, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
+            if n == 0:      # waiting for its loading blocks
+                continue
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, n, batch):
                 batch.add(seq, n)
                 budget -= n
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs or batch.preempted:
                 break
-            if seq.kv.loading:
+            if seq.kv.waits_for_load:
                 continue
             admitted = self.kv.admit(seq.kv, budget)
             if admitted is None:
@@ -86,7 +90,8 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Give seq blocks for n more tokens, preempting newer unscheduled sequences if needed."""
         while not self.kv.reserve(seq.kv, seq.num_computed_tokens + n):
-            victims = [s for s in self.running if s.arrival > seq.arrival and s not in batch.seqs]
+            victims = [s for s in self.running if s.arrival > seq.arrival and s not in batch.seqs
+                       and not s.kv.loading]     # never blocks a copy is writing into
             if not victims:
                 return False
             self._preempt(victims[-1], batch)

@@ -17,6 +17,7 @@ The engine talks to it in a few verbs:
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 
@@ -88,45 +89,42 @@ class KVManager:
             self._start_prefix_load(state, exact)
 
     def _start_prefix_load(self, state: KVState, exact: list[bytes]) -> None:
-        limit = self.pager.max_shared_blocks if self.pager else None
+        bs, limit = self.block_size, self.pager.max_shared_blocks if self.pager else None
         on_device = self.pool.match_prefix(exact[:limit])
         keys = exact[len(on_device):limit]
-        runs = self._worth_loading(self.stack.lookup(keys))
-        count = sum(runs.values())
-        partial = None if limit is not None else self._partial_in_tiers(state, exact[:len(on_device)] + keys[:count],
-                                                                         on_device_too=count == 0)
+        tiers = [tier for tier, n in self.stack.lookup(keys).items() for _ in range(n)]     # each block's tier
+        count, front = len(tiers), self.rates.blocks_to_compute(tiers, bs)
+        if limit is not None and front:      # a bounded sequence's restore is all or nothing
+            front = count
+        partial = None
+        if limit is None and (front < count or count == 0):
+            partial = self._partial_in_tiers(state, exact[:len(on_device)] + keys[:count], on_device_too=count == 0)
         # reserve blocks for the whole prompt, so that a restored request never waits for more
         # blocks while holding some (two such requests could otherwise starve each other)
         need = self.pool.blocks_for(len(state.token_ids))
         if limit is not None:     # bounded residency: never more than the budget
             need = min(need, self.pager.budget_blocks)
         need -= len(on_device)
-        if (count == 0 and partial is None) or not self.pool.can_allocate(need):
+        if (front == count and partial is None) or not self.pool.can_allocate(need):
             self.pool.free(on_device)     # admission matches the device part again
             return
+        if front:
+            log.info("computing %d cached tokens while the next %d load (%s)", front * bs, (count - front) * bs,
+                     self.rates.stats())
         blocks = self.pool.allocate(need)
         state.block_table = on_device + blocks
         state.block_keys = exact[:len(on_device)]
-        state.tier_tokens = {"device": len(on_device) * self.block_size,
-                             **{name: n * self.block_size for name, n in runs.items()}}
-        job = LoadJob(state.request_id, keys[:count], blocks[:count])
+        state.load_from, state.compute_first = (len(on_device) + front) * bs, front > 0
+        state.num_cached_tokens = len(on_device) * bs
+        state.tier_tokens = {"device": len(on_device) * bs,
+                             **{name: n * bs for name, n in Counter(tiers[front:]).items()}}
+        job = LoadJob(state.request_id, keys[front:count], blocks[front:count])
         if partial is not None:
             tier, key, job.partial_tokens = partial
             job.keys.append(key)
             job.blocks.append(blocks[count])
             state.tier_tokens[tier] = state.tier_tokens.get(tier, 0) + job.partial_tokens
         self._begin_load(state, job)
-
-    def _worth_loading(self, runs: dict[str, int]) -> dict[str, int]:
-        """The tiers' runs up to the first tier that would move its blocks slower than computing them."""
-        kept = {}
-        for tier, n in runs.items():
-            if n and not self.rates.worth_loading(tier):
-                log.info("computing %d cached tokens instead of loading them from the %s tier (%s)",
-                         n * self.block_size, tier, self.rates.stats())
-                break
-            kept[tier] = n
-        return kept
 
     def _partial_in_tiers(self, state: KVState, keys: list[bytes],
                           on_device_too: bool) -> tuple[str, bytes, int] | None:
@@ -206,14 +204,15 @@ class KVManager:
         (tokens already computed, tokens to compute now), or None (it keeps waiting) when they do not fit."""
         if state.residency and not self.pager.reserve_host(state):
             return None     # its paged-out blocks would pass the host budget: wait for running sequences to end
-        if state.restored:      # a load landed: the table already holds the prefix
-            cached, keys, start = [], state.block_keys, state.restored
+        if state.block_table:     # a load reserved its blocks: it landed, or this computes the front meanwhile
+            cached, keys = [], state.block_keys
+            start = len(keys) * self.block_size if state.compute_first else state.restored
         else:
             limit = self.pager.max_shared_blocks if self.pager else None
             cached = self.pool.match_prefix(self.prompt_keys(state)[:limit])
             keys, start = state.prompt_keys[:len(cached)], len(cached) * self.block_size
-        # a restored table already has a block reserved where the copy would go: its load brought any partial
-        copied = None if state.residency or state.restored else self._partial_on_device(state, keys)
+        # a loaded table already has a block reserved where the copy would go: its load brought any partial
+        copied = None if state.residency or state.block_table else self._partial_on_device(state, keys)
         if copied is not None:
             cached.append(copied[0])
             start += copied[1]
@@ -227,7 +226,8 @@ class KVManager:
             return None
         state.block_table = held + self.pool.allocate(need)
         state.block_keys = keys
-        state.restored = 0
+        if not state.compute_first:      # one computing first takes its landed blocks up at load_from
+            state.restored = 0
         if cached and not state.admitted:     # a preempted sequence keeps its first report
             state.tier_tokens = {**state.tier_tokens, "device": start - state.num_cached_tokens}
             state.num_cached_tokens = start
@@ -235,8 +235,22 @@ class KVManager:
         return start, n
 
     def chunk(self, state: KVState, start: int, n: int) -> int:
-        """At most n tokens from `start` in one step: under bounded residency, what the budget holds."""
+        """At most n tokens from `start` in one step: under bounded residency, what the budget holds; computing
+        first, none past the blocks that are loading (0 while it waits for them or was aborted meanwhile)."""
+        if state.aborted:
+            return 0
+        if state.compute_first:
+            return max(0, min(n, state.load_from - start))
         return self.pager.limit_chunk(state, start, n) if state.residency else n
+
+    def take_landed(self, state: KVState, num_computed: int) -> int:
+        """A sequence that computed its front while the rest of its prefix loaded: once both are done, its
+        loaded blocks join its table's keys and it goes on after them. Returns its computed tokens."""
+        if state.compute_first and not state.loading and num_computed == state.load_from:
+            state.block_keys += state.landed_keys
+            num_computed = state.num_computed = state.restored
+            state.compute_first, state.landed_keys, state.restored = False, [], 0
+        return num_computed
 
     def reserve(self, state: KVState, end: int) -> bool:
         """Blocks for tokens up to `end` (paging out first under bounded residency); False if the pool is short."""
@@ -326,13 +340,18 @@ class KVManager:
     # --- the end of a request --------------------------------------------------------------------
 
     def release(self, state: KVState) -> None:
-        """Give back everything the sequence holds; it may be admitted again (preemption)."""
+        """Give back everything the sequence holds; it may be admitted again (preemption). One computing first
+        while a copy into its blocks is in flight gives them back once it lands (`poll`)."""
+        if state.loading:
+            state.aborted = True
+            return
         if state.residency:
             for i in state.residency.offloaded:
                 self.stack.host.unpin(state.block_keys[i])
             self.pager.release(state)
         self.pool.free([b for b in state.block_table if b != NOT_RESIDENT])
         state.block_table, state.restored, state.looked_up = [], 0, False
+        state.compute_first, state.landed_keys = False, []
 
     def finish(self, state: KVState) -> None:
         """A finished sequence: an exact one leaves its last, partly filled block for a next turn; a bounded one
@@ -401,17 +420,27 @@ class KVManager:
                 full = len(job.keys) - bool(job.partial_tokens)    # a partial block's copy is the sequence's own
                 for block, key in zip(job.blocks[:full], job.keys[:full]):
                     self.pool.seal(block, key)
-                state.block_keys += job.keys[:full]
-                state.restored = len(state.block_keys) * self.block_size + job.partial_tokens
-                state.num_cached_tokens = state.restored
+                if state.compute_first:
+                    state.landed_keys = job.keys[:full]
+                else:
+                    state.block_keys += job.keys[:full]
+                state.restored = state.load_from + full * self.block_size + job.partial_tokens
+                state.num_cached_tokens = state.tier_tokens["device"] + state.restored - state.load_from
+            elif state.compute_first:      # it computes the rest too, into the blocks it holds
+                self._warn_missed()
+                state.compute_first = False
+                state.tier_tokens = {"device": state.tier_tokens["device"]}
             else:
                 self._missed(state, retry=job.manifest_key is not None)
         return aborted
 
-    def _missed(self, state: KVState, retry: bool) -> None:
+    def _warn_missed(self) -> None:
         if not self._warned:
             log.warning("a cached prefix could not be restored (damaged or evicted); recomputing it")
             self._warned = True
+
+    def _missed(self, state: KVState, retry: bool) -> None:
+        self._warn_missed()
         self.pool.free(state.block_table)
         state.block_table, state.block_keys, state.num_cached_tokens, state.tier_tokens = [], [], 0, {}
         # a manifest gone from the store: the next lookup restores the exact prefix only

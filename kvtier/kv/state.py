@@ -18,10 +18,18 @@ class KVState:
     prompt_keys: list[bytes] | None = None  # exact keys of the prompt's full blocks, hashed once at lookup
     residency: object | None = None         # the pager's Residency under bounded residency, else None
     num_computed: int = 0                   # tokens whose K/V are in its blocks, as of the last commit
-    restored: int = 0                       # tokens a finished load put in block_table, not yet admitted
+    restored: int = 0                       # tokens a finished load put in block_table, not yet taken up
     loading: bool = False                   # a load into its reserved blocks is in flight
+    load_from: int = 0                      # the token where the loaded blocks begin
+    compute_first: bool = False             # it computes its prefix up to load_from while the rest loads
+    landed_keys: list[bytes] = field(default_factory=list)   # a compute_first load's keys, joined at load_from
     looked_up: bool = False                 # the lower tiers were searched for its prefix
     aborted: bool = False                   # cancelled while loading: released once the copy lands
     admitted: bool = False                  # admitted once: a preempted sequence keeps its first cache report
     num_cached_tokens: int = 0              # prompt tokens served from a cache
     tier_tokens: dict[str, int] = field(default_factory=dict)   # of those, how many came from which tier
+
+    @property
+    def waits_for_load(self) -> bool:
+        """Not admissible yet: its whole cached prefix is loading."""
+        return self.loading and not self.compute_first

@@ -121,8 +121,9 @@ class _EngineCollector:
         if rates["prefill_tokens_per_s"] is not None:
             yield GaugeMetricFamily("kvtier_prefill_tokens_per_second", "Measured prefill rate, which "
                                     "compute-or-load weighs", value=rates["prefill_tokens_per_s"])
-        computed = CounterMetricFamily("kvtier_kv_tier_computed_instead", "Cached prefixes computed again because "
-                                       "the tier was measured slower than computing", labels=["tier"])
+        computed = CounterMetricFamily("kvtier_kv_tier_computed_instead_tokens", "Cached tokens the tier holds that "
+                                       "were computed again, beside or instead of a load, because that was faster",
+                                       labels=["tier"])
         for tier, value in rates["computed_instead"].items():
             computed.add_metric([tier], value)
         yield computed
