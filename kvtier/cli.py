@@ -13,7 +13,7 @@ import sys
 
 log = logging.getLogger("kvtier")
 
-BENCHMARKS = ("throughput", "ttft", "niah")   # kvtier bench NAME → kvtier.bench.NAME.main(argv)
+BENCHMARKS = ("throughput", "ttft", "niah", "itl")   # kvtier bench NAME → kvtier.bench.NAME.main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
                                                          "(default: a share of free device memory)")
     group.add_argument("--max-batched-tokens", type=int, metavar="N", help="tokens per engine step (default: 2048)")
     group.add_argument("--max-num-seqs", type=int, metavar="N", help="sequences running at once (default: 64)")
+    group.add_argument("--max-itl-ratio", type=float, metavar="R",
+                       help="while prompts prefill beside running streams, a step takes at most R times a "
+                            "decode-only step: the streams' inter-token latency stays within R× (default: 2; 0: "
+                            "no bound, prompt chunks of --max-batched-tokens)")
     group.add_argument("--max-model-len", type=int, metavar="N", help="context limit in tokens (default: the model's)")
     group.add_argument("--threads", dest="num_threads", type=int, metavar="N", help="torch CPU threads")
     group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,

@@ -36,6 +36,8 @@ class Config:
     kv_pool_tokens: int | None = None     # None → a share of free device memory
     max_batched_tokens: int = 2048        # per-step token budget (prefill chunks + decodes)
     max_num_seqs: int = 64                # sequences running at once
+    # a step carrying prompt tokens beside running decodes takes at most this many decode-only steps' time; 0: no bound
+    max_itl_ratio: float = 2.0
     max_model_len: int | None = None      # None → the model's context length
     num_threads: int | None = None        # torch CPU threads; None → torch's default
     prefix_cache: bool = True             # reuse cached blocks of earlier requests' prefixes
@@ -84,6 +86,8 @@ class Config:
             raise ConfigError("kv_host_gib and kv_disk_gib must be >= 0")
         if self.kv_resident_tokens is not None:
             self._check_residency()
+        if self.max_itl_ratio != 0 and self.max_itl_ratio <= 1:
+            raise ConfigError(f"max_itl_ratio must be above 1 (or 0 for no bound), got {self.max_itl_ratio}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         self._check_server()

@@ -100,10 +100,10 @@ def test_decode_attends_to_the_budget_only(bounded):
     def spy(batch, capture=None):
         token_ids, meta, last = prepare(batch, capture)
         if meta.decode is not None:
-            lengths.append(int(meta.decode.mask.sum()))
+            lengths.extend(sum(b - a for a, b in runs) for runs in meta.decode.runs)
         for p in meta.prefills:
-            if p.prefix_slots is not None:
-                lengths.append(len(p.prefix_slots))
+            if p.prefix_runs:
+                lengths.append(sum(b - a for a, b in p.prefix_runs))
         return token_ids, meta, last
 
     bounded.runner.prepare = spy

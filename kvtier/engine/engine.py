@@ -66,7 +66,7 @@ class LLMEngine:
             manifests = ManifestStore(self.pager.bounded_namespace, beside_disk and beside_disk("manifests"))
         self.max_pinned_tokens = self.pager.max_pinned_tokens if self.pager else None
         self.kv = KVManager(self.pool, self.tiers, self.pager, manifests, beside_disk and beside_disk("partials"))
-        self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs, config.max_itl_ratio)
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self.grammars = GrammarCompiler(self.tokenizer.hf)
         self._arrivals = itertools.count()
@@ -164,8 +164,11 @@ class LLMEngine:
                     outputs.append(self._output(seq))
             except Exception as e:     # it belongs to this request: fail it alone, the others go on
                 self._fail(seq, e)
-        if any(n > 1 for n in batch.num_tokens):    # a prefill step (sampling synchronized it): the rate of compute
-            self.kv.rates.observe_prefill(sum(batch.num_tokens), time.perf_counter() - start)
+        seconds = time.perf_counter() - start      # sampling synchronized the device
+        if any(n > 1 for n in batch.num_tokens):    # a prefill step: the rate of compute
+            self.kv.rates.observe_prefill(sum(batch.num_tokens), seconds)
+        if batch:
+            self.scheduler.pacer.observe(batch.num_decodes, sum(batch.num_tokens) - batch.num_decodes, seconds)
         outputs += [self._output(seq) for seq in self._ended]
         self._ended.clear()
         if not batch and not outputs and self.kv.busy:

@@ -10,6 +10,21 @@ from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from kvtier.models.decoder import Decoder
 
 
+def slot_runs(block_table: list[int], end: int, block_size: int) -> list[tuple[int, int]]:
+    """Pool slot ranges [a, b) holding positions 0..end-1 of a sequence, consecutive blocks merged, blocks that are
+    not resident left out."""
+    runs = []
+    for i, block in enumerate(block_table[:-(-end // block_size)]):
+        if block == NOT_RESIDENT:
+            continue
+        a, b = block * block_size, block * block_size + min(block_size, end - i * block_size)
+        if runs and runs[-1][1] == a:
+            runs[-1] = (runs[-1][0], b)
+        else:
+            runs.append((a, b))
+    return runs
+
+
 class ModelRunner:
     def __init__(self, model: Decoder, kv: KVManager, device: torch.device):
         self.model = model
@@ -32,7 +47,7 @@ class ModelRunner:
         """Flat token ids, metadata, and the row of the last token of each sequence. capture[i]:
         how many of sequence i's last rows should hand back their queries."""
         token_ids, positions, slot_mapping, prefills, last_rows, capture_rows = [], [], [], [], [], []
-        decode_rows, decode_slots = [], []
+        decode_rows, decode_runs = [], []
         row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -42,9 +57,9 @@ class ModelRunner:
             slot_mapping.append(self._slots(table, start, end))
             if n == 1 and start > 0:
                 decode_rows.append(row)
-                decode_slots.append(self._slots(table, 0, end))
+                decode_runs.append(slot_runs(table, end, self.pool.block_size))
             else:
-                prefix = self._slots(table, 0, start).to(self.device) if start > 0 else None
+                prefix = slot_runs(table, start, self.pool.block_size)
                 paged_out = self.kv.paged_out_kv(seq.kv, start) if seq.kv.residency and start > 0 else None
                 prefills.append(PrefillSeq(row, n, prefix, paged_out))
             row += n
@@ -55,20 +70,10 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             slot_mapping=torch.cat(slot_mapping).to(self.device),
             prefills=prefills,
-            decode=self._decode_group(decode_rows, decode_slots),
+            decode=DecodeGroup(decode_rows, decode_runs) if decode_rows else None,
             capture_rows=torch.tensor(capture_rows, dtype=torch.long, device=self.device) if capture_rows else None,
         )
         return torch.tensor(token_ids, dtype=torch.long, device=self.device), meta, last_rows
-
-    def _decode_group(self, rows: list[int], slots: list[torch.Tensor]) -> DecodeGroup | None:
-        if not rows:
-            return None
-        lens = torch.tensor([len(s) for s in slots])
-        padded = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)     # [B, max_len], padded with slot 0
-        mask = torch.arange(padded.shape[1])[None, :] < lens[:, None]
-        return DecodeGroup(query_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
-                           kv_slots=padded.to(self.device),
-                           mask=mask[:, None, None, :].to(self.device))
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, capture: list[int] | None = None

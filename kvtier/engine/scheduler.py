@@ -2,6 +2,8 @@
 
 Each step: running decodes first (one token each, oldest first), then prefill chunks of
 running sequences, then new admissions while budget, sequence slots and free blocks last.
+Beside running decodes, the pacer (pacer.py) sizes the prompt tokens a step may carry so
+that the streams keep their inter-token latency while a long prompt prefills.
 A waiting sequence whose prefix is loading from a lower tier is passed over until it lands,
 unless it computes its front meanwhile (then it runs up to the loading blocks and waits there).
 When the pool runs dry, the newest unscheduled running sequence is preempted: its blocks
@@ -13,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvtier.engine.pacer import Pacer
 from kvtier.engine.sequence import Sequence, SequenceStatus
 from kvtier.kv.manager import KVManager
 
@@ -21,6 +24,7 @@ from kvtier.kv.manager import KVManager
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)   # tokens to compute this step, per sequence
+    num_decodes: int = 0                                  # of the sequences, those decoding one token
     preempted: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int) -> None:
@@ -32,10 +36,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, kv: KVManager, max_batched_tokens: int, max_num_seqs: int, max_itl_ratio: float = 0):
         self.kv = kv
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.pacer = Pacer(max_batched_tokens, max_itl_ratio)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # in arrival order
 
@@ -57,9 +62,11 @@ class Scheduler:
                 continue
             if self._reserve(seq, 1, batch):
                 batch.add(seq, 1)
+                batch.num_decodes += 1
                 budget -= 1
             else:
                 self._preempt(seq, batch)
+        budget = min(budget, self.pacer.budget(decoding=batch.num_decodes > 0))
         for seq in prefilling:
             if budget == 0:
                 break

@@ -14,21 +14,41 @@ import torch
 import torch.nn.functional as F
 
 
+# On CPU a prefix in at most this many runs of consecutive pool slots is attended where it lies; a more
+# scattered one is gathered into one tensor per layer first.
+MAX_PREFIX_RUNS = 16
+
+
 @dataclass
 class PrefillSeq:
     query_start: int                  # first row of this sequence in the flat token batch
     query_len: int
-    prefix_slots: torch.Tensor | None  # pool slots of the positions before this chunk; None if there are none
+    prefix_runs: list[tuple[int, int]]  # pool slot ranges [a, b) of the resident positions before this chunk
     # K/V of the blocks before this chunk that are not resident [2, layers, tokens, kv_heads, head_dim], in host
     # memory; each layer's slice visits the device only while that layer attends (bounded residency)
     paged_out: torch.Tensor | None = None
+    _slots: torch.Tensor | None = None
+
+    def prefix_slots(self, device: torch.device) -> torch.Tensor:
+        """The resident prefix's slots as one index, built once per step for every layer's gather."""
+        if self._slots is None:
+            runs = [torch.arange(a, b) for a, b in self.prefix_runs] or [torch.empty(0, dtype=torch.long)]
+            self._slots = torch.cat(runs).to(device)
+        return self._slots
 
 
 @dataclass
 class DecodeGroup:
-    query_rows: torch.Tensor  # [B] rows of the flat batch that decode one token each
-    kv_slots: torch.Tensor    # [B, max_kv_len] pool slots of each context, padded with slot 0
-    mask: torch.Tensor        # [B, 1, 1, max_kv_len] bool, True where a real slot is
+    query_rows: list[int]                  # rows of the flat batch that decode one token each
+    runs: list[list[tuple[int, int]]]      # per row, pool slot ranges [a, b) of its context, this token's included
+
+    def padded(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every context's slots [B, max_len], padded with slot 0, and the mask [B, 1, 1, max_len] of real ones."""
+        slots = [torch.cat([torch.arange(a, b) for a, b in runs]) for runs in self.runs]
+        lens = torch.tensor([len(x) for x in slots])
+        kv_slots = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)
+        mask = torch.arange(kv_slots.shape[1])[None, :] < lens[:, None]
+        return kv_slots.to(device), mask[:, None, None, :].to(device)
 
 
 @dataclass
@@ -55,38 +75,78 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for seq in meta.prefills:
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
         qs, ks, vs = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, n, D]
-        if seq.prefix_slots is None:
+        paged_out = None if seq.paged_out is None else (seq.paged_out[0, meta.layer], seq.paged_out[1, meta.layer])
+        if not seq.prefix_runs and paged_out is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        elif q.device.type == "cpu":
+            if len(seq.prefix_runs) <= MAX_PREFIX_RUNS:
+                segments = [(k_cache[a:b], v_cache[a:b]) for a, b in seq.prefix_runs]
+            else:
+                segments = [tuple(c[seq.prefix_slots(q.device)] for c in (k_cache, v_cache))]
+            o = _attention_after_segments_cpu(qs, ks, vs, segments + ([paged_out] if paged_out else []), scale)
         else:
-            kp, vp = (c[seq.prefix_slots] for c in (k_cache, v_cache))
-            if seq.paged_out is not None:     # prompt tokens attend to every earlier block, resident or not
-                kp = torch.cat([kp, seq.paged_out[0, meta.layer].to(kp.device, non_blocking=True)])
-                vp = torch.cat([vp, seq.paged_out[1, meta.layer].to(vp.device, non_blocking=True)])
-            kp, vp = (x.transpose(0, 1).unsqueeze(0) for x in (kp, vp))
-            o = _attention_after_prefix(qs, ks, vs, kp, vp, scale)
+            kp, vp = (c[seq.prefix_slots(q.device)] for c in (k_cache, v_cache))
+            if paged_out is not None:     # prompt tokens attend to every earlier block, resident or not
+                kp = torch.cat([kp, paged_out[0].to(kp.device, non_blocking=True)])
+                vp = torch.cat([vp, paged_out[1].to(vp.device, non_blocking=True)])
+            o = _attention_after_prefix(qs, ks, vs, *(x.transpose(0, 1).unsqueeze(0) for x in (kp, vp)), scale)
         out[rows] = o.squeeze(0).transpose(0, 1)
     if meta.decode is not None:
         d = meta.decode
-        qs = q[d.query_rows].unsqueeze(2)                          # [B, H, 1, D]
-        ks = k_cache[d.kv_slots].permute(0, 2, 1, 3)               # [B, KVH, L, D]
-        vs = v_cache[d.kv_slots].permute(0, 2, 1, 3)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=d.mask, scale=scale, enable_gqa=gqa)
-        out[d.query_rows] = o.squeeze(2)
+        if q.device.type == "cpu" and max(len(runs) for runs in d.runs) <= MAX_PREFIX_RUNS:
+            for row, runs in zip(d.query_rows, d.runs):     # each context read where it lies
+                qs = q[row:row + 1].transpose(0, 1).unsqueeze(0)     # [1, H, 1, D]
+                parts = _segment_parts_cpu(qs, k.shape[1], [(k_cache[a:b], v_cache[a:b]) for a, b in runs], scale)
+                out[row] = _merged(parts)[0, :, 0]
+        else:
+            rows = torch.tensor(d.query_rows, device=q.device)
+            kv_slots, mask = d.padded(q.device)
+            qs = q[rows].unsqueeze(2)                                 # [B, H, 1, D]
+            ks = k_cache[kv_slots].permute(0, 2, 1, 3)                # [B, KVH, L, D]
+            vs = v_cache[kv_slots].permute(0, 2, 1, 3)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[rows] = o.squeeze(2)
     return out
 
 
 def _attention_after_prefix(q, k, v, k_prefix, v_prefix, scale: float) -> torch.Tensor:
     """Causal attention of a chunk over [cached prefix | the chunk itself]; tensors [1, heads, len, D]."""
-    if q.device.type != "cpu":
-        n, p = q.shape[2], k_prefix.shape[2]
-        mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(diagonal=p)
-        return F.scaled_dot_product_attention(q, torch.cat([k_prefix, k], 2), torch.cat([v_prefix, v], 2),
-                                              attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    # CPU: a masked call computes every masked-out score; instead attend to the prefix (no mask) and to
-    # the chunk (causal) separately with the flash kernel and merge the two by their log-sum-exp
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    n, p = q.shape[2], k_prefix.shape[2]
+    mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(diagonal=p)
+    return F.scaled_dot_product_attention(q, torch.cat([k_prefix, k], 2), torch.cat([v_prefix, v], 2),
+                                          attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _attention_after_segments_cpu(q, k, v, segments: list[tuple[torch.Tensor, torch.Tensor]],
+                                  scale: float) -> torch.Tensor:
+    """Causal attention of a chunk (q [1, heads, n, D], k and v [1, kv_heads, n, D]) over earlier K/V given as
+    segments ([len, kv_heads, D] each, in any order) and itself. A masked call would compute every masked-out
+    score, so each segment is attended without a mask and the chunk causally, and the parts are merged."""
     groups = q.shape[1] // k.shape[1]
-    o1, lse1 = flash(q, k_prefix.repeat_interleave(groups, 1), v_prefix.repeat_interleave(groups, 1), scale=scale)
-    o2, lse2 = flash(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True, scale=scale)
-    lse = torch.logaddexp(lse1, lse2).unsqueeze(-1)
-    return o1 * (lse1.unsqueeze(-1) - lse).exp() + o2 * (lse2.unsqueeze(-1) - lse).exp()
+    parts = _segment_parts_cpu(q, k.shape[1], segments, scale)
+    parts.append(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True, scale=scale))
+    return _merged(parts)
+
+
+def _segment_parts_cpu(q, kv_heads: int, segments: list[tuple[torch.Tensor, torch.Tensor]],
+                       scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(output, log-sum-exp) of q [1, heads, n, D] over each K/V segment [len, kv_heads, D], unmasked, with the
+    flash kernel. The query heads sharing a K/V head are folded into its rows, so the K/V is read where it lies,
+    never copied per query head."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    heads, n, dim = q.shape[1:]
+    folded = q.reshape(1, kv_heads, heads // kv_heads * n, dim)
+    parts = []
+    for ks, vs in segments:
+        o, lse = flash(folded, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), scale=scale)
+        parts.append((o.reshape(1, heads, n, dim), lse.reshape(1, heads, n)))
+    return parts
+
+
+def _merged(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Attention over the union of the parts' keys, from each part's output and log-sum-exp."""
+    if len(parts) == 1:
+        return parts[0][0]
+    lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), 0)
+    return sum(o * (part_lse - lse).exp().unsqueeze(-1) for o, part_lse in parts)
