@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--model", help="local Hugging Face directory or .gguf file "
                                        "(default: the bundled SmolLM2-135M-Instruct)")
     group.add_argument("--device", help="cpu or cuda[:N] (default: cpu)")
-    group.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32)")
+    group.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
     group.add_argument("--block-size", type=int, metavar="N",
                        help="tokens per KV block (default: 64, or 16 with --kv-resident-tokens)")
     group.add_argument("--kv-pool-tokens", type=int, metavar="N", help="tokens of KV the device pool holds "

@@ -31,7 +31,7 @@ class ConfigError(ValueError):
 class Config:
     model: str | None = None              # HF directory or GGUF file; None → bundled SmolLM2
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str | None = None              # None → bfloat16 on CUDA, float32 on CPU
     block_size: int | None = None         # None → 64, or 16 under bounded residency
     kv_pool_tokens: int | None = None     # None → a share of free device memory
     max_batched_tokens: int = 2048        # per-step token budget (prefill chunks + decodes)
@@ -63,6 +63,8 @@ class Config:
     tool_call_parser: str | None = None   # hermes | llama3_json; None → chosen from the chat template
 
     def __post_init__(self):
+        if self.dtype is None:
+            self.dtype = "bfloat16" if str(self.device).startswith("cuda") else "float32"
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         try:

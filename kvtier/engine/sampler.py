@@ -1,4 +1,5 @@
-"""Next-token choice: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Next-token choice for a whole batch at once: greedy, temperature, top-k, top-p, per-request seeds,
+logprobs. The rows stay on their device; the chosen tokens come back to the host in one transfer."""
 from __future__ import annotations
 
 import torch
@@ -7,30 +8,56 @@ from kvtier.engine.outputs import TokenLogprob
 from kvtier.engine.sampling_params import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from one row of float32 logits [vocab]."""
-    if params.greedy:
-        return int(logits.argmax())
-    logits = logits.cpu() / params.temperature   # sampled on the CPU so seeded generators work on any device
-    if params.top_k > 0:
-        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of float32 logits [B, vocab]. Greedy rows take one argmax. The others go through their
+    temperature, top-k and top-p together; a row with a seeded generator draws on the CPU (so a seed gives the
+    same tokens on any device), the unseeded ones in one draw on the device."""
+    chosen = logits.argmax(-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return chosen.tolist()
+    probs = _probs(logits[sampled], [params[i] for i in sampled])
+    seeded = [j for j, i in enumerate(sampled) if generators[i] is not None]
+    unseeded = [j for j, i in enumerate(sampled) if generators[i] is None]
+    if unseeded:
+        chosen[[sampled[j] for j in unseeded]] = torch.multinomial(probs[unseeded], 1).squeeze(1)
+    tokens = chosen.tolist()
+    if seeded:
+        on_host = probs[seeded].cpu()
+        for row, j in zip(on_host, seeded):
+            tokens[sampled[j]] = int(torch.multinomial(row, 1, generator=generators[sampled[j]]))
+    return tokens
+
+
+def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's distribution after its temperature, top-k and top-p."""
+    device = logits.device
+    logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    top_k = [min(p.top_k, logits.shape[1]) for p in params]
+    if any(top_k):
+        kth = torch.topk(logits, max(top_k)).values[torch.arange(len(params), device=device),
+                                                    torch.tensor([k - 1 for k in top_k], device=device)]
+        kth[torch.tensor([k == 0 for k in top_k], device=device)] = float("-inf")    # no top-k: nothing under it
+        logits = logits.masked_fill(logits < kth[:, None], float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+    if bool((top_p < 1.0).any()):
+        sorted_logits, order = logits.sort(-1, descending=True)
         probs = sorted_logits.softmax(-1)
         # drop a token once the tokens before it already reach top_p (the best one always stays)
-        drop = probs.cumsum(-1) - probs >= params.top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        drop = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1.0)
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits.softmax(-1)
 
 
-def token_logprob(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:
-    """Log-probability of the chosen token under the model's raw distribution, plus the top_n."""
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: list[int]) -> list[TokenLogprob]:
+    """Per row of logits [B, vocab]: the chosen token's log-probability under the model's raw distribution, and the
+    row's top_n most likely tokens."""
     logprobs = logits.log_softmax(-1)
-    top = torch.topk(logprobs, top_n) if top_n else None
-    return TokenLogprob(
-        token_id=token_id,
-        logprob=float(logprobs[token_id]),
-        top=[] if top is None else list(zip(top.indices.tolist(), top.values.tolist())),
-    )
+    rows = torch.arange(len(token_ids), device=logits.device)
+    chosen = logprobs[rows, torch.tensor(token_ids, device=logits.device)].tolist()
+    most = max(top_n)
+    top = torch.topk(logprobs, most) if most else None
+    indices, values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
+    return [TokenLogprob(token_id=token, logprob=value,
+                         top=list(zip(indices[i][:n], values[i][:n])) if n else [])
+            for i, (token, value, n) in enumerate(zip(token_ids, chosen, top_n))]

@@ -44,9 +44,12 @@ class KVPool:
         self.num_blocks = num_tokens // block_size
         if self.num_blocks < 1:
             raise ValueError(f"KV pool of {num_tokens} tokens holds no {block_size}-token block")
-        # zeros, not empty: padded attention reads unused slots and NaN garbage would leak through softmax
-        self.kv_cache = torch.zeros(2, num_layers, self.num_blocks * block_size, num_kv_heads, head_dim,
+        # not zero-filled: start-up would write the whole pool (most of a GPU's memory). Attention reads only
+        # written slots, but for slot 0, which pads a batch of decode contexts: masked out, yet NaN garbage there
+        # would leak through the softmax, so its block starts as zeros.
+        self.kv_cache = torch.empty(2, num_layers, self.num_blocks * block_size, num_kv_heads, head_dim,
                                     dtype=dtype, device=device)
+        self.kv_cache[:, :, :block_size].zero_()
         self.namespace = namespace
         self.prefix_cache = prefix_cache
         self.ref_counts = [0] * self.num_blocks

@@ -7,7 +7,9 @@ import shutil
 import tempfile
 
 import jinja2
+import transformers
 import xxhash
+from gguf import GGUFReader
 from transformers import AutoTokenizer
 
 from kvtier.config import cache_home
@@ -29,16 +31,27 @@ def _load_hf_tokenizer(path: str, mtime_ns: int):
                 shutil.rmtree(saved, ignore_errors=True)
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                   local_files_only=True)
+        _special_tokens_from_gguf(tokenizer, path)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError... for unusable files
         raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
     _save(tokenizer, saved)
     return tokenizer
 
 
+def _special_tokens_from_gguf(tokenizer, path: str) -> None:
+    """The GGUF file's own metadata names its end and start tokens: transformers' conversion has named others in
+    some versions (5.17 took SmolLM2's <|im_start|> for its end-of-sequence token)."""
+    fields = GGUFReader(path).fields
+    for attr, key in (("eos_token", "tokenizer.ggml.eos_token_id"), ("bos_token", "tokenizer.ggml.bos_token_id")):
+        if key in fields:
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(fields[key].contents())))
+
+
 def _saved_tokenizer_dir(gguf_path: str) -> str:
+    """By the file's path, size and mtime, and the transformers version that converted it."""
     stat = os.stat(gguf_path)
-    key = xxhash.xxh3_64_hexdigest(f"{os.path.realpath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return os.path.join(cache_home(), "tokenizers", key)
+    version = f"{os.path.realpath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
+    return os.path.join(cache_home(), "tokenizers", xxhash.xxh3_64_hexdigest(version.encode()))
 
 
 def _save(tokenizer, directory: str) -> None:
