@@ -39,7 +39,7 @@ def innocent_requests():
 def test_extreme_sampling_values_are_normalised(temperature, top_p):
     params = SamplingParams(temperature=temperature, top_p=top_p)
     logits = torch.randn(1000) * 10
-    token = sample(logits, params, torch.Generator().manual_seed(0))
+    [token] = sample(logits[None], [params], [torch.Generator().manual_seed(0)])
     assert token == int(logits.argmax())    # each leaves only the best token
 
 
@@ -62,10 +62,10 @@ def test_a_failing_request_fails_alone(engine, monkeypatch, where):
     else:                     # a sampler that breaks on the poisoned request's parameters
         real_sample = engine_module.sample
 
-        def poisoned_sample(logits, params, generator):
-            if params.seed == 666:
+        def poisoned_sample(logits, params, generators):
+            if any(p.seed == 666 for p in params):
                 raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-            return real_sample(logits, params, generator)
+            return real_sample(logits, params, generators)
         monkeypatch.setattr(engine_module, "sample", poisoned_sample)
     requests = innocent_requests()
     requests["poison"] = ([5, 6, 7, 8, 9] * 7, SamplingParams(max_tokens=12, temperature=1.0, seed=666))

@@ -14,7 +14,7 @@ from kvtier.engine.outputs import RequestOutput, RequestRejected
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.grammar import GrammarCompiler, GrammarError
 from kvtier.engine.logits_processing import process_logits
-from kvtier.engine.sampler import sample, token_logprob
+from kvtier.engine.sampler import sample, token_logprobs
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import ScheduledBatch, Scheduler
 from kvtier.engine.sequence import Sequence
@@ -155,15 +155,16 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         start = time.perf_counter()
         results = self._forward(batch) if batch else []
-        outputs = []
+        due = []       # sequences whose next token is to be sampled, with their logits
         for seq, n, result in zip(batch.seqs, batch.num_tokens, results):
             try:
                 if result is None:
                     raise RuntimeError("the model forward failed for this request")
                 if self._advance(seq, n, *result):
-                    outputs.append(self._output(seq))
+                    due.append((seq, self._processed(seq, result[0]), result[0]))
             except Exception as e:     # it belongs to this request: fail it alone, the others go on
                 self._fail(seq, e)
+        outputs = [self._output(seq) for seq in self._append_tokens(due)]
         seconds = time.perf_counter() - start      # sampling synchronized the device
         if any(n > 1 for n in batch.num_tokens):    # a prefill step: the rate of compute
             self.kv.rates.observe_prefill(sum(batch.num_tokens), seconds)
@@ -196,15 +197,50 @@ class LLMEngine:
         return results
 
     def _advance(self, seq: Sequence, n: int, logits: torch.Tensor, queries: torch.Tensor | None) -> bool:
-        """Account for n computed tokens; True when a token was sampled (an output is due)."""
+        """Account for n computed tokens; True when the next token is to be sampled (the prompt is done or the
+        last token was fed)."""
         decoded = seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
         seq.num_computed_tokens += n
         prompt_done = seq.num_uncomputed_tokens == 0 and not decoded
         self.kv.commit(seq.kv, seq.num_computed_tokens, queries, prompt_done, decoded)
-        if seq.num_uncomputed_tokens > 0:
-            return False
-        self._append_token(seq, logits)     # prompt done or last token fed: sample the next one
-        return True
+        return seq.num_uncomputed_tokens == 0
+
+    def _processed(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        """The logits the sequence samples from: after its parameters and its grammar."""
+        processed = process_logits(logits, seq.params, seq.token_ids, seq.num_prompt_tokens,
+                                   self.tokenizer.eos_token_ids)
+        return processed if seq.constraint is None else seq.constraint.masked(processed)
+
+    def _append_tokens(self, due: list[tuple[Sequence, torch.Tensor, torch.Tensor]]) -> list[Sequence]:
+        """Sample the due sequences' next tokens in one batch and append them; returns the sequences that got one.
+        If the batch fails, each sequence samples alone, so a failure that belongs to one request fails only it."""
+        if not due:
+            return []
+        seqs = [seq for seq, _, _ in due]
+        try:
+            tokens = sample(torch.stack([p for _, p, _ in due]), [s.params for s in seqs], [s.generator for s in seqs])
+        except Exception:
+            tokens = []
+            for seq, processed, _ in due:
+                try:
+                    tokens += sample(processed[None], [seq.params], [seq.generator])
+                except Exception as e:
+                    tokens.append(None)
+                    self._fail(seq, e)
+        sampled = [(seq, token, raw) for (seq, _, raw), token in zip(due, tokens) if token is not None]
+        wanted = [(seq, token, raw) for seq, token, raw in sampled if seq.params.logprobs is not None]
+        logprobs = token_logprobs(torch.stack([raw for _, _, raw in wanted]), [t for _, t, _ in wanted],
+                                  [seq.params.logprobs for seq, _, _ in wanted]) if wanted else []
+        for (seq, _, _), logprob in zip(wanted, logprobs):
+            seq.pending_logprobs.append(logprob)
+        done = []
+        for seq, token, _ in sampled:
+            try:
+                self._append_token(seq, token)
+                done.append(seq)
+            except Exception as e:     # its grammar refused the token, say: this request alone fails
+                self._fail(seq, e)
+        return done
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         log.error("request %s failed", seq.request_id, exc_info=error)
@@ -216,18 +252,12 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self._ended.append(seq)
 
-    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _append_token(self, seq: Sequence, token_id: int) -> None:
         params = seq.params
-        processed = process_logits(logits, params, seq.token_ids, seq.num_prompt_tokens, self.tokenizer.eos_token_ids)
-        if seq.constraint is not None:
-            processed = seq.constraint.masked(processed)
-        token_id = sample(processed, params, seq.generator)
         if seq.constraint is not None:
             seq.constraint.accept(token_id)
         seq.token_ids.append(token_id)
         seq.pending_token_ids.append(token_id)
-        if params.logprobs is not None:
-            seq.pending_logprobs.append(token_logprob(logits, token_id, params.logprobs))
         if token_id in self.tokenizer.eos_token_ids and not params.ignore_eos:
             self.scheduler.finish(seq, "stop")
         elif seq.detokenizer.add_token(token_id):
