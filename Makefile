@@ -19,7 +19,10 @@ install: $(VENV)/.installed
 serve: $(VENV)/.installed
 	$(VENV)/bin/kvtier serve $(ARGS)
 
+# the tests also run the Triton kernels (on CPU in Triton's interpreter); CUDA builds of torch bring Triton.
+# KVTIER_DEVICE=cuda make test runs the whole suite on the GPU.
 test: $(VENV)/.installed
+	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton
 	$(PY) -m pytest -q tests $(ARGS)
 
 .PHONY: install serve test

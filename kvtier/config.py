@@ -30,8 +30,9 @@ class ConfigError(ValueError):
 @dataclass
 class Config:
     model: str | None = None              # HF directory or GGUF file; None → bundled SmolLM2
-    device: str = "cpu"
-    dtype: str | None = None              # None → bfloat16 on CUDA, float32 on CPU
+    device: str = field(default_factory=lambda: os.environ.get("KVTIER_DEVICE", "cpu"))
+    # None → $KVTIER_DTYPE, else bfloat16 on CUDA and float32 on CPU
+    dtype: str | None = field(default_factory=lambda: os.environ.get("KVTIER_DTYPE"))
     block_size: int | None = None         # None → 64, or 16 under bounded residency
     kv_pool_tokens: int | None = None     # None → a share of free device memory
     max_batched_tokens: int = 2048        # per-step token budget (prefill chunks + decodes)

@@ -12,6 +12,12 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network, before transformers reads it
 # the default disk tier lives under the user's cache directory: give the test session its own
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="kvtier-test-cache-")
+# KVTIER_DEVICE=cuda runs the whole suite on the GPU (Config's default device), in float32 so that it compares with
+# the same references; elsewhere Triton kernels run in Triton's interpreter, which must be chosen before it is imported
+if os.environ.get("KVTIER_DEVICE", "cpu").startswith("cuda"):
+    os.environ.setdefault("KVTIER_DTYPE", "float32")
+else:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import httpx
 import pytest

@@ -65,11 +65,11 @@ def test_prefill_chunks_and_decodes_match_a_dense_reference(device, bs, layout):
                 out_slots = [table[i] * bs + j for i in holes for j in range(bs)]
                 paged_out = torch.stack([torch.stack([c[out_slots].cpu()]) for c in (k_cache, v_cache)])
                 table = [NOT_RESIDENT if i in holes else b for i, b in enumerate(table)]
-            prefills.append(PrefillSeq(row, n, slot_runs(table, start, bs), paged_out))
+            prefills.append(PrefillSeq(row, n, slot_runs(table, start, bs), table[:-(-(start + n) // bs)], paged_out))
         row += n
     meta = AttentionMetadata(positions=torch.zeros(total, dtype=torch.long, device=device),
                              slot_mapping=torch.tensor(slot_mapping, device=device), prefills=prefills,
-                             decode=DecodeGroup(decode_rows, decode_runs))
+                             decode=DecodeGroup(decode_rows, decode_runs), block_size=bs)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale).cpu()
     assert torch.allclose(out.double(), torch.cat(expected), atol=1e-4)
     if layout == "scattered":     # the gathered paths ran too

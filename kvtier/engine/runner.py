@@ -61,7 +61,8 @@ class ModelRunner:
             else:
                 prefix = slot_runs(table, start, self.pool.block_size)
                 paged_out = self.kv.paged_out_kv(seq.kv, start) if seq.kv.residency and start > 0 else None
-                prefills.append(PrefillSeq(row, n, prefix, paged_out))
+                blocks = table[:self.pool.blocks_for(end)]
+                prefills.append(PrefillSeq(row, n, prefix, blocks, paged_out))
             row += n
             last_rows.append(row - 1)
             if capture and capture[i]:
@@ -72,6 +73,7 @@ class ModelRunner:
             prefills=prefills,
             decode=DecodeGroup(decode_rows, decode_runs) if decode_rows else None,
             capture_rows=torch.tensor(capture_rows, dtype=torch.long, device=self.device) if capture_rows else None,
+            block_size=self.pool.block_size,
         )
         return torch.tensor(token_ids, dtype=torch.long, device=self.device), meta, last_rows
 

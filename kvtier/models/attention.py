@@ -5,9 +5,15 @@ goes (`slot_mapping`) and, per sequence, which slots hold its context. Under bou
 residency a decode attends to the resident slots only, while a prefill chunk also gets the
 paged-out blocks' K/V, streamed to the device one layer at a time, so prompts are computed
 exactly. It can also hand back some rows' queries, which the pager scores blocks with.
+
+On CUDA, decodes and prefill chunks after a cached prefix run through the Triton paged
+kernels (triton_attention.py) on block tables built once per step; a first chunk runs
+through SDPA's causal flash kernel; a bounded chunk with paged-out K/V, and every context
+when Triton is missing, is gathered and masked. On CPU the context is read where it lies.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +30,7 @@ class PrefillSeq:
     query_start: int                  # first row of this sequence in the flat token batch
     query_len: int
     prefix_runs: list[tuple[int, int]]  # pool slot ranges [a, b) of the resident positions before this chunk
+    blocks: list[int]                    # its block table up to the chunk's end (NOT_RESIDENT where paged out)
     # K/V of the blocks before this chunk that are not resident [2, layers, tokens, kv_heads, head_dim], in host
     # memory; each layer's slice visits the device only while that layer attends (bounded residency)
     paged_out: torch.Tensor | None = None
@@ -41,6 +48,14 @@ class PrefillSeq:
 class DecodeGroup:
     query_rows: list[int]                  # rows of the flat batch that decode one token each
     runs: list[list[tuple[int, int]]]      # per row, pool slot ranges [a, b) of its context, this token's included
+
+    def kernel_args(self, block_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(rows, block tables [B, max_blocks], context lengths) for the decode kernel: each context's resident
+        blocks in order (a hole is never the last block, so their count is the length's)."""
+        tables = [[b // block_size for a, end in runs for b in range(a, end, block_size)] for runs in self.runs]
+        lens = [sum(end - a for a, end in runs) for runs in self.runs]
+        return (torch.tensor(self.query_rows, dtype=torch.int32).to(device), _padded_tables(tables, device),
+                torch.tensor(lens, dtype=torch.int32).to(device))
 
     def padded(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Every context's slots [B, max_len], padded with slot 0, and the mask [B, 1, 1, max_len] of real ones."""
@@ -60,6 +75,28 @@ class AttentionMetadata:
     capture_rows: torch.Tensor | None = None   # rows whose queries each layer appends to `captured`
     captured: list[torch.Tensor] = field(default_factory=list)   # per layer [len(capture_rows), H, D]
     layer: int = 0                             # the layer being computed, set by the decoder
+    block_size: int = 0
+    _kernel_args: dict = field(default_factory=dict)   # built by the first layer, used by every layer
+
+    def kernel_args(self, name: str, build):
+        if name not in self._kernel_args:
+            self._kernel_args[name] = build()
+        return self._kernel_args[name]
+
+
+def _padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(1, max(map(len, tables)))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).to(device)
+
+
+@functools.cache
+def _triton_kernels():
+    """The Triton kernels, or None where Triton is not installed (CUDA builds of torch ship it)."""
+    try:
+        from kvtier.models import triton_attention
+    except ImportError:
+        return None
+    return triton_attention
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -72,7 +109,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
-    for seq in meta.prefills:
+    kernels = _triton_kernels() if q.device.type == "cuda" else None
+    prefills = meta.prefills
+    if kernels is not None:
+        prefills = _prefills_by_kernel(kernels, q, k_cache, v_cache, out, meta, scale)
+    for seq in prefills:
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
         qs, ks, vs = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, n, D]
         paged_out = None if seq.paged_out is None else (seq.paged_out[0, meta.layer], seq.paged_out[1, meta.layer])
@@ -93,7 +134,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[rows] = o.squeeze(0).transpose(0, 1)
     if meta.decode is not None:
         d = meta.decode
-        if q.device.type == "cpu" and max(len(runs) for runs in d.runs) <= MAX_PREFIX_RUNS:
+        if kernels is not None:
+            rows, tables, lens = meta.kernel_args("decode", lambda: d.kernel_args(meta.block_size, q.device))
+            kernels.decode(q, k_cache, v_cache, out, rows, tables, lens, meta.block_size, scale)
+        elif q.device.type == "cpu" and max(len(runs) for runs in d.runs) <= MAX_PREFIX_RUNS:
             for row, runs in zip(d.query_rows, d.runs):     # each context read where it lies
                 qs = q[row:row + 1].transpose(0, 1).unsqueeze(0)     # [1, H, 1, D]
                 parts = _segment_parts_cpu(qs, k.shape[1], [(k_cache[a:b], v_cache[a:b]) for a, b in runs], scale)
@@ -107,6 +151,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
             out[rows] = o.squeeze(2)
     return out
+
+
+def _prefills_by_kernel(kernels, q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float) -> list[PrefillSeq]:
+    """Run every chunk after a cached, resident prefix through the paged prefill kernel in one launch; returns the
+    chunks left to the other paths (first chunks, and chunks with paged-out K/V)."""
+    taken = [seq for seq in meta.prefills if seq.prefix_runs and seq.paged_out is None]
+    if taken:
+        def build():
+            def ints(values):
+                return torch.tensor(values, dtype=torch.int32).to(q.device)
+            context_starts = [sum(b - a for a, b in seq.prefix_runs) for seq in taken]
+            return (ints([seq.query_start for seq in taken]), ints([seq.query_len for seq in taken]),
+                    ints(context_starts), _padded_tables([seq.blocks for seq in taken], q.device),
+                    max(seq.query_len for seq in taken))
+        starts, lens, context_starts, tables, longest = meta.kernel_args("prefill", build)
+        kernels.prefill(q, k_cache, v_cache, out, starts, lens, context_starts, tables, longest, meta.block_size,
+                        scale)
+    return [seq for seq in meta.prefills if seq not in taken]
 
 
 def _attention_after_prefix(q, k, v, k_prefix, v_prefix, scale: float) -> torch.Tensor:

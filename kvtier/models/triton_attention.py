@@ -1,0 +1,129 @@
+"""Paged attention kernels in Triton, for CUDA: they read K/V where the block tables say it lies.
+
+No gather, no padded mask and no per-shape planning: each kernel is compiled once per
+head size, block size and GQA group, and a new context length is just a new number in
+`context_lens`. Both read the pool layout `[slots, kv_heads, head_dim]` of one layer.
+
+- `decode`: one query token per sequence. A program serves one (sequence, K/V head) pair
+  and all the query heads that share that K/V head at once, walking the sequence's blocks
+  with an online softmax, so each K/V block is read once per step.
+- `prefill`: a chunk of query tokens per sequence, attending causally to everything before
+  and including each token: the cached prefix and the chunk itself, whose K/V the caller
+  has already written into the pool. A program serves BLOCK_M query tokens of one head.
+
+Tested on CPU through Triton's interpreter (TRITON_INTERPRET=1) against a dense reference.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, rows_ptr, tables_ptr, lens_ptr, scale,
+                   stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    seq, kv_head = tl.program_id(0), tl.program_id(1)
+    row, length = tl.load(rows_ptr + seq), tl.load(lens_ptr + seq)
+    g, d, t = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_SIZE)
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
+                other=0.0)
+    best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for i in range(0, tl.cdiv(length, BLOCK_SIZE)):
+        block = tl.load(tables_ptr + seq * stride_tb + i).to(tl.int64)
+        valid = i * BLOCK_SIZE + t < length
+        offsets = (block * BLOCK_SIZE + t)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, 1))
+        p = tl.exp(scores - new_best[:, None])
+        fade = tl.exp(best - new_best)
+        total = total * fade + tl.sum(p, 1)
+        acc = acc * fade[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        best = new_best
+    out = acc / total[:, None]
+    tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(g < GROUP)[:, None])
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, query_lens_ptr, context_starts_ptr, tables_ptr, scale,
+                    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    seq, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    query_len = tl.load(query_lens_ptr + seq)
+    if tile * BLOCK_M >= query_len:
+        return
+    first_row, context_start = tl.load(starts_ptr + seq), tl.load(context_starts_ptr + seq)
+    m, d, t = tile * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_SIZE)
+    kv_head = head // GROUP
+    q = tl.load(q_ptr + (first_row + m)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=(m < query_len)[:, None], other=0.0)
+    positions = context_start + m                       # each query token's position in its sequence
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    last = tl.minimum(context_start + (tile + 1) * BLOCK_M, context_start + query_len)   # positions it may see
+    for i in range(0, tl.cdiv(last, BLOCK_SIZE)):
+        block = tl.load(tables_ptr + seq * stride_tb + i).to(tl.int64)
+        key_positions = i * BLOCK_SIZE + t
+        offsets = (block * BLOCK_SIZE + t)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        k = tl.load(k_ptr + offsets, mask=(key_positions < last)[:, None], other=0.0)
+        v = tl.load(v_ptr + offsets, mask=(key_positions < last)[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        scores = tl.where(key_positions[None, :] <= positions[:, None], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, 1))
+        p = tl.exp(scores - new_best[:, None])
+        fade = tl.exp(best - new_best)
+        total = total * fade + tl.sum(p, 1)
+        acc = acc * fade[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        best = new_best
+    out = acc / total[:, None]
+    tl.store(out_ptr + (first_row + m)[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(m < query_len)[:, None])
+
+
+def _precision(q: torch.Tensor) -> str:
+    """float32 products in full precision (greedy output must match a float32 reference), not TF32."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
+           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float) -> None:
+    """out[rows[b]] = attention of q[rows[b]] ([T, heads, D]) over the first context_lens[b] positions of
+    sequence b's blocks (block_tables [B, max_blocks]) in the caches ([slots, kv_heads, D])."""
+    heads, kv_heads, dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    group = heads // kv_heads
+    _decode_kernel[(len(rows), kv_heads)](
+        q, k_cache, v_cache, out, rows, block_tables, context_lens, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=dim,
+        PRECISION=_precision(q))
+
+
+PREFILL_BLOCK_M = 64
+
+
+def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+            query_starts: torch.Tensor, query_lens: torch.Tensor, context_starts: torch.Tensor,
+            block_tables: torch.Tensor, max_query_len: int, block_size: int, scale: float) -> None:
+    """For each sequence b: its query_lens[b] tokens at rows query_starts[b].. of q ([T, heads, D]), at positions
+    context_starts[b].., attend causally to positions 0.. of its blocks (block_tables [B, max_blocks]), which
+    already hold the chunk's own K/V."""
+    heads, kv_heads, dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    grid = (len(query_lens), heads, triton.cdiv(max_query_len, PREFILL_BLOCK_M))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, query_starts, query_lens, context_starts, block_tables, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        GROUP=heads // kv_heads, BLOCK_M=PREFILL_BLOCK_M, BLOCK_SIZE=block_size, HEAD_DIM=dim,
+        PRECISION=_precision(q))
