@@ -5,7 +5,7 @@ import torch
 
 from kvtier.engine.runner import slot_runs
 from kvtier.kv.state import NOT_RESIDENT
-from kvtier.models.attention import MAX_PREFIX_RUNS, AttentionMetadata, DecodeGroup, PrefillSeq, paged_attention
+from kvtier.models.attention import CPU_DECODE_APART, MAX_PREFIX_RUNS, AttentionMetadata, DecodeGroup, PrefillSeq, paged_attention
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -39,7 +39,8 @@ def test_prefill_chunks_and_decodes_match_a_dense_reference(device, bs, layout):
     gen = torch.Generator().manual_seed(bs)
     scale = DIM ** -0.5
     # (tokens before this step, tokens this step): prefill chunks over ragged prefixes, then decodes
-    work = [(0, 37), (5 * bs + 3, 29), (MAX_PREFIX_RUNS * bs + 7, 40), (3 * bs, 1), (7 * bs + 11, 1), (MAX_PREFIX_RUNS * bs + 20, 1)]
+    work = [(0, 37), (5 * bs + 3, 29), (MAX_PREFIX_RUNS * bs + 7, 40), (3 * bs, 1), (7 * bs + 11, 1), (MAX_PREFIX_RUNS * bs + 20, 1),
+            (CPU_DECODE_APART + 5, 1)]
     num_blocks = sum(-(-(s + n) // bs) for s, n in work) + 4
     k_cache = torch.randn(num_blocks * bs, KV_HEADS, DIM, generator=gen).to(device)
     v_cache = torch.randn(num_blocks * bs, KV_HEADS, DIM, generator=gen).to(device)

@@ -1,6 +1,8 @@
 """The throughput benchmark runs end to end on a tiny model and rewrites only its own section."""
 from __future__ import annotations
 
+import pytest
+
 from kvtier.bench import throughput
 
 
@@ -19,3 +21,19 @@ def test_throughput_bench_writes_its_section(tiny_model_dir, tmp_path, capsys):
         assert f"| {row} " in text
     assert "--decode-batch 1,2" in text
     assert throughput.SECTION in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_throughput_bench_on_a_built_shape_reports_the_floor(tmp_path, device):
+    """A random-weight model of a real shape's layout (128K vocabulary, llama3 RoPE), built offline; decode beside
+    the floor, and on CUDA beside transformers compiled."""
+    out = tmp_path / "BENCHMARKS.md"
+    argv = ["--shape", "tiny-llama3", "--shapes-dir", str(tmp_path / "shapes"), "--device", device,
+            "--prefill-lengths", "32", "--decode-tokens", "4", "--decode-batch", "1,2", "--decode-context", "8",
+            "--repeats", "1", "--output", str(out)] + (["--hf-compile"] if device == "cuda" else [])
+    throughput.main(argv)
+    text = out.read_text()
+    assert "model tiny-llama3-" in text and "| kvtier / floor |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2 and all(float(row.split("|")[3]) > 0 for row in rows)     # a floor in tok/s
+    assert (tmp_path / "shapes" / f"tiny-llama3-{'bfloat16' if device == 'cuda' else 'float32'}" / "config.json").exists()

@@ -3,9 +3,15 @@
 Same model, dtype, device and thread count for both. Measures prefill tokens/s at several
 prompt lengths and steady-state decode tokens/s at several batch sizes, prints a table and
 writes it into docs/BENCHMARKS.md. Each number is the best of --repeats runs, and the two
-engines alternate run by run so machine noise hits both alike.
+engines alternate run by run so machine noise hits both alike. Decode is also set beside the
+hardware's floor: the bytes one step reads (weights and every sequence's KV) over the copy
+bandwidth measured in the same run. `--shape` builds a random-weight model of a real shape
+offline (shapes.py); on CUDA `--hf-compile` adds transformers with a static cache and
+torch.compile.
 
     python -m kvtier.bench.throughput [--prefill-lengths 512,2048,4096] [--no-write]
+    python -m kvtier.bench.throughput --device cuda --shape llama-3.1-8b --decode-batch 1,8,32,64,128 \
+        --prefill-lengths 2048,8192,32768 --hf-compile
 """
 from __future__ import annotations
 
@@ -18,7 +24,9 @@ import time
 import torch
 
 from kvtier.bench.report import add_output_args, cpu_model, header, int_list, publish, verdict
-from kvtier.config import DTYPES, Config
+from kvtier.bench.shapes import SHAPES
+from kvtier.bench.shapes import build as build_shape
+from kvtier.config import DTYPES, Config, cache_home
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.models.loader import resolve_model_path
@@ -27,6 +35,7 @@ SECTION = "## Throughput (kvtier vs transformers)"
 PREFILL_TARGET = 1.0      # kvtier / transformers, at every prompt length
 DECODE_B1_TARGET = 1.0    # kvtier batch 1 / transformers batch 1
 DECODE_BATCH_TARGET = 4.0  # kvtier at the largest batch / transformers batch 1
+FLOOR_B1_TARGET = 0.7      # kvtier batch 1 / the bandwidth floor, on a GPU
 
 
 def sync(device: torch.device) -> None:
@@ -68,6 +77,56 @@ def kvtier_decode(eng: LLMEngine, prompts: list[list[int]], num_tokens: int, tag
 
 
 # --- transformers -------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def hf_compiled_decode(model, prompts: list[list[int]], num_tokens: int, device: torch.device) -> float:
+    """Tokens/s of a greedy loop over a static cache with the forward compiled (torch.compile, CUDA graphs): the
+    fastest way transformers decodes."""
+    from transformers import StaticCache
+    batch, length = len(prompts), len(prompts[0])
+    cache = StaticCache(config=model.config, max_cache_len=length + num_tokens)
+    step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    positions = torch.arange(length, device=device)
+    logits = model(torch.tensor(prompts, device=device), past_key_values=cache, cache_position=positions,
+                   use_cache=True, logits_to_keep=1).logits
+    next_tokens = logits[:, -1].argmax(-1, keepdim=True)
+    for warm in range(3):     # compile and record the graphs outside the timing
+        step(next_tokens, past_key_values=cache, cache_position=positions[-1:] + 1 + warm, use_cache=True)
+    cache.reset()
+    model(torch.tensor(prompts, device=device), past_key_values=cache, cache_position=positions, use_cache=True,
+          logits_to_keep=1)
+    sync(device)
+    start = time.perf_counter()
+    for i in range(num_tokens - 1):
+        logits = step(next_tokens, past_key_values=cache, cache_position=positions[-1:] + 1 + i, use_cache=True).logits
+        next_tokens = logits[:, -1].argmax(-1, keepdim=True)
+    sync(device)
+    return batch * (num_tokens - 1) / (time.perf_counter() - start)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
+    """Bytes/s one device copy moves (read plus write), the best of 5: what bounds reading weights and KV."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def read_bytes_per_step(hf, batch: int, context: int, kv_bytes_per_token: int) -> int:
+    """What one decode step must read: the weights but an untied input embedding (only its rows are read), and
+    each sequence's KV at the given context."""
+    weights = sum(p.numel() * p.element_size() for p in hf.parameters())
+    embedding, head = hf.get_input_embeddings().weight, hf.get_output_embeddings().weight
+    if embedding.data_ptr() != head.data_ptr():
+        weights -= embedding.numel() * embedding.element_size()
+    return weights + batch * context * kv_bytes_per_token
+
 
 def load_hf(path: str, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
@@ -123,6 +182,7 @@ def measure(args: argparse.Namespace, eng: LLMEngine, hf, device: torch.device) 
 
     prefill = {length: [float("inf"), float("inf")] for length in args.prefill_lengths}
     decode = {batch: [0.0, 0.0] for batch in args.decode_batch}
+    compiled = dict.fromkeys(args.decode_batch, 0.0) if args.hf_compile else {}
     for rep in range(args.repeats):
         for length in args.prefill_lengths:
             # a fresh prompt per run, so the prefix cache never serves it; the same tokens for both
@@ -137,10 +197,19 @@ def measure(args: argparse.Namespace, eng: LLMEngine, hf, device: torch.device) 
             best = decode[batch]
             best[0] = max(best[0], kvtier_decode(eng, prompts, n, f"decode-{rep}-{batch}"))
             best[1] = max(best[1], hf_decode(hf, prompts, n, device))
+            if args.hf_compile:
+                compiled[batch] = max(compiled[batch], hf_compiled_decode(hf, prompts, n, device))
             print(f"  repeat {rep + 1}: decode b={batch}: kvtier {best[0]:.1f} tok/s, "
                   f"transformers {best[1]:.1f} tok/s (best so far)", flush=True)
+    bandwidth = copy_bandwidth(device)
+    # the floor at the mean context of the timed steps
+    context = ctx + n // 2
+    kv_per_token = eng.pool.block_bytes // eng.pool.block_size
+    floor = {batch: batch * bandwidth / read_bytes_per_step(hf, batch, context, kv_per_token)
+             for batch in args.decode_batch}
     return {"prefill": {length: (length / kv, length / ref) for length, (kv, ref) in prefill.items()},
-            "decode": {batch: tuple(tps) for batch, tps in decode.items()}}
+            "decode": {batch: tuple(tps) for batch, tps in decode.items()}, "compiled": compiled,
+            "floor": floor, "bandwidth": bandwidth}
 
 
 def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str) -> str:
@@ -160,10 +229,30 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
     table = ["| metric | kvtier | transformers | ratio |", "| --- | ---: | ---: | ---: |"]
     table += [f"| {name} | {kv:.1f} | {ref:.1f} | {kv / ref:.2f}× |" for name, kv, ref in rows]
 
+    table += ["", "Decode beside the hardware floor (the bytes a step reads over the copy bandwidth "
+              f"{results['bandwidth'] / 1e9:.1f} GB/s measured in this run)"
+              + (" and transformers with a static cache and torch.compile:" if results["compiled"] else ":"), "",
+              "| batch | kvtier (tok/s) | floor (tok/s) | kvtier / floor |"
+              + (" transformers compiled (tok/s) | kvtier / compiled |" if results["compiled"] else ""),
+              "| ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if results["compiled"] else "")]
+    for batch, (kv, _) in decode.items():
+        floor = results["floor"][batch]
+        row = f"| {batch} | {kv:.1f} | {floor:.1f} | {kv / floor:.0%} |"
+        if results["compiled"]:
+            row += f" {results['compiled'][batch]:.1f} | {kv / results['compiled'][batch]:.2f}× |"
+        table.append(row)
     prefill_ratios = {length: kv / ref for length, (kv, ref) in prefill.items()}
     targets = [f"- prefill ≥ {PREFILL_TARGET:.1f}× transformers at every length: "
                f"{verdict(all(r >= PREFILL_TARGET for r in prefill_ratios.values()))} ("
                + ", ".join(f"{length}: {r:.2f}×" for length, r in prefill_ratios.items()) + ")"]
+    if args.device.startswith("cuda") and 1 in decode:
+        share = decode[1][0] / results["floor"][1]
+        targets.append(f"- batch-1 decode ≥ {FLOOR_B1_TARGET:.0%} of the floor (CUDA): "
+                       f"{verdict(share >= FLOOR_B1_TARGET)} ({share:.0%})")
+    if results["compiled"]:
+        worst = min(decode[b][0] / results["compiled"][b] for b in decode)
+        targets.append(f"- decode ≥ transformers with a static cache and torch.compile at every batch: "
+                       f"{verdict(worst >= 1.0)} (lowest {worst:.2f}×)")
     if 1 in decode:
         b1 = decode[1][0] / decode[1][1]
         targets.append(f"- batch-1 decode ≥ {DECODE_B1_TARGET:.1f}× transformers: "
@@ -175,7 +264,7 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
 
     machine = (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, transformers "
                f"{transformers.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
-               f"{args.dtype}, model {eng.model_name}")
+               f"{eng.config.dtype}, model {eng.model_name}")
     return "\n".join([
         *header(SECTION, machine, command),
         *table,
@@ -202,7 +291,7 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtier bench throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the bundled SmolLM2-135M)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both engines")
     p.add_argument("--prefill-lengths", type=int_list, default=[512, 2048, 4096], help="comma-separated")
@@ -210,6 +299,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-batch", type=int_list, default=[1, 8], help="comma-separated batch sizes")
     p.add_argument("--decode-context", type=int, default=128, help="prompt length of the decode runs")
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement; the best is reported")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="a random-weight model of this shape, built offline "
+                                                           "(instead of --model)")
+    p.add_argument("--shapes-dir", default=os.path.join(cache_home(), "shapes"), help="where --shape models are built")
+    p.add_argument("--hf-compile", action="store_true",
+                   help="also measure transformers' decode with a static cache and torch.compile (CUDA)")
     add_output_args(p)
     args = p.parse_args(argv)
     if args.decode_tokens < 2:
@@ -224,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     command = shlex.join(["python", "-m", "kvtier.bench.throughput", *argv])
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if args.shape:
+        args.model = build_shape(args.shape, args.shapes_dir, DTYPES[args.dtype], args.device)
     batch = max(args.decode_batch)
     need = max(max(args.prefill_lengths) + 1, batch * (args.decode_context + args.decode_tokens))
     # raw compute: no prefix cache and no tiers, so no run can reuse another's (or an earlier process's) KV

@@ -23,6 +23,9 @@ import torch.nn.functional as F
 # On CPU a prefix in at most this many runs of consecutive pool slots is attended where it lies; a more
 # scattered one is gathered into one tensor per layer first.
 MAX_PREFIX_RUNS = 16
+# On CPU a decode whose context has at least this many tokens attends on its own, where its K/V lies; shorter ones
+# share one gathered, padded call (measured on a 2-core EPYC with SmolLM2's 3 K/V heads of 64)
+CPU_DECODE_APART = 1024
 
 
 @dataclass
@@ -57,13 +60,16 @@ class DecodeGroup:
         return (torch.tensor(self.query_rows, dtype=torch.int32).to(device), _padded_tables(tables, device),
                 torch.tensor(lens, dtype=torch.int32).to(device))
 
-    def padded(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every context's slots [B, max_len], padded with slot 0, and the mask [B, 1, 1, max_len] of real ones."""
-        slots = [torch.cat([torch.arange(a, b) for a, b in runs]) for runs in self.runs]
+    def padded(self, device: torch.device, skip: set[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows but those in skip, their contexts' slots [B, max_len] padded with slot 0, and the mask
+        [B, 1, 1, max_len] of real ones."""
+        kept = [i for i in range(len(self.runs)) if i not in skip]
+        slots = [torch.cat([torch.arange(a, b) for a, b in self.runs[i]]) for i in kept]
         lens = torch.tensor([len(x) for x in slots])
         kv_slots = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)
         mask = torch.arange(kv_slots.shape[1])[None, :] < lens[:, None]
-        return kv_slots.to(device), mask[:, None, None, :].to(device)
+        return (torch.tensor([self.query_rows[i] for i in kept], device=device), kv_slots.to(device),
+                mask[:, None, None, :].to(device))
 
 
 @dataclass
@@ -137,19 +143,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if kernels is not None:
             rows, tables, lens = meta.kernel_args("decode", lambda: d.kernel_args(meta.block_size, q.device))
             kernels.decode(q, k_cache, v_cache, out, rows, tables, lens, meta.block_size, scale)
-        elif q.device.type == "cpu" and max(len(runs) for runs in d.runs) <= MAX_PREFIX_RUNS:
-            for row, runs in zip(d.query_rows, d.runs):     # each context read where it lies
+        else:
+            # on CPU a long context is read where it lies, one sequence at a time; the others are gathered and padded
+            # into one batched call, which costs less than a call per sequence while contexts are short
+            apart = [i for i, runs in enumerate(d.runs) if q.device.type == "cpu" and len(runs) <= MAX_PREFIX_RUNS
+                     and sum(b - a for a, b in runs) >= CPU_DECODE_APART]
+            for i in apart:
+                row, runs = d.query_rows[i], d.runs[i]
                 qs = q[row:row + 1].transpose(0, 1).unsqueeze(0)     # [1, H, 1, D]
                 parts = _segment_parts_cpu(qs, k.shape[1], [(k_cache[a:b], v_cache[a:b]) for a, b in runs], scale)
                 out[row] = _merged(parts)[0, :, 0]
-        else:
-            rows = torch.tensor(d.query_rows, device=q.device)
-            kv_slots, mask = d.padded(q.device)
-            qs = q[rows].unsqueeze(2)                                 # [B, H, 1, D]
-            ks = k_cache[kv_slots].permute(0, 2, 1, 3)                # [B, KVH, L, D]
-            vs = v_cache[kv_slots].permute(0, 2, 1, 3)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
-            out[rows] = o.squeeze(2)
+            if len(apart) < len(d.runs):
+                rows, kv_slots, mask = meta.kernel_args("gathered", lambda: d.padded(q.device, skip=set(apart)))
+                qs = q[rows].unsqueeze(2)                                 # [B, H, 1, D]
+                ks = k_cache[kv_slots].permute(0, 2, 1, 3)                # [B, KVH, L, D]
+                vs = v_cache[kv_slots].permute(0, 2, 1, 3)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+                out[rows] = o.squeeze(2)
     return out
 
 

@@ -21,6 +21,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _online_softmax(scores, v, best, total, acc, PRECISION: tl.constexpr):
+    """Fold one block's scores [rows, keys] and values [keys, D] into the running max, sum and output."""
+    new_best = tl.maximum(best, tl.max(scores, 1))
+    p = tl.exp(scores - new_best[:, None])
+    fade = tl.exp(best - new_best)
+    total = total * fade + tl.sum(p, 1)
+    acc = acc * fade[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+    return new_best, total, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, rows_ptr, tables_ptr, lens_ptr, scale,
                    stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -42,12 +53,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, rows_ptr, tables_ptr, lens_ptr,
         v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, 1))
-        p = tl.exp(scores - new_best[:, None])
-        fade = tl.exp(best - new_best)
-        total = total * fade + tl.sum(p, 1)
-        acc = acc * fade[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-        best = new_best
+        best, total, acc = _online_softmax(scores, v, best, total, acc, PRECISION)
     out = acc / total[:, None]
     tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=(g < GROUP)[:, None])
@@ -80,12 +86,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, query_lens_ptr, co
         v = tl.load(v_ptr + offsets, mask=(key_positions < last)[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         scores = tl.where(key_positions[None, :] <= positions[:, None], scores, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, 1))
-        p = tl.exp(scores - new_best[:, None])
-        fade = tl.exp(best - new_best)
-        total = total * fade + tl.sum(p, 1)
-        acc = acc * fade[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-        best = new_best
+        best, total, acc = _online_softmax(scores, v, best, total, acc, PRECISION)
     out = acc / total[:, None]
     tl.store(out_ptr + (first_row + m)[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(m < query_len)[:, None])
