@@ -74,3 +74,8 @@ def test_prefill_kernel_matches_the_reference(bs, heads, kv_heads):
                              torch.tensor(lens, device=DEVICE), torch.tensor([s for s, _ in work], device=DEVICE),
                              tables, max(lens), bs, DIM ** -0.5)
     assert torch.allclose(out.cpu().double(), expected, atol=1e-4)
+
+
+def test_shapes_the_kernels_cannot_tile_are_left_to_the_other_paths():
+    assert triton_attention.supports(64, 16) and triton_attention.supports(128, 64)
+    assert not triton_attention.supports(80, 64) and not triton_attention.supports(64, 8)

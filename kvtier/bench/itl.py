@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import statistics
 import sys
 import time
 
 import torch
 
-from kvtier.bench.report import add_device_args, add_output_args, cpu_model, device_settings, header, publish, verdict
+from kvtier.bench.report import (add_device_args, add_output_args, cpu_model, device_settings, header, parse_command,
+                                 publish, verdict)
 from kvtier.bench.throughput import random_prompts
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
@@ -134,10 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    if argv is None:
-        argv = sys.argv[1:]
-    args = parse_args(argv)
-    command = shlex.join(["python", "-m", "kvtier.bench.itl", *argv])
+    args, command = parse_command("kvtier.bench.itl", argv, parse_args)
     extra = {"max_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}
     eng = LLMEngine(Config(model=args.model, **device_settings(args), **extra, prefix_cache=False, kv_host_gib=0,
                            kv_disk=False, kv_pool_tokens=args.long_prompt + args.streams * 4096 + 1024))

@@ -19,9 +19,7 @@ import argparse
 import gc
 import os
 import random
-import shlex
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ from kvtier.bench.report import (
     device_settings,
     header,
     int_list,
+    parse_command,
     publish,
     verdict,
 )
@@ -532,11 +531,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    if argv is None:
-        argv = sys.argv[1:]
-    args = parse_args(argv)
+    args, command = parse_command("kvtier.bench.niah", argv, parse_args)
     torch.set_num_threads(args.threads)
-    command = shlex.join(["python", "-m", "kvtier.bench.niah", *argv])
     results = measure(args)
     section = render(results, args, command)
     if not args.no_write:

@@ -5,6 +5,8 @@ import argparse
 import datetime
 import os
 import platform
+import shlex
+import sys
 
 
 def cpu_model() -> str:
@@ -72,3 +74,9 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
 def device_settings(args: argparse.Namespace) -> dict:
     """The Config settings of --device and --dtype."""
     return {"device": args.device, **({"dtype": args.dtype} if args.dtype else {})}
+
+
+def parse_command(module: str, argv: list[str] | None, parse) -> tuple[argparse.Namespace, str]:
+    """A benchmark's arguments (argv, else the process's), and the command line that reproduces its run."""
+    argv = sys.argv[1:] if argv is None else argv
+    return parse(argv), shlex.join(["python", "-m", module, *argv])

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import sys
 import time
 
 import torch
 
-from kvtier.bench.report import add_output_args, cpu_model, header, int_list, publish, verdict
+from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish, verdict
 from kvtier.bench.shapes import SHAPES
 from kvtier.bench.shapes import build as build_shape
 from kvtier.config import DTYPES, Config, cache_home
@@ -312,10 +310,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    if argv is None:
-        argv = sys.argv[1:]
-    args = parse_args(argv)
-    command = shlex.join(["python", "-m", "kvtier.bench.throughput", *argv])
+    args, command = parse_command("kvtier.bench.throughput", argv, parse_args)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")

@@ -20,9 +20,7 @@ import argparse
 import gc
 import os
 import random
-import shlex
 import shutil
-import sys
 import tempfile
 import time
 
@@ -35,6 +33,7 @@ from kvtier.bench.report import (
     device_settings,
     header,
     int_list,
+    parse_command,
     publish,
     verdict,
 )
@@ -490,11 +489,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    if argv is None:
-        argv = sys.argv[1:]
-    args = parse_args(argv)
+    args, command = parse_command("kvtier.bench.ttft", argv, parse_args)
     torch.set_num_threads(args.threads)
-    command = shlex.join(["python", "-m", "kvtier.bench.ttft", *argv])
     section = render(measure(args), args, command)
     publish(section, args)
 

@@ -116,6 +116,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     kernels = _triton_kernels() if q.device.type == "cuda" else None
+    if kernels is not None and not kernels.supports(q.shape[-1], meta.block_size):
+        kernels = None
     prefills = meta.prefills
     if kernels is not None:
         prefills = _prefills_by_kernel(kernels, q, k_cache, v_cache, out, meta, scale)

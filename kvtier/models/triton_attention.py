@@ -92,6 +92,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, query_lens_ptr, co
              out.to(out_ptr.dtype.element_ty), mask=(m < query_len)[:, None])
 
 
+def supports(head_dim: int, block_size: int) -> bool:
+    """The kernels tile a head and a block in powers of two of at least 16 (tl.arange and tl.dot)."""
+    return all(n >= 16 and n & (n - 1) == 0 for n in (head_dim, block_size))
+
+
 def _precision(q: torch.Tensor) -> str:
     """float32 products in full precision (greedy output must match a float32 reference), not TF32."""
     return "ieee" if q.dtype == torch.float32 else "tf32"
