@@ -40,3 +40,44 @@ def test_budget_grows_by_doubling_on_a_fast_device_and_keeps_a_floor_on_a_slow_o
     slow.observe(1, 0, 0.01)
     slow.observe(1, 64, 10.0)                    # prompt tokens far too slow for the bound
     assert slow.budget(decoding=True) == MIN_BUDGET
+
+
+def test_the_engine_paces_a_long_prompt_beside_running_streams(tiny_model_dir):
+    """Wired through: steps that decode carry no more prompt tokens than the pacer allowed them, its budget comes
+    from the engine's measured steps, and the long prompt still completes with the tokens it gets alone."""
+    from kvtier.config import Config
+    from kvtier.engine.engine import LLMEngine
+    from kvtier.engine.sampling_params import SamplingParams
+
+    def engine():
+        return LLMEngine(Config(model=tiny_model_dir, block_size=16, kv_pool_tokens=4096, max_batched_tokens=512,
+                                kv_host_gib=0, kv_disk=False, prefix_cache=False))
+    long_prompt = [(13 * i) % 800 + 30 for i in range(1500)]
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    alone = engine()
+    alone.add_request("long", long_prompt, greedy)
+    expected = []
+    while alone.has_unfinished():
+        expected += [t for out in alone.step() for t in out.new_token_ids]
+
+    eng = engine()
+    for i in range(2):
+        eng.add_request(f"s{i}", [5 + i, 6, 7, 8], SamplingParams(max_tokens=400, ignore_eos=True))
+    for _ in range(4):                       # decode-only steps set the pace
+        eng.step()
+    assert eng.scheduler.pacer.decode_seconds is not None
+    eng.add_request("long", long_prompt, greedy)
+    schedule, mixed, tokens = eng.scheduler.schedule, [], []
+
+    def watched():
+        allowed = eng.scheduler.pacer.budget(decoding=True)
+        batch = schedule()
+        if batch.num_decodes:
+            mixed.append((sum(batch.num_tokens) - batch.num_decodes, allowed))
+        return batch
+    eng.scheduler.schedule = watched
+    while eng.scheduler.find("long") is not None:
+        tokens += [t for out in eng.step() if out.request_id == "long" for t in out.new_token_ids]
+    assert tokens == expected
+    assert mixed and all(carried <= allowed for carried, allowed in mixed)
+    assert mixed[0][0] == FIRST_BUDGET       # the first step beside decodes tries a small chunk, not 512 tokens
