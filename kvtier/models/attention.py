@@ -42,8 +42,7 @@ class PrefillSeq:
     def prefix_slots(self, device: torch.device) -> torch.Tensor:
         """The resident prefix's slots as one index, built once per step for every layer's gather."""
         if self._slots is None:
-            runs = [torch.arange(a, b) for a, b in self.prefix_runs] or [torch.empty(0, dtype=torch.long)]
-            self._slots = torch.cat(runs).to(device)
+            self._slots = _slots_of(self.prefix_runs).to(device)
         return self._slots
 
 
@@ -64,7 +63,7 @@ class DecodeGroup:
         """The rows but those in skip, their contexts' slots [B, max_len] padded with slot 0, and the mask
         [B, 1, 1, max_len] of real ones."""
         kept = [i for i in range(len(self.runs)) if i not in skip]
-        slots = [torch.cat([torch.arange(a, b) for a, b in self.runs[i]]) for i in kept]
+        slots = [_slots_of(self.runs[i]) for i in kept]
         lens = torch.tensor([len(x) for x in slots])
         kv_slots = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)
         mask = torch.arange(kv_slots.shape[1])[None, :] < lens[:, None]
@@ -88,6 +87,11 @@ class AttentionMetadata:
         if name not in self._kernel_args:
             self._kernel_args[name] = build()
         return self._kernel_args[name]
+
+
+def _slots_of(runs: list[tuple[int, int]]) -> torch.Tensor:
+    """The pool slots of slot ranges [a, b), in order, as one index."""
+    return torch.cat([torch.arange(a, b) for a, b in runs] or [torch.empty(0, dtype=torch.long)])
 
 
 def _padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
