@@ -1,6 +1,7 @@
 """One disk tier directory shared by several processes, and `kvtier cache` on it."""
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import random
@@ -11,7 +12,7 @@ import torch
 
 from kvtier.kv.keys import chain_keys
 from kvtier.kv.tiers.blockfile import file_size
-from kvtier.kv.tiers.disk import DiskTier
+from kvtier.kv.tiers.disk import LOCK_NAME, DiskTier
 
 SHAPE = (2, 2, 4, 2, 8)
 NS = b"namespace-shared"
@@ -27,16 +28,15 @@ def run_of(i: int) -> tuple[list[bytes], list[torch.Tensor]]:
 
 
 def on_disk(directory: str) -> int:
-    """Bytes of the block files in the directory now (a file evicted while we look counts as gone)."""
-    total = 0
-    for root, _, names in os.walk(directory):
-        for name in names:
-            if name.endswith(".kvb"):
-                try:
-                    total += os.path.getsize(os.path.join(root, name))
-                except FileNotFoundError:
-                    pass
-    return total
+    """Bytes of the block files in the directory, sampled under the writers' lock. Unlocked, a walk that
+    counted a file a peer then evicted could also count the file it wrote next, which never coexisted."""
+    fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return sum(os.path.getsize(os.path.join(root, name))
+                   for root, _, names in os.walk(directory) for name in names if name.endswith(".kvb"))
+    finally:
+        os.close(fd)
 
 
 def hammer(directory: str, seed: int, budget: int, rounds: int, results) -> None:

@@ -51,6 +51,8 @@ def regular_files(directory: str) -> tuple[list[os.DirEntry], list[str]]:
         for entry in entries:
             try:
                 regular = stat.S_ISREG(entry.stat(follow_symlinks=False).st_mode)
+            except FileNotFoundError:     # removed since the listing (a peer's eviction): nothing to skip
+                continue
             except OSError:
                 regular = False
             (found.append(entry) if regular else skipped.append(entry.name))
