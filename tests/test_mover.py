@@ -31,8 +31,13 @@ def wait_for(mover: Mover, count: int):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_run_saved_and_restored_through_the_mover_is_byte_exact(device):
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_a_run_saved_and_restored_through_the_mover_is_byte_exact(device, staged, monkeypatch):
+    """Staged is CUDA's way (a gather or scatter through a contiguous buffer), here run on CPU too, in groups
+    of two blocks."""
     pool = KVPool(3, 2, 8, BS, 16 * BS, torch.float32, torch.device(device))
+    pool.staged_copies = staged
+    monkeypatch.setattr("kvtier.kv.pool.STAGE_BYTES", 2 * pool.block_bytes)
     pool.kv_cache.normal_()
     host = HostTier(8 * pool.block_bytes, pool.block_shape, torch.float32, pin_memory=device == "cuda")
     mover = Mover(pool, TierStack([host]))

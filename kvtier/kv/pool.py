@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import torch
 
 CPU_POOL_SHARE = 0.10    # of available host RAM when --kv-pool-tokens is not given
 CUDA_POOL_SHARE = 0.80   # of free device memory after the weights are loaded
+STAGE_BYTES = 64 << 20   # the most a transfer stages on the device at once (blocks_out, blocks_in)
 
 
 class PoolExhausted(RuntimeError):
@@ -50,6 +52,8 @@ class KVPool:
         self.kv_cache = torch.empty(2, num_layers, self.num_blocks * block_size, num_kv_heads, head_dim,
                                     dtype=dtype, device=device)
         self.kv_cache[:, :, :block_size].zero_()
+        # transfers to and from the tiers go through a contiguous device buffer on CUDA (see blocks_out)
+        self.staged_copies = self.kv_cache.device.type == "cuda"
         self.namespace = namespace
         self.prefix_cache = prefix_cache
         self.ref_counts = [0] * self.num_blocks
@@ -114,6 +118,40 @@ class KVPool:
         """The block's slots in the cache, [2, num_layers, block_size, num_kv_heads, head_dim], for copies."""
         bs = self.block_size
         return self.kv_cache[:, :, block * bs:(block + 1) * bs]
+
+    def blocks_out(self, blocks: list[int]) -> Iterator[torch.Tensor]:
+        """The blocks' payloads, in order, to copy to a tier. A block's slots are 2 x num_layers strided pieces
+        of the cache: on CUDA a gather puts them in a contiguous buffer (STAGE_BYTES at a time), so each copy
+        to host memory is one DMA at full rate, where a strided one goes through a temporary and a kernel. On
+        CPU, views of the blocks themselves: a gather would be one more copy."""
+        if not self.staged_copies:
+            yield from (self.block_view(b) for b in blocks)
+            return
+        for group in self._stage_groups(blocks):
+            index = torch.tensor(group, dtype=torch.long).to(self.kv_cache.device, non_blocking=True)
+            yield from self._blocked().index_select(2, index).movedim(2, 0)
+
+    def blocks_in(self, blocks: list[int], payloads: list[torch.Tensor]) -> None:
+        """Copy payloads (host memory, contiguous) into the blocks, without waiting on CUDA. There they land by
+        one DMA each in a contiguous device buffer (STAGE_BYTES at a time), and one scatter puts each group in
+        place; on CPU each is copied straight into its block."""
+        if not self.staged_copies:
+            for block, payload in zip(blocks, payloads):
+                self.block_view(block).copy_(payload)
+            return
+        done = 0
+        for group in self._stage_groups(blocks):
+            staged = torch.empty((len(group), *self.block_shape), dtype=self.kv_cache.dtype,
+                                 device=self.kv_cache.device)
+            for row, payload in zip(staged, payloads[done:done + len(group)]):
+                row.copy_(payload, non_blocking=True)
+            index = torch.tensor(group, dtype=torch.long).to(self.kv_cache.device, non_blocking=True)
+            self._blocked().index_copy_(2, index, staged.movedim(0, 2))
+            done += len(group)
+
+    def _stage_groups(self, blocks: list[int]) -> Iterator[list[int]]:
+        step = max(1, STAGE_BYTES // self.block_bytes)
+        return (blocks[i:i + step] for i in range(0, len(blocks), step))
 
     def copy_block(self, src: int, dst: int) -> None:
         self.block_view(dst).copy_(self.block_view(src))

@@ -122,12 +122,12 @@ class Mover:
         if host.pin(key):
             return True
         with self._on_copy_stream(self._compute_event()):
-            return host.put(key, self.pool.block_view(block), pin=True)
+            return host.put(key, next(self.pool.blocks_out([block])), pin=True)
 
     def copy_in(self, block: int, payload: torch.Tensor) -> None:
         """Page a block in from a host payload; returns once it is on the device."""
         with self._on_copy_stream(self._compute_event()):
-            self.pool.block_view(block).copy_(payload, non_blocking=True)
+            self.pool.blocks_in([block], [payload])
 
     # --- workers ---------------------------------------------------------------------------------
 
@@ -179,7 +179,7 @@ class Mover:
         host = self.stack.host
         with self._on_copy_stream(ready):
             if host is not None:
-                host.put_run(keys, [self.pool.block_view(b) for b in blocks])
+                host.put_run(keys, self.pool.blocks_out(blocks))
                 leased = host.lease(keys)
                 if leased is not None:
                     return leased, True
@@ -219,8 +219,7 @@ class Mover:
             payloads = {key: payload for tier, got, _ in reads for key, payload in got.items()}
             start = time.perf_counter()
             with self._on_copy_stream(job.ready):
-                for block, key in zip(job.blocks, wanted):
-                    self.pool.block_view(block).copy_(payloads[key], non_blocking=True)
+                self.pool.blocks_in(job.blocks[:len(wanted)], [payloads[key] for key in wanted])
             copy_s = (time.perf_counter() - start) / max(1, len(wanted))
             job.bytes = len(wanted) * self.pool.block_bytes
             for tier, got, read_s in reads:      # the copy's time shared out by blocks
