@@ -3,9 +3,9 @@ block tables. It decides where each block lives; the mover (tiers/mover.py) carr
 
 The engine talks to it in a few verbs:
 - `new_state` when a request arrives; `start_loads` each step for the waiting ones: a prompt whose
-  prefix continues below the device gets device blocks reserved and a load started, and waits in
-  its own state (`state.loading`) while the engine steps everyone else. A prefix is loaded only
-  from the tiers that move it faster than the engine would compute it (rates.py);
+  prefix continues below the device gets device blocks reserved and a load started, as the load
+  planner (planner.py) says, and waits in its own state (`state.loading`) while the engine steps
+  everyone else, or computes the front of its prefix meanwhile (rates.py);
 - `admit` / `reserve` give a scheduled sequence its cached prefix and the blocks its next tokens
   need (paging out first under bounded residency), `chunk` caps a prefill chunk;
 - `commit` after a step: residency bookkeeping (page-outs and page-ins), then every block the
@@ -17,7 +17,6 @@ The engine talks to it in a few verbs:
 from __future__ import annotations
 
 import logging
-from collections import Counter
 
 import torch
 
@@ -25,6 +24,7 @@ from kvtier.kv.keys import block_key, chain_keys
 from kvtier.kv.manifest import ManifestStore
 from kvtier.kv.pager import Pager
 from kvtier.kv.partials import PartialBlocks
+from kvtier.kv.planner import LoadPlan, LoadPlanner
 from kvtier.kv.pool import KVPool
 from kvtier.kv.rates import Rates
 from kvtier.kv.state import NOT_RESIDENT, KVState
@@ -45,6 +45,7 @@ class KVManager:
         self.loading: dict[str, KVState] = {}     # loads in flight, by request id
         self.partials = PartialBlocks(pool.namespace, partials_dir)
         self.rates = Rates(pool.block_bytes // pool.block_size)
+        self.planner = LoadPlanner(pool, stack, self.rates, self.partials, pager, manifests)
         self.num_saving = 0                       # block runs pinned for a copy that has not landed
         self._warned = False
         self.load_counts = [0] * (len(LOAD_BUCKETS) + 1)   # per bucket, the last one is +Inf
@@ -84,68 +85,34 @@ class KVManager:
                 continue     # a restore pins host blocks: wait for room in the host budget first
             state.looked_up = True
             exact = self.prompt_keys(state)
-            if state.residency and (self._start_manifest_load(state, exact) or self._start_long_load(state, exact)):
+            plan, on_device = self.planner.bounded(exact) if state.residency else None, []
+            if plan is None:
+                on_device = self.pool.match_prefix(exact[:self.planner.shared_limit])
+                plan = self.planner.prefix(state, exact, len(on_device))
+            if plan is None:
+                self.pool.free(on_device)     # admission matches the device part again
                 continue
-            self._start_prefix_load(state, exact)
+            self._begin_load(state, plan, on_device)
 
-    def _start_prefix_load(self, state: KVState, exact: list[bytes]) -> None:
-        bs, limit = self.block_size, self.pager.max_shared_blocks if self.pager else None
-        on_device = self.pool.match_prefix(exact[:limit])
-        keys = exact[len(on_device):limit]
-        tiers = [tier for tier, n in self.stack.lookup(keys).items() for _ in range(n)]     # each block's tier
-        count, front = len(tiers), self.rates.blocks_to_compute(tiers, bs)
-        if limit is not None and front:      # a bounded sequence's restore is all or nothing
-            front = count
-        partial = None
-        if limit is None and (front < count or count == 0):
-            partial = self._partial_in_tiers(state, exact[:len(on_device)] + keys[:count], on_device_too=count == 0)
-        # reserve blocks for the whole prompt, so that a restored request never waits for more
-        # blocks while holding some (two such requests could otherwise starve each other)
-        need = self.pool.blocks_for(len(state.token_ids))
-        if limit is not None:     # bounded residency: never more than the budget
-            need = min(need, self.pager.budget_blocks)
-        need -= len(on_device)
-        if (front == count and partial is None) or not self.pool.can_allocate(need):
-            self.pool.free(on_device)     # admission matches the device part again
-            return
-        if front:
-            log.info("computing %d cached tokens while the next %d load (%s)", front * bs, (count - front) * bs,
-                     self.rates.stats())
-        blocks = self.pool.allocate(need)
+    def _begin_load(self, state: KVState, plan: LoadPlan, on_device: list[int]) -> None:
+        """Reserve the plan's blocks (after those the device holds), write the state, start the copy. The
+        blocks stay the request's until the load lands: an abort or a miss frees them then."""
+        blocks = self.pool.allocate(plan.num_blocks)
         state.block_table = on_device + blocks
-        state.block_keys = exact[:len(on_device)]
-        state.load_from, state.compute_first = (len(on_device) + front) * bs, front > 0
-        state.num_cached_tokens = len(on_device) * bs
-        state.tier_tokens = {"device": len(on_device) * bs,
-                             **{name: n * bs for name, n in Counter(tiers[front:]).items()}}
-        job = LoadJob(state.request_id, keys[front:count], blocks[front:count])
-        if partial is not None:
-            tier, key, job.partial_tokens = partial
-            job.keys.append(key)
-            job.blocks.append(blocks[count])
-            state.tier_tokens[tier] = state.tier_tokens.get(tier, 0) + job.partial_tokens
-        self._begin_load(state, job)
-
-    def _partial_in_tiers(self, state: KVState, keys: list[bytes],
-                          on_device_too: bool) -> tuple[str, bytes, int] | None:
-        """A partial block continuing these full blocks held by a tier: (the tier's name, its key, its tokens to
-        use). None where on_device_too and the device has it: admission copies it there, without a load."""
-        hit = self._partial_after(state, keys)
-        if hit is None or (on_device_too and hit[0] in self.pool.cached):
-            return None
-        tier = next((t for t in self.stack.tiers if t.contains(hit[0])), None)
-        return None if tier is None else (tier.name, *hit)
-
-    def _partial_after(self, state: KVState, keys: list[bytes]) -> tuple[bytes, int] | None:
-        """The partial block after these leading full blocks, for the prompt tokens it shares (never the last)."""
-        parent = keys[-1] if keys else state.root_key
-        start = len(keys) * self.block_size
-        return self.partials.match(parent, state.token_ids[start:len(state.token_ids) - 1])
+        state.block_keys = self.prompt_keys(state)[:len(on_device)]
+        state.load_from = (len(on_device) + plan.front) * self.block_size
+        state.compute_first = plan.front > 0
+        state.num_cached_tokens = len(on_device) * self.block_size
+        state.tier_tokens = plan.tier_tokens
+        state.loading = True
+        self.loading[state.request_id] = state
+        self.mover.load(LoadJob(state.request_id, plan.keys, blocks[plan.front:plan.front + len(plan.keys)],
+                                plan.manifest_key, plan.resident, partial_tokens=plan.partial_tokens))
 
     def _partial_on_device(self, state: KVState, keys: list[bytes]) -> tuple[int, int] | None:
         """Copy-on-write of a cached partial block continuing these full blocks: (a fresh block holding its
         copy, the tokens it gives), or None."""
-        hit = self._partial_after(state, keys)
+        hit = self.planner.partial_after(state, keys)
         if hit is None:
             return None
         key, n = hit
@@ -158,47 +125,6 @@ class KVManager:
         self.pool.free(found)
         return (copy[0], n) if copy else None
 
-    def _start_manifest_load(self, state: KVState, exact: list[bytes]) -> bool:
-        """A bounded sequence continuing a saved one: reserve room for the resident blocks and load them.
-        exact: the prompt's block keys in the exact namespace (a manifest is found by its prefix's)."""
-        pager = self.pager
-        count, keys = len(exact), None
-        while keys is None and count > pager.max_shared_blocks:     # the longest saved prefix
-            keys = self.manifests.block_keys(pager.manifest_key(exact[count - 1]))
-            count -= keys is None
-        if keys is None or not all(self.stack.holds(key) for key in keys):
-            return False
-        need = min(count, pager.budget_blocks)
-        if not self.pool.can_allocate(need):
-            return False
-        on_host = sum(self.stack.host.contains(key) for key in keys)
-        state.tier_tokens = {"host": on_host * self.block_size, "disk": (count - on_host) * self.block_size}
-        state.block_table = self.pool.allocate(need)     # until the load lands: freed by an abort or a miss
-        self._begin_load(state, LoadJob(state.request_id, keys, state.block_table,
-                                        pager.manifest_key(exact[count - 1])))
-        return True
-
-    def _start_long_load(self, state: KVState, keys: list[bytes]) -> bool:
-        """A bounded sequence whose exact prefix in the tiers is longer than its budget: restore it with the
-        sink and tail blocks resident and the rest paged out, as if it had been prefilled here."""
-        pager = self.pager
-        runs = self.stack.lookup(keys)
-        count = sum(runs.values())
-        if count <= pager.max_shared_blocks:
-            return False
-        resident = [i < pager.sink_blocks or i >= count - pager.tail_blocks for i in range(count)]
-        if not self.pool.can_allocate(sum(resident)):
-            return False
-        state.tier_tokens = {name: n * self.block_size for name, n in runs.items()}
-        state.block_table = self.pool.allocate(sum(resident))
-        self._begin_load(state, LoadJob(state.request_id, keys[:count], state.block_table, resident=resident))
-        return True
-
-    def _begin_load(self, state: KVState, job: LoadJob) -> None:
-        state.loading = True
-        self.loading[state.request_id] = state
-        self.mover.load(job)
-
     def admit(self, state: KVState, budget: int) -> tuple[int, int] | None:
         """Give a waiting sequence its cached prefix and blocks for its first chunk (at most budget tokens):
         (tokens already computed, tokens to compute now), or None (it keeps waiting) when they do not fit."""
@@ -208,8 +134,7 @@ class KVManager:
             cached, keys = [], state.block_keys
             start = len(keys) * self.block_size if state.compute_first else state.restored
         else:
-            limit = self.pager.max_shared_blocks if self.pager else None
-            cached = self.pool.match_prefix(self.prompt_keys(state)[:limit])
+            cached = self.pool.match_prefix(self.prompt_keys(state)[:self.planner.shared_limit])
             keys, start = state.prompt_keys[:len(cached)], len(cached) * self.block_size
         # a loaded table already has a block reserved where the copy would go: its load brought any partial
         copied = None if state.residency or state.block_table else self._partial_on_device(state, keys)
