@@ -217,28 +217,29 @@ class KVManager:
             self.mover.save(keys, blocks)
 
     def _page_out(self, state: KVState, blocks: list[int]) -> None:
+        """Free these blocks' device slots; their payloads stay pinned in the host tier (one batched copy for
+        those not there yet: a block paged out before is still pinned there)."""
         res = state.residency
+        copied = [i for i in blocks if i not in res.offloaded]
+        if not self.mover.copy_out([state.block_keys[i] for i in copied], [state.block_table[i] for i in copied]):
+            raise RuntimeError("the host tier has no room for a paged-out block: its reservations failed")
+        res.offloaded.update(copied)
+        self.pool.free([state.block_table[i] for i in blocks])
         for i in blocks:
-            physical = state.block_table[i]
-            if i not in res.offloaded:     # a block paged out before is still pinned in the host tier
-                if not self.mover.copy_out(state.block_keys[i], physical):
-                    raise RuntimeError("the host tier has no room for a paged-out block: its reservations failed")
-                res.offloaded.add(i)
-            self.pool.free([physical])
             state.block_table[i] = NOT_RESIDENT
-            self.pager.stats["page_outs"] += 1
+        self.pager.stats["page_outs"] += len(blocks)
 
     def _page_in(self, state: KVState, blocks: list[int]) -> None:
-        for i in blocks:
-            if not self.pool.can_allocate(1):
-                return
-            payload = self._fetch(state, i)
-            physical = self.pool.allocate(1)[0]
-            self.mover.copy_in(physical, payload)
-            self.pool.seal(physical, state.block_keys[i])
-            state.block_table[i] = physical
+        """Bring these paged-out blocks back (as many as the pool has room for), in one batched copy."""
+        blocks = blocks[:self.pool.num_free_blocks]
+        payloads = [self._fetch(state, i) for i in blocks]
+        physical = self.pool.allocate(len(blocks))
+        self.mover.copy_in(physical, payloads)
+        for i, block in zip(blocks, physical):
+            self.pool.seal(block, state.block_keys[i])
+            state.block_table[i] = block
             self.pager.placed(state, i)
-            self.pager.stats["page_ins"] += 1
+        self.pager.stats["page_ins"] += len(blocks)
 
     def _fetch(self, state: KVState, i: int) -> torch.Tensor:
         """A paged-out block's payload (a copy): from the host tier or, for one restored from a manifest and

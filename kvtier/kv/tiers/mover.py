@@ -6,8 +6,8 @@ Two worker threads keep tier I/O off the engine loop:
   disk file while they are together);
 - the loader copies a restored prefix from the fastest tier holding each block into device
   blocks reserved for it, then promotes what came from below into the host tier.
-Bounded residency's page-outs and page-ins use the same copies, synchronously (`copy_out`,
-`copy_in`): the pager needs the block before the next step.
+Bounded residency's page-outs and page-ins use the same copies, batched per step but synchronous
+(`copy_out`, `copy_in`): the pager needs the blocks before the next step.
 
 On CUDA every copy runs on a dedicated copy stream, after an event recorded on the compute stream
 when the job was handed over, and the worker waits for its stream before reporting: compute never
@@ -115,19 +115,22 @@ class Mover:
 
     # --- synchronous copies for paging -----------------------------------------------------------
 
-    def copy_out(self, key: bytes, block: int) -> bool:
-        """Page a block out: pin its payload in the host tier (copying it there unless a save already
-        did). False if the host tier had no room."""
+    def copy_out(self, keys: list[bytes], blocks: list[int]) -> bool:
+        """Page blocks out: pin their payloads in the host tier, copying those it does not hold yet (a save may
+        have put them there) in one batch. False if the host tier had no room."""
         host = self.stack.host
-        if host.pin(key):
+        missing = [(key, block) for key, block in zip(keys, blocks) if not host.pin(key)]
+        if not missing:
             return True
         with self._on_copy_stream(self._compute_event()):
-            return host.put(key, next(self.pool.blocks_out([block])), pin=True)
+            payloads = self.pool.blocks_out([block for _, block in missing])
+            return all([host.put(key, payload, pin=True) for (key, _), payload in zip(missing, payloads)])
 
-    def copy_in(self, block: int, payload: torch.Tensor) -> None:
-        """Page a block in from a host payload; returns once it is on the device."""
-        with self._on_copy_stream(self._compute_event()):
-            self.pool.blocks_in([block], [payload])
+    def copy_in(self, blocks: list[int], payloads: list[torch.Tensor]) -> None:
+        """Page blocks in from host payloads, in one batch; returns once they are on the device."""
+        if blocks:
+            with self._on_copy_stream(self._compute_event()):
+                self.pool.blocks_in(blocks, payloads)
 
     # --- workers ---------------------------------------------------------------------------------
 
