@@ -1,4 +1,6 @@
 """Bounded residency: exact while it fits, budgets, sinks, tails and pins hold, pages round-trip."""
+import time
+
 import pytest
 import torch
 from conftest import max_logit_diff
@@ -114,6 +116,15 @@ def test_decode_attends_to_the_budget_only(bounded):
     assert lengths and max(lengths) <= BUDGET * BS
 
 
+def landed(kv, seq, i):
+    """Poll until block i's page-in has landed."""
+    deadline = time.monotonic() + 30
+    while seq.kv.block_table[i] == NOT_RESIDENT:
+        assert time.monotonic() < deadline and i in seq.kv.residency.paging_in, "the page-in never landed"
+        kv.wait(0.05)
+        kv.poll()
+
+
 def test_page_out_and_in_is_byte_exact(bounded):
     kv, pool = bounded.kv, bounded.pool
     bounded.add_request("p", prompt(300, salt=5), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
@@ -125,9 +136,44 @@ def test_page_out_and_in_is_byte_exact(bounded):
     before = pool.read_block(seq.kv.block_table[i])
     kv._page_out(seq.kv, [i])
     assert seq.kv.block_table[i] == NOT_RESIDENT
-    kv._page_in(seq.kv, [i])
+    kv._page_in(seq.kv, [i])        # queued behind the page-out on the mover's pager: reads what it pinned
+    landed(kv, seq, i)
     assert torch.equal(pool.read_block(seq.kv.block_table[i]), before)
     step_all(bounded)
+
+
+def test_paging_runs_beside_the_engine_and_gives_back_what_it_holds(tiny_model_dir, monkeypatch):
+    """A stalled page-in: steps go on without waiting for it, the block joins only once it lands; one given
+    up, or whose sequence ends, in flight frees its device block when it lands; no host pin outlives its
+    sequence."""
+    # recency scores and a far reselection: nothing but this test moves blocks while it looks
+    engine = LLMEngine(Config(model=tiny_model_dir, kv_resident_tokens=BUDGET * BS, kv_policy="lru",
+                              kv_reselect_every=1000, **BASE))
+    kv, pool, host = engine.kv, engine.pool, engine.tiers.host
+    stalled = kv.mover._paged_in
+    monkeypatch.setattr(kv.mover, "_paged_in", lambda job: time.sleep(0.5) or stalled(job))
+    engine.add_request("p", prompt(300, salt=6), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    while not engine.scheduler.running or engine.scheduler.running[0].num_computed_tokens < 300:
+        engine.step()
+    seq = engine.scheduler.running[0]
+    paged_out = [i for i, b in enumerate(seq.kv.block_table) if b == NOT_RESIDENT]
+    scored = [i for i, b in enumerate(seq.kv.block_table[:-4]) if i and b != NOT_RESIDENT]   # not sink, not tail
+
+    kv._page_out(seq.kv, scored[:1])                # a swap, as a reselection does: the budget holds
+    kv._page_in(seq.kv, paged_out[:1])
+    start = time.perf_counter()
+    engine.step()                                   # a decode step beside the page-in
+    assert time.perf_counter() - start < 0.4 and seq.kv.block_table[paged_out[0]] == NOT_RESIDENT
+    landed(kv, seq, paged_out[0])
+
+    kv._page_in(seq.kv, paged_out[1:2])
+    kv._page_out(seq.kv, paged_out[1:2])            # given up while it is in flight
+    kv._page_in(seq.kv, paged_out[2:3])
+    engine.abort_request("p")                       # the sequence ends while a page-in is in flight
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.kv.block_table == [] and pool.num_free_blocks == pool.num_blocks    # cached blocks count as free
+    assert host.pinned_bytes == 0 and engine.pager.host_reserved == 0
 
 
 def test_prompts_are_exact_decodes_over_budget_are_bounded(exact, bounded):

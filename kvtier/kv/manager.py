@@ -28,7 +28,7 @@ from kvtier.kv.planner import LoadPlan, LoadPlanner
 from kvtier.kv.pool import KVPool
 from kvtier.kv.rates import Rates
 from kvtier.kv.state import NOT_RESIDENT, KVState
-from kvtier.kv.tiers.mover import LoadJob, Mover
+from kvtier.kv.tiers.mover import LoadJob, Mover, PageIn, PageOut
 from kvtier.kv.tiers.stack import TierStack
 
 log = logging.getLogger("kvtier.kv.manager")
@@ -47,6 +47,8 @@ class KVManager:
         self.rates = Rates(pool.block_bytes // pool.block_size)
         self.planner = LoadPlanner(pool, stack, self.rates, self.partials, pager, manifests)
         self.num_saving = 0                       # block runs pinned for a copy that has not landed
+        self.num_paging = 0                       # page-outs and page-ins in flight
+        self.paging_out: dict[bytes, int] = {}    # key → device block whose copy to the host tier is in flight
         self._warned = False
         self.load_counts = [0] * (len(LOAD_BUCKETS) + 1)   # per bucket, the last one is +Inf
         self.load_seconds_sum = 0.0
@@ -61,7 +63,8 @@ class KVManager:
 
     @property
     def busy(self) -> bool:
-        return bool(self.loading) or self.num_saving > 0
+        return (bool(self.loading) or self.num_saving > 0 or self.num_paging > 0
+                or (self.mover is not None and self.mover.paging()))
 
     # --- admission -------------------------------------------------------------------------------
 
@@ -217,34 +220,45 @@ class KVManager:
             self.mover.save(keys, blocks)
 
     def _page_out(self, state: KVState, blocks: list[int]) -> None:
-        """Free these blocks' device slots; their payloads stay pinned in the host tier (one batched copy for
-        those not there yet: a block paged out before is still pinned there)."""
+        """Take these blocks off the device; their payloads stay pinned in the host tier. The mover's pager copies
+        those not there yet (a block paged out before is), their device blocks held until it lands. A page-in
+        still in flight is given up: its block is freed when it lands."""
         res = state.residency
-        copied = [i for i in blocks if i not in res.offloaded]
-        if not self.mover.copy_out([state.block_keys[i] for i in copied], [state.block_table[i] for i in copied]):
-            raise RuntimeError("the host tier has no room for a paged-out block: its reservations failed")
-        res.offloaded.update(copied)
-        self.pool.free([state.block_table[i] for i in blocks])
         for i in blocks:
+            res.paging_in.pop(i, None)
+        resident = [i for i in blocks if state.block_table[i] != NOT_RESIDENT]
+        copied = [i for i in resident if i not in res.offloaded]
+        if copied:
+            job = PageOut([state.block_keys[i] for i in copied], [state.block_table[i] for i in copied])
+            self.pool.pin(job.blocks)
+            self.paging_out.update(zip(job.keys, job.blocks))
+            self.num_paging += 1
+            self.mover.page_out(job)
+        res.offloaded.update(copied)
+        self.pool.free([state.block_table[i] for i in resident])
+        for i in resident:
             state.block_table[i] = NOT_RESIDENT
-        self.pager.stats["page_outs"] += len(blocks)
+        self.pager.stats["page_outs"] += len(resident)
 
     def _page_in(self, state: KVState, blocks: list[int]) -> None:
-        """Bring these paged-out blocks back (as many as the pool has room for), in one batched copy."""
-        blocks = blocks[:self.pool.num_free_blocks]
-        payloads = [self._fetch(state, i) for i in blocks]
-        physical = self.pool.allocate(len(blocks))
-        self.mover.copy_in(physical, payloads)
-        for i, block in zip(blocks, physical):
-            self.pool.seal(block, state.block_keys[i])
-            state.block_table[i] = block
-            self.pager.placed(state, i)
-        self.pager.stats["page_ins"] += len(blocks)
+        """Bring these paged-out blocks back, as many as the pool has room for, in one copy by the mover's pager.
+        They join the table when it lands (`poll`): decode steps until then attend without them."""
+        res = state.residency
+        wanted = [i for i in blocks if i not in res.paging_in][:self.pool.num_free_blocks]
+        if not wanted:
+            return
+        job = PageIn((state, res, wanted), [state.block_keys[i] for i in wanted], self.pool.allocate(len(wanted)))
+        res.paging_in.update(zip(wanted, job.blocks))
+        self.num_paging += 1
+        self.mover.page_in(job)
 
     def _fetch(self, state: KVState, i: int) -> torch.Tensor:
-        """A paged-out block's payload (a copy): from the host tier or, for one restored from a manifest and
-        left below until now, from a lower tier (then pinned in the host tier)."""
+        """A paged-out block's payload (a copy): from the device while its copy to the host tier is in flight,
+        from the host tier, or, for one restored from a manifest and left below until now, from a lower tier
+        (then pinned in the host tier)."""
         key, host = state.block_keys[i], self.stack.host
+        if key in self.paging_out:
+            return self.pool.read_blocks([self.paging_out[key]])[0]
         payload = host.get(key)
         for tier in self.stack.tiers:
             if payload is None and tier is not host:
@@ -271,9 +285,8 @@ class KVManager:
         if state.loading:
             state.aborted = True
             return
-        if state.residency:
-            for i in state.residency.offloaded:
-                self.stack.host.unpin(state.block_keys[i])
+        if state.residency:      # page-ins in flight land as strays and are freed then (`poll`)
+            self.mover.unpin([state.block_keys[i] for i in state.residency.offloaded])
             self.pager.release(state)
         self.pool.free([b for b in state.block_table if b != NOT_RESIDENT])
         state.block_table, state.restored, state.looked_up = [], 0, False
@@ -330,6 +343,16 @@ class KVManager:
         for blocks in events.saved:
             self.pool.free(blocks)
             self.num_saving -= 1
+        for job in events.paged_out:
+            self.num_paging -= 1
+            self.pool.free(job.blocks)
+            for key in job.keys:
+                self.paging_out.pop(key, None)
+            if not job.ok:
+                raise RuntimeError("the host tier has no room for a paged-out block: its reservations failed")
+        for job in events.paged_in:
+            self.num_paging -= 1
+            self._land_page_in(job)
         aborted = []
         for job in events.loaded:
             self._observe_load(job.seconds)
@@ -359,6 +382,28 @@ class KVManager:
             else:
                 self._missed(state, retry=job.manifest_key is not None)
         return aborted
+
+    def _land_page_in(self, job: PageIn) -> None:
+        """Paged-in blocks join the table, unless the sequence gave them up or was released meanwhile."""
+        state, res, indices = job.owner
+        live = state.residency is res
+        for i, block in zip(indices, job.blocks):
+            wanted = live and res.paging_in.get(i) == block
+            if wanted:
+                del res.paging_in[i]
+            if wanted and job.ok:
+                self.pool.seal(block, state.block_keys[i])
+                state.block_table[i] = block
+                self.pager.placed(state, i)
+                self.pager.stats["page_ins"] += 1
+            else:
+                self.pool.free([block])
+        if live:
+            res.offloaded.update(i for i, key in zip(indices, job.keys) if key in job.pinned)
+        elif job.pinned:
+            self.mover.unpin(job.pinned)
+        if not job.ok:
+            raise RuntimeError(f"a paged-out block of {state.request_id} is in no tier any more")
 
     def _warn_missed(self) -> None:
         if not self._warned:

@@ -67,6 +67,7 @@ class Residency:
     stamps: list[int] = field(default_factory=list)             # per sealed block: when it last became resident
     ledger: torch.Tensor | None = None                          # per sealed block: its score at the last step
     offloaded: set[int] = field(default_factory=set)            # blocks whose payload is pinned in the host tier
+    paging_in: dict[int, int] = field(default_factory=dict)     # blocks whose page-in is in flight → device block
     queries: torch.Tensor | None = None                         # the latest queries seen [rows, layers, heads, dim]
     decoded_since_reselect: int = 0
     prompt_reselected: bool = False
@@ -254,8 +255,8 @@ class Pager:
         winners = set(sorted(candidates, key=lambda i: scores[i], reverse=True)[:room])
         self.stats["reselects"] += 1
         self.stats["reselect_seconds"] += time.perf_counter() - start
-        return ([i for i in candidates if i not in winners and state.block_table[i] != NOT_RESIDENT],
-                [i for i in sorted(winners) if state.block_table[i] == NOT_RESIDENT])
+        return ([i for i in candidates if i not in winners and self._holds(state, i)],
+                [i for i in sorted(winners) if not self._holds(state, i)])
 
     def release(self, state) -> None:
         """The sequence is gone or starts over (its host copies unpinned by the manager): give back its
@@ -284,7 +285,7 @@ class Pager:
     def _query_shifted(self, state, scores: torch.Tensor) -> bool:
         if self.policy == "lru":      # recency scores say nothing about the queries
             return False
-        paged_out = [i for i in range(len(scores)) if state.block_table[i] == NOT_RESIDENT]
+        paged_out = [i for i in range(len(scores)) if not self._holds(state, i)]
         return bool(paged_out) and float(scores[paged_out].max()) >= SHIFT_SHARE
 
     def placed(self, state, i: int) -> None:
@@ -297,7 +298,12 @@ class Pager:
         self.stats["max_resident_blocks"] = max(self.stats["max_resident_blocks"], len(self._resident(state)))
 
     def _resident(self, state) -> list[int]:
-        return [i for i, b in enumerate(state.block_table) if b != NOT_RESIDENT]
+        return [i for i in range(len(state.block_table)) if self._holds(state, i)]
+
+    @staticmethod
+    def _holds(state, i: int) -> bool:
+        """Block i is resident, or its page-in is in flight: it counts against the budget."""
+        return state.block_table[i] != NOT_RESIDENT or i in state.residency.paging_in
 
     def _is_over(self, state) -> bool:
         return len(state.block_table) > self.budget_blocks

@@ -1,13 +1,14 @@
 """The one mover of KV bytes between the device pool and the tiers.
 
-Two worker threads keep tier I/O off the engine loop:
+Three worker threads keep tier I/O off the engine loop:
 - the saver copies sealed blocks out of the pool straight into the host tier's slab and writes
   each run through to the tiers below it as one unit (write-through: a run's blocks land in one
   disk file while they are together);
 - the loader copies a restored prefix from the fastest tier holding each block into device
-  blocks reserved for it, then promotes what came from below into the host tier.
-Bounded residency's page-outs and page-ins use the same copies, batched per step but synchronous
-(`copy_out`, `copy_in`): the pager needs the blocks before the next step.
+  blocks reserved for it, then promotes what came from below into the host tier;
+- the pager carries bounded residency's page-outs (device → pinned in the host tier) and page-ins
+  (host tier, or below it, → device blocks reserved for them), a step's worth in one batch each,
+  and the unpins of a finished sequence's host copies after the page-outs that made them.
 
 On CUDA every copy runs on a dedicated copy stream, after an event recorded on the compute stream
 when the job was handed over, and the worker waits for its stream before reporting: compute never
@@ -56,9 +57,29 @@ class LoadJob:
 
 
 @dataclass
+class PageOut:
+    keys: list[bytes]
+    blocks: list[int]                   # device blocks, held by the engine until the copy lands
+    ok: bool = False                    # every payload is pinned in the host tier
+    ready: object = None
+
+
+@dataclass
+class PageIn:
+    owner: object                       # whose blocks these are, for the engine when it lands
+    keys: list[bytes]
+    blocks: list[int]                   # device blocks reserved for them
+    pinned: list[bytes] = field(default_factory=list)   # came from below the host tier and are pinned there now
+    ok: bool = False
+    ready: object = None
+
+
+@dataclass
 class TransferEvents:
     saved: list[list[int]] = field(default_factory=list)   # pinned block runs whose copy-out landed
     loaded: list[LoadJob] = field(default_factory=list)
+    paged_out: list[PageOut] = field(default_factory=list)
+    paged_in: list[PageIn] = field(default_factory=list)
 
 
 class Mover:
@@ -68,11 +89,13 @@ class Mover:
         self.stream = torch.cuda.Stream(pool.kv_cache.device) if cuda else None
         self._saves: queue.Queue = queue.Queue()
         self._loads: queue.Queue = queue.Queue()
+        self._pages: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._landed = threading.Event()          # set whenever something is put on _done
         self._staging = Staging(STAGING_MAX_BYTES, pin_memory=cuda)
         self._threads = [threading.Thread(target=self._save_loop, name="kvtier-saver", daemon=True),
-                         threading.Thread(target=self._load_loop, name="kvtier-loader", daemon=True)]
+                         threading.Thread(target=self._load_loop, name="kvtier-loader", daemon=True),
+                         threading.Thread(target=self._page_loop, name="kvtier-pager", daemon=True)]
         for t in self._threads:
             t.start()
 
@@ -102,35 +125,36 @@ class Mover:
                 kind, item = self._done.get_nowait()
             except queue.Empty:
                 return events
-            (events.saved if kind == "saved" else events.loaded).append(item)
+            getattr(events, kind).append(item)
+
+    def paging(self) -> bool:
+        """Page copies or unpins are queued or running."""
+        return self._pages.unfinished_tasks > 0
 
     def idle(self) -> bool:
-        return self._saves.unfinished_tasks == 0 and self._loads.unfinished_tasks == 0
+        return all(q.unfinished_tasks == 0 for q in (self._saves, self._loads, self._pages))
 
     def shutdown(self) -> None:
-        for q in (self._saves, self._loads):
+        for q in (self._saves, self._loads, self._pages):
             q.put(None)
         for t in self._threads:
             t.join(timeout=30)
 
-    # --- synchronous copies for paging -----------------------------------------------------------
+    # --- paging --------------------------------------------------------------------------------
 
-    def copy_out(self, keys: list[bytes], blocks: list[int]) -> bool:
-        """Page blocks out: pin their payloads in the host tier, copying those it does not hold yet (a save may
-        have put them there) in one batch. False if the host tier had no room."""
-        host = self.stack.host
-        missing = [(key, block) for key, block in zip(keys, blocks) if not host.pin(key)]
-        if not missing:
-            return True
-        with self._on_copy_stream(self._compute_event()):
-            payloads = self.pool.blocks_out([block for _, block in missing])
-            return all([host.put(key, payload, pin=True) for (key, _), payload in zip(missing, payloads)])
+    def page_out(self, job: PageOut) -> None:
+        """Pin the blocks' payloads in the host tier, copying those it does not hold yet; `poll` reports when
+        the device blocks may go."""
+        job.ready = self._compute_event()
+        self._pages.put(("paged_out", job))
 
-    def copy_in(self, blocks: list[int], payloads: list[torch.Tensor]) -> None:
-        """Page blocks in from host payloads, in one batch; returns once they are on the device."""
-        if blocks:
-            with self._on_copy_stream(self._compute_event()):
-                self.pool.blocks_in(blocks, payloads)
+    def page_in(self, job: PageIn) -> None:
+        job.ready = self._compute_event()
+        self._pages.put(("paged_in", job))
+
+    def unpin(self, keys: list[bytes]) -> None:
+        """Unpin these host copies once the page-outs queued before have pinned them."""
+        self._pages.put(("unpin", keys))
 
     # --- workers ---------------------------------------------------------------------------------
 
@@ -187,6 +211,59 @@ class Mover:
                 if leased is not None:
                     return leased, True
             return list(self.pool.read_blocks(blocks)), False
+
+    def _page_loop(self) -> None:
+        while (item := self._pages.get()) is not None:
+            kind, job = item
+            try:
+                if kind == "unpin":
+                    self.stack.host.release(job)
+                    continue
+                job.ok = self._paged_out(job) if kind == "paged_out" else self._paged_in(job)
+            except Exception:
+                log.exception("paging %d blocks failed", len(job.keys))
+                job.ok = False
+            finally:
+                if kind != "unpin":
+                    self._done.put((kind, job))
+                    self._landed.set()
+                self._pages.task_done()
+
+    def _paged_out(self, job: PageOut) -> bool:
+        """Pin the payloads in the host tier; those it does not hold (a save may have put them there) are
+        copied in one batch. False if it had no room."""
+        host = self.stack.host
+        missing = [(key, block) for key, block in zip(job.keys, job.blocks) if not host.pin(key)]
+        if not missing:
+            return True
+        with self._on_copy_stream(job.ready):
+            payloads = self.pool.blocks_out([block for _, block in missing])
+            return all([host.put(key, payload, pin=True) for (key, _), payload in zip(missing, payloads)])
+
+    def _paged_in(self, job: PageIn) -> bool:
+        """Copy the payloads into the reserved blocks in one batch: from the host tier, or for a block left below
+        it (a restored sequence's), from the fastest lower tier, pinned in the host tier on the way. False if
+        some block is in no tier."""
+        host, payloads, leased = self.stack.host, [], []
+        try:
+            for key in job.keys:
+                view = host.lease([key])
+                if view is not None:
+                    leased.append(key)
+                    payloads.append(view[0])
+                    continue
+                payload = next((got[0] for tier in self.stack.tiers if tier is not host
+                                for got in [tier.get_run([key])] if got), None)
+                if payload is None:
+                    return False
+                if host.put(key, payload, pin=True):
+                    job.pinned.append(key)
+                payloads.append(payload)
+            with self._on_copy_stream(job.ready):
+                self.pool.blocks_in(job.blocks, payloads)
+            return True
+        finally:
+            host.release(leased)
 
     def _load_loop(self) -> None:
         while (job := self._loads.get()) is not None:
