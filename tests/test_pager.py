@@ -304,3 +304,28 @@ def test_pins_without_bounded_residency_are_refused(exact):
     with pytest.raises(RequestRejected, match="--kv-resident-tokens"):
         exact.add_request("pinned", prompt(40), SamplingParams(max_tokens=2), pins=[(0, 16)])
     assert not exact.has_unfinished()
+
+
+def test_a_page_in_that_finds_its_block_in_no_tier_is_a_miss(tiny_model_dir, monkeypatch):
+    """A paged-out block gone from every tier (evicted or damaged below the host tier): its page-in lands as a
+    failure, its device block is freed, and the sequence decodes on without it."""
+    engine = LLMEngine(Config(model=tiny_model_dir, kv_resident_tokens=BUDGET * BS, kv_policy="lru",
+                              kv_reselect_every=1000, **BASE))
+    kv, pool = engine.kv, engine.pool
+    monkeypatch.setattr(kv.mover, "_paged_in", lambda job: False)
+    engine.add_request("p", prompt(300, salt=7), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    got = []
+    while not engine.scheduler.running or engine.scheduler.running[0].num_computed_tokens < 300:
+        got += [t for out in engine.step() for t in out.new_token_ids]
+    seq = engine.scheduler.running[0]
+    i = seq.kv.block_table.index(NOT_RESIDENT)
+    scored = [j for j, b in enumerate(seq.kv.block_table[:-4]) if j and b != NOT_RESIDENT]
+    kv._page_out(seq.kv, scored[:1])
+    kv._page_in(seq.kv, [i])
+    block = seq.kv.residency.paging_in[i]
+    assert pool.ref_counts[block] == 1
+    while i in seq.kv.residency.paging_in:
+        kv.wait(0.05)
+        kv.poll()
+    assert seq.kv.block_table[i] == NOT_RESIDENT and pool.ref_counts[block] == 0
+    assert len(got + step_all(engine)["p"]) == 8        # it finished, not failed

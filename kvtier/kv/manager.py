@@ -348,8 +348,8 @@ class KVManager:
             self.pool.free(job.blocks)
             for key in job.keys:
                 self.paging_out.pop(key, None)
-            if not job.ok:
-                raise RuntimeError("the host tier has no room for a paged-out block: its reservations failed")
+            if not job.ok:       # its host reservation failed: decode goes on without the blocks
+                log.error("the host tier had no room for %d paged-out blocks; they are lost to decode", len(job.keys))
         for job in events.paged_in:
             self.num_paging -= 1
             self._land_page_in(job)
@@ -402,8 +402,8 @@ class KVManager:
             res.offloaded.update(i for i, key in zip(indices, job.keys) if key in job.pinned)
         elif job.pinned:
             self.mover.unpin(job.pinned)
-        if not job.ok:
-            raise RuntimeError(f"a paged-out block of {state.request_id} is in no tier any more")
+        if not job.ok:       # evicted or damaged below the host tier: the sequence goes on without it
+            log.warning("%d paged-out blocks of %s could not be paged in", len(job.keys), state.request_id)
 
     def _warn_missed(self) -> None:
         if not self._warned:

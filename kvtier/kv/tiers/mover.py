@@ -215,18 +215,21 @@ class Mover:
     def _page_loop(self) -> None:
         while (item := self._pages.get()) is not None:
             kind, job = item
-            try:
-                if kind == "unpin":
+            if kind == "unpin":
+                try:
                     self.stack.host.release(job)
-                    continue
+                except KeyError:     # a page-out that failed pinned less than its sequence counts
+                    log.exception("unpinning %d host blocks failed", len(job))
+                self._pages.task_done()
+                continue
+            try:
                 job.ok = self._paged_out(job) if kind == "paged_out" else self._paged_in(job)
             except Exception:
-                log.exception("paging %d blocks failed", len(job.keys))
+                log.exception("a %s job of %d blocks failed", kind, len(job.keys))
                 job.ok = False
             finally:
-                if kind != "unpin":
-                    self._done.put((kind, job))
-                    self._landed.set()
+                self._done.put((kind, job))
+                self._landed.set()
                 self._pages.task_done()
 
     def _paged_out(self, job: PageOut) -> bool:
