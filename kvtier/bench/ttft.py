@@ -292,8 +292,9 @@ def measure(args: argparse.Namespace) -> dict:
     disk = engine(args, single, **disk_settings)
     engines = {"cold": cold, "device": device, "host": host, "disk": disk}
 
-    # per length and mode: (TTFT, cached tokens, loader seconds, cached tokens computed instead) per repeat; and the raw file read right
-    # after each disk restore, so the disk tier is compared with what the disk gave at that moment
+    # per length and mode: (TTFT, cached tokens, loader seconds, cached tokens computed instead) per repeat;
+    # and the raw file read right after each disk restore, so the disk tier is compared with what the disk
+    # gave at that moment
     runs = {t["length"]: {mode: [] for mode in (*MODES, "file_read")} for t in turns}
     for turn in turns:
         for rep, prompt in enumerate(turn["prompts"]):
@@ -473,9 +474,9 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
          f"shares with the history (or with an earlier repeat's turn), all but its last token (whole blocks, then "
          f"a copy of the partly shared block); every warm run is checked to have found exactly "
          f"that many (a run that did not is marked **miss** and gets no ratio); a tier run may compute part of "
-         f"them instead, where the rates the engine measured say that is faster (counted below). Restore bandwidth = cached tokens "
-         f"× bytes per token / the loader's own time for the restore (best of the repeats): the tier read (for "
-         f"disk: file read into a reused, already faulted-in buffer and checksums) plus the copy into the "
+         f"them instead, where the rates the engine measured say that is faster (counted below). Restore "
+         f"bandwidth = cached tokens × bytes per token / the loader's own time for the restore (best of the "
+         f"repeats): the tier read (for disk: file read into a reused, already faulted-in buffer and checksums) plus the copy into the "
          f"reserved device blocks; it leaves out the hand-offs between the engine loop and the loader, which "
          f"show in warm tier TTFT − warm device TTFT (the same suffix computed, no restore)."),
         "",

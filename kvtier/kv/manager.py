@@ -260,11 +260,10 @@ class KVManager:
         if key in self.paging_out:
             return self.pool.read_blocks([self.paging_out[key]])[0]
         payload = host.get(key)
-        for tier in self.stack.tiers:
-            if payload is None and tier is not host:
-                payload = (tier.get_run([key]) or [None])[0]
-                if payload is not None and host.put(key, payload, pin=True):
-                    state.residency.offloaded.add(i)
+        if payload is None:
+            payload, pinned = self.mover.from_below(key)
+            if pinned:
+                state.residency.offloaded.add(i)
         if payload is None:
             raise RuntimeError(f"block {i} of {state.request_id} is in no tier any more")
         return payload

@@ -127,8 +127,8 @@ class KVPool:
         if not self.staged_copies:
             yield from (self.block_view(b) for b in blocks)
             return
-        for group in self._stage_groups(blocks):
-            index = torch.tensor(group, dtype=torch.long).to(self.kv_cache.device, non_blocking=True)
+        for part in self._stage_parts(len(blocks)):
+            index = torch.tensor(blocks[part], dtype=torch.long).to(self.kv_cache.device, non_blocking=True)
             yield from self._blocked().index_select(2, index).movedim(2, 0)
 
     def blocks_in(self, blocks: list[int], payloads: list[torch.Tensor]) -> None:
@@ -139,19 +139,19 @@ class KVPool:
             for block, payload in zip(blocks, payloads):
                 self.block_view(block).copy_(payload)
             return
-        done = 0
-        for group in self._stage_groups(blocks):
+        for part in self._stage_parts(len(blocks)):
+            group = blocks[part]
             staged = torch.empty((len(group), *self.block_shape), dtype=self.kv_cache.dtype,
                                  device=self.kv_cache.device)
-            for row, payload in zip(staged, payloads[done:done + len(group)]):
+            for row, payload in zip(staged, payloads[part]):
                 row.copy_(payload, non_blocking=True)
             index = torch.tensor(group, dtype=torch.long).to(self.kv_cache.device, non_blocking=True)
             self._blocked().index_copy_(2, index, staged.movedim(0, 2))
-            done += len(group)
 
-    def _stage_groups(self, blocks: list[int]) -> Iterator[list[int]]:
+    def _stage_parts(self, count: int) -> Iterator[slice]:
+        """Consecutive slices of `count` blocks, each at most STAGE_BYTES."""
         step = max(1, STAGE_BYTES // self.block_bytes)
-        return (blocks[i:i + step] for i in range(0, len(blocks), step))
+        return (slice(i, i + step) for i in range(0, count, step))
 
     def copy_block(self, src: int, dst: int) -> None:
         self.block_view(dst).copy_(self.block_view(src))

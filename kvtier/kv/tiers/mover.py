@@ -152,6 +152,14 @@ class Mover:
         job.ready = self._compute_event()
         self._pages.put(("paged_in", job))
 
+    def from_below(self, key: bytes) -> tuple[torch.Tensor | None, bool]:
+        """A paged-out block the host tier does not hold (a restored sequence's, left below it): its payload from
+        the fastest lower tier, pinned in the host tier on the way. (payload or None, whether it got pinned)."""
+        host = self.stack.host
+        payload = next((got[0] for tier in self.stack.tiers if tier is not host
+                        for got in [tier.get_run([key])] if got), None)
+        return payload, payload is not None and host.put(key, payload, pin=True)
+
     def unpin(self, keys: list[bytes]) -> None:
         """Unpin these host copies once the page-outs queued before have pinned them."""
         self._pages.put(("unpin", keys))
@@ -255,11 +263,10 @@ class Mover:
                     leased.append(key)
                     payloads.append(view[0])
                     continue
-                payload = next((got[0] for tier in self.stack.tiers if tier is not host
-                                for got in [tier.get_run([key])] if got), None)
+                payload, pinned = self.from_below(key)
                 if payload is None:
                     return False
-                if host.put(key, payload, pin=True):
+                if pinned:
                     job.pinned.append(key)
                 payloads.append(payload)
             with self._on_copy_stream(job.ready):
