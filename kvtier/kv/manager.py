@@ -241,8 +241,8 @@ class KVManager:
         self.pager.stats["page_outs"] += len(resident)
 
     def _page_in(self, state: KVState, blocks: list[int]) -> None:
-        """Bring these paged-out blocks back, as many as the pool has room for, in one copy by the mover's pager.
-        They join the table when it lands (`poll`): decode steps until then attend without them."""
+        """Bring these paged-out blocks back, as many as the pool has room for, in one copy by the mover's pager,
+        which runs beside the rest of this step. They join the table at the next step (`poll`)."""
         res = state.residency
         wanted = [i for i in blocks if i not in res.paging_in][:self.pool.num_free_blocks]
         if not wanted:
@@ -335,9 +335,12 @@ class KVManager:
     # --- landed copies ---------------------------------------------------------------------------
 
     def poll(self) -> list[KVState]:
-        """Apply finished copies; returns loading requests that were aborted meanwhile, now released."""
+        """Apply finished copies; returns loading requests that were aborted meanwhile, now released. The last
+        step's page-ins are waited for: they join every table at this step, however fast the copies ran, so that
+        a sequence's tokens never depend on timing."""
         if not self.mover:
             return []
+        self.mover.wait_for_pages()
         events = self.mover.poll()
         for blocks in events.saved:
             self.pool.free(blocks)
