@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                             "no bound, prompt chunks of --max-batched-tokens)")
     group.add_argument("--max-model-len", type=int, metavar="N", help="context limit in tokens (default: the model's)")
     group.add_argument("--threads", dest="num_threads", type=int, metavar="N", help="torch CPU threads")
+    group.add_argument("--enforce-eager", action="store_true", default=None,
+                       help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
     group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                        help="do not reuse device blocks of earlier requests' prefixes")
     group.add_argument("--kv-host-gib", type=float, metavar="GIB",

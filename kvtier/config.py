@@ -41,6 +41,7 @@ class Config:
     max_itl_ratio: float = 2.0
     max_model_len: int | None = None      # None → the model's context length
     num_threads: int | None = None        # torch CPU threads; None → torch's default
+    enforce_eager: bool = False           # on CUDA, no decode graphs: every step launches its kernels
     prefix_cache: bool = True             # reuse cached blocks of earlier requests' prefixes
     kv_host_gib: float = 4.0              # host RAM tier budget; 0 disables it
     kv_disk: bool = True                  # the local disk tier

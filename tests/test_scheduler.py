@@ -50,9 +50,11 @@ def test_pool_allocates_and_frees_distinct_blocks():
 
 
 def test_pool_shape_and_its_padding_block_zeroed():
-    """The pool is not filled at start-up, but block 0, whose slot 0 pads batched decode contexts, is zeros."""
+    """The pool is not filled at start-up, but block 0, whose slot 0 pads batched decode contexts, is zeros; one
+    block past the last pads graph-captured decode steps and is never handed out."""
     pool = make_pool(3)
-    assert pool.kv_cache.shape == (2, 1, 3 * BS, 1, 2)
+    assert pool.kv_cache.shape == (2, 1, 4 * BS, 1, 2) and pool.pad_slot == 3 * BS
+    assert sorted(pool.allocate(3)) == [0, 1, 2]
     assert pool.kv_cache[:, :, :BS].abs().sum() == 0
 
 

@@ -10,6 +10,7 @@ import torch
 
 from kvtier.config import Config
 from kvtier.engine.detokenizer import IncrementalDetokenizer
+from kvtier.engine.graphs import DecodeGraphs
 from kvtier.engine.outputs import RequestOutput, RequestRejected
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.grammar import GrammarCompiler, GrammarError
@@ -25,6 +26,7 @@ from kvtier.kv.pager import CAPTURE_ROWS, Pager, PinRefused
 from kvtier.kv.pool import KVPool, default_pool_tokens
 from kvtier.kv.tiers.host import HostTier
 from kvtier.kv.tiers.stack import TierStack
+from kvtier.models.attention import triton_supports
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import load_model, resolve_model_path
 
@@ -67,10 +69,20 @@ class LLMEngine:
         self.max_pinned_tokens = self.pager.max_pinned_tokens if self.pager else None
         self.kv = KVManager(self.pool, self.tiers, self.pager, manifests, beside_disk and beside_disk("partials"))
         self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs, config.max_itl_ratio)
-        self.runner = ModelRunner(self.model, self.kv, self.device)
+        self.runner = ModelRunner(self.model, self.kv, self.device, self._decode_graphs(config))
         self.grammars = GrammarCompiler(self.tokenizer.hf)
         self._arrivals = itertools.count()
         self._ended: list[Sequence] = []     # finished outside a step (aborted, failed): reported by the next step
+
+    def _decode_graphs(self, config: Config) -> DecodeGraphs | None:
+        """Decode steps captured as CUDA graphs, where the device and the Triton decode kernel allow them."""
+        if self.device.type != "cuda" or config.enforce_eager:
+            return None
+        if not triton_supports(self.model_config.head_dim, config.block_size):
+            log.warning("decode runs eagerly: the Triton decode kernel cannot tile head size %d and block size %d "
+                        "(or Triton is missing)", self.model_config.head_dim, config.block_size)
+            return None
+        return DecodeGraphs(self.model, self.pool, config.max_num_seqs, self.max_model_len)
 
     def _build_pager(self, config: Config, fingerprint: str) -> Pager:
         mode = (f"bounded(blocks={config.resident_blocks},sink={config.kv_sink_blocks},tail={config.kv_tail_blocks},"

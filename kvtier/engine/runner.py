@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.engine.graphs import DecodeGraphs
 from kvtier.engine.scheduler import ScheduledBatch
 from kvtier.kv.manager import KVManager
 from kvtier.kv.state import NOT_RESIDENT
-from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
+from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq, resident_blocks
 from kvtier.models.decoder import Decoder
 
 
@@ -26,11 +27,12 @@ def slot_runs(block_table: list[int], end: int, block_size: int) -> list[tuple[i
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, kv: KVManager, device: torch.device):
+    def __init__(self, model: Decoder, kv: KVManager, device: torch.device, graphs: DecodeGraphs | None = None):
         self.model = model
         self.kv = kv
         self.pool = kv.pool
         self.device = device
+        self.graphs = graphs     # decode steps captured as CUDA graphs; None runs every step eagerly
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Pool slots of positions start..end-1 of a sequence, leaving out blocks that are not resident."""
@@ -82,6 +84,8 @@ class ModelRunner:
             ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Forward the batch. Returns logits [num_seqs, vocab] at each sequence's last scheduled token,
         and per sequence its captured queries [rows, layers, heads, head_dim] (None where capture is 0)."""
+        if self._graphed(batch, capture):
+            return self.graphs.run(*self._decode_inputs(batch)), [None] * len(batch.seqs)
         token_ids, meta, last_rows = self.prepare(batch, capture)
         hidden = self.model(token_ids, self.pool.kv_cache, meta)
         queries = [None] * len(batch.seqs)
@@ -94,3 +98,22 @@ class ModelRunner:
                     queries[i] = stacked[offset:offset + rows]
                     offset += rows
         return self.model.logits(hidden[last_rows]), queries
+
+    def _graphed(self, batch: ScheduledBatch, capture: list[int] | None) -> bool:
+        """A step of decodes only, none of whose queries the pager wants, that a captured graph holds."""
+        return (self.graphs is not None and not any(capture or ()) and self.graphs.bucket(len(batch.seqs)) is not None
+                and all(n == 1 and seq.num_computed_tokens > 0 for seq, n in zip(batch.seqs, batch.num_tokens)))
+
+    def _decode_inputs(self, batch: ScheduledBatch) -> tuple[list[int], ...]:
+        """Per sequence: its token, position and K/V slot, and its context's resident blocks and length."""
+        bs = self.pool.block_size
+        token_ids, positions, slots, tables, lens = [], [], [], [], []
+        for seq in batch.seqs:
+            pos, table = seq.num_computed_tokens, seq.kv.block_table
+            token_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            blocks, length = resident_blocks(slot_runs(table, pos + 1, bs), bs)
+            tables.append(blocks)
+            lens.append(length)
+        return token_ids, positions, slots, tables, lens

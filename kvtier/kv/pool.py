@@ -31,7 +31,7 @@ def default_pool_tokens(bytes_per_token: int, device: torch.device) -> int:
 
 
 class KVPool:
-    """K/V storage `[2, num_layers, num_blocks * block_size, num_kv_heads, head_dim]` plus a free list.
+    """K/V storage `[2, num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim]` plus a free list.
 
     Slot s of a layer holds one token's K (index 0) or V (index 1); block b owns slots
     b*block_size .. (b+1)*block_size - 1.
@@ -48,10 +48,12 @@ class KVPool:
             raise ValueError(f"KV pool of {num_tokens} tokens holds no {block_size}-token block")
         # not zero-filled: start-up would write the whole pool (most of a GPU's memory). Attention reads only
         # written slots, but for slot 0, which pads a batch of decode contexts: masked out, yet NaN garbage there
-        # would leak through the softmax, so its block starts as zeros.
-        self.kv_cache = torch.empty(2, num_layers, self.num_blocks * block_size, num_kv_heads, head_dim,
+        # would leak through the softmax, so its block starts as zeros. One more block past the last is never
+        # handed out: the padding rows of a graph-captured decode step write and read their K/V there (pad_slot).
+        self.kv_cache = torch.empty(2, num_layers, (self.num_blocks + 1) * block_size, num_kv_heads, head_dim,
                                     dtype=dtype, device=device)
         self.kv_cache[:, :, :block_size].zero_()
+        self.pad_slot = self.num_blocks * block_size
         # transfers to and from the tiers go through a contiguous device buffer on CUDA (see blocks_out)
         self.staged_copies = self.kv_cache.device.type == "cuda"
         self.namespace = namespace
@@ -159,7 +161,7 @@ class KVPool:
     def _blocked(self) -> torch.Tensor:
         """The cache viewed as [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
         two, layers, _, heads, dim = self.kv_cache.shape
-        return self.kv_cache.view(two, layers, self.num_blocks, self.block_size, heads, dim)
+        return self.kv_cache[:, :, :self.pad_slot].view(two, layers, self.num_blocks, self.block_size, heads, dim)
 
     @property
     def block_bytes(self) -> int:

@@ -46,17 +46,25 @@ class PrefillSeq:
         return self._slots
 
 
+def resident_blocks(runs: list[tuple[int, int]], block_size: int) -> tuple[list[int], int]:
+    """A decode context's resident blocks in order, and its length, from its slot runs (a hole is never the last
+    block, so the blocks' count is the length's)."""
+    return [b // block_size for a, end in runs for b in range(a, end, block_size)], sum(end - a for a, end in runs)
+
+
 @dataclass
 class DecodeGroup:
     query_rows: list[int]                  # rows of the flat batch that decode one token each
     runs: list[list[tuple[int, int]]]      # per row, pool slot ranges [a, b) of its context, this token's included
+    # (rows, block tables, context lengths) already in a captured decode graph's buffers: the kernel reads them
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def kernel_args(self, block_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(rows, block tables [B, max_blocks], context lengths) for the decode kernel: each context's resident
-        blocks in order (a hole is never the last block, so their count is the length's)."""
-        tables = [[b // block_size for a, end in runs for b in range(a, end, block_size)] for runs in self.runs]
-        lens = [sum(end - a for a, end in runs) for runs in self.runs]
-        return (torch.tensor(self.query_rows, dtype=torch.int32).to(device), _padded_tables(tables, device),
+        """(rows, block tables [B, max_blocks], context lengths) for the decode kernel."""
+        if self.tensors is not None:
+            return self.tensors
+        tables, lens = zip(*(resident_blocks(runs, block_size) for runs in self.runs))
+        return (torch.tensor(self.query_rows, dtype=torch.int32).to(device), _padded_tables(list(tables), device),
                 torch.tensor(lens, dtype=torch.int32).to(device))
 
     def padded(self, device: torch.device, skip: set[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -109,6 +117,12 @@ def _triton_kernels():
     return triton_attention
 
 
+def triton_supports(head_dim: int, block_size: int) -> bool:
+    """Whether Triton is installed and its kernels tile this head size and block size."""
+    kernels = _triton_kernels()
+    return kernels is not None and kernels.supports(head_dim, block_size)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -119,9 +133,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
-    kernels = _triton_kernels() if q.device.type == "cuda" else None
-    if kernels is not None and not kernels.supports(q.shape[-1], meta.block_size):
-        kernels = None
+    # a graph's decode step runs the kernel on any device (on CPU in Triton's interpreter: how the tests check it)
+    graphed = meta.decode is not None and meta.decode.tensors is not None
+    use_kernels = (q.device.type == "cuda" or graphed) and triton_supports(q.shape[-1], meta.block_size)
+    kernels = _triton_kernels() if use_kernels else None
     prefills = meta.prefills
     if kernels is not None:
         prefills = _prefills_by_kernel(kernels, q, k_cache, v_cache, out, meta, scale)

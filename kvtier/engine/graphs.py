@@ -1,0 +1,110 @@
+"""Decode steps replayed from CUDA graphs, one per batch-size bucket, captured at start-up.
+
+An eager decode step launches hundreds of small kernels (per layer: norms, projections,
+RoPE, the K/V write, attention, the MLP), so at small batches the CPU, not the GPU, sets
+its pace. A graph replays them all with one launch. It reads its inputs from fixed
+buffers: each step writes its token ids, positions, K/V slots, block tables and context
+lengths into one pinned buffer, copies that to the device in one transfer, and replays the
+smallest bucket that holds the batch. Padding rows decode token 0 at position 0 into the
+pool's pad slot, which no sequence owns. Attention is the Triton decode kernel: its grid is
+the bucket and context lengths are numbers in a buffer, so one graph serves every length.
+`--enforce-eager` turns graphs off, as in vLLM.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvtier.kv.pool import KVPool
+from kvtier.models.attention import AttentionMetadata, DecodeGroup
+from kvtier.models.decoder import Decoder
+
+log = logging.getLogger("kvtier.engine")
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class DecodeGraphs:
+    """run(token_ids, positions, slots, tables, lens) → logits [batch, vocab] of one decode step.
+
+    capture=False runs the same forward over the same buffers without capturing it: how the tests check, on CPU
+    and through Triton's interpreter, the inputs a graph replays."""
+
+    def __init__(self, model: Decoder, pool: KVPool, max_num_seqs: int, max_model_len: int, capture: bool = True):
+        self.model, self.kv_cache, self.block_size = model, pool.kv_cache, pool.block_size
+        self.pad_slot = pool.pad_slot
+        self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
+        self.most = most = self.buckets[-1]
+        self.width = min(pool.blocks_for(max_model_len), pool.num_blocks)   # the longest block table
+        device = pool.kv_cache.device
+        # [token ids | positions | slots | context lengths] of `most` rows each, then block tables [most, width]
+        size = 4 * most + most * self.width
+        self.staging = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.inputs = torch.zeros(size, dtype=torch.long, device=device)
+        self.token_ids, self.positions, self.slots, self.lens = self.inputs[:4 * most].view(4, most)
+        self.tables = self.inputs[4 * most:].view(most, self.width)
+        self.rows = torch.arange(most, device=device)
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None   # the last step's inputs landed
+        self.capture = capture
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.steps = 0     # decode steps run from the buffers
+        if capture:
+            self._capture_all()
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The smallest captured batch size that holds num_seqs, or None when none does."""
+        return next((b for b in self.buckets if b >= num_seqs), None)
+
+    @torch.inference_mode()
+    def run(self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+            lens: list[int]) -> torch.Tensor:
+        n = len(token_ids)
+        b = self.bucket(n)
+        pad = b - n
+        if self.copied is not None:
+            self.copied.synchronize()    # the pinned buffer is free again (the step's sampling waited for it anyway)
+        header = self.staging[:4 * self.most].view(4, self.most)
+        for row, values, fill in zip(header, (token_ids, positions, slots, lens), (0, 0, self.pad_slot, 1)):
+            row[:b] = torch.tensor(values + [fill] * pad)
+        width = max(map(len, tables))
+        pad_table = [self.pad_slot // self.block_size]
+        self.staging[4 * self.most:].view(self.most, self.width)[:b, :width] = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables + [pad_table] * pad])
+        used = 4 * self.most + b * self.width
+        self.inputs[:used].copy_(self.staging[:used], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        self.steps += 1
+        if not self.capture:
+            return self._forward(b)[:n]
+        self.graphs[b].replay()
+        return self.logits[b][:n]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """One decode step of the first b rows of the buffers: logits [b, vocab]."""
+        meta = AttentionMetadata(positions=self.positions[:b], slot_mapping=self.slots[:b], prefills=[],
+                                 decode=DecodeGroup(list(range(b)), [], (self.rows[:b], self.tables[:b], self.lens[:b])),
+                                 block_size=self.block_size)
+        return self.model.logits(self.model(self.token_ids[:b], self.kv_cache, meta))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        """Capture every bucket, largest first, in one memory pool: the smaller graphs reuse the largest's memory."""
+        start = time.perf_counter()
+        self.slots.fill_(self.pad_slot)      # every row a padding row while capturing
+        self.lens.fill_(1)
+        self.tables[:, 0] = self.pad_slot // self.block_size
+        memory = torch.cuda.graph_pool_handle()
+        for b in reversed(self.buckets):
+            self._forward(b)                 # warm-up: Triton compiles its kernels, cuBLAS picks its algorithms
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=memory):
+                self.logits[b] = self._forward(b)
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        log.info("decode graphs captured for batch sizes %s in %.1f s", ",".join(map(str, self.buckets)),
+                 time.perf_counter() - start)

@@ -1,0 +1,75 @@
+"""Decode steps from a graph's fixed buffers equal eager ones: ragged contexts across block boundaries, batches
+padded to their bucket and shrinking as requests finish, a request admitted mid-way (its prefill step runs eagerly).
+On CPU the buffers run uncaptured, attention through Triton's interpreter; on CUDA (gpu marker) captured graphs
+replay them."""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is installed by the test command")
+from kvtier.config import Config  # noqa: E402
+from kvtier.engine.engine import LLMEngine  # noqa: E402
+from kvtier.engine.graphs import DecodeGraphs  # noqa: E402
+from kvtier.engine.sampling_params import SamplingParams  # noqa: E402
+
+DEVICE = os.environ.get("KVTIER_DEVICE", "cpu")
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("on CPU the decode kernel runs only in Triton's interpreter (TRITON_INTERPRET=1)",
+                allow_module_level=True)
+
+# (prompt length, max tokens): contexts ending inside, at and across 64-token blocks, finishing at different steps
+WORK = [(3, 9), (63, 6), (64, 12), (130, 3), (200, 8)]
+LATE = (90, 5)      # added after the third step, beside running decodes
+
+
+def engine(model_dir: str, device: str, enforce_eager: bool) -> LLMEngine:
+    return LLMEngine(Config(model=model_dir, device=device, dtype="float32", kv_pool_tokens=64 * 64,
+                            max_num_seqs=6, kv_host_gib=0, kv_disk=False, enforce_eager=enforce_eager))
+
+
+def generate(eng: LLMEngine) -> dict[str, tuple[list[int], list[float]]]:
+    """Every request's greedy tokens and their logprobs."""
+    gen = torch.Generator().manual_seed(3)
+
+    def add(i, length, max_tokens):
+        prompt = torch.randint(100, 40000, (length,), generator=gen).tolist()
+        eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                         logprobs=0))
+    for i, work in enumerate(WORK):
+        add(i, *work)
+    results, steps = {}, 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens, logprobs = results.setdefault(out.request_id, ([], []))
+            tokens += out.new_token_ids
+            logprobs += [lp.logprob for lp in out.logprobs]
+        steps += 1
+        if steps == 3:
+            add(len(WORK), *LATE)
+    return results
+
+
+def assert_same(graphed, eager):
+    assert graphed.keys() == eager.keys() and len(eager) == len(WORK) + 1
+    for request_id, (tokens, logprobs) in eager.items():
+        assert graphed[request_id][0] == tokens, request_id
+        assert graphed[request_id][1] == pytest.approx(logprobs, abs=1e-4), request_id
+
+
+def test_decode_from_graph_buffers_equals_eager(tiny_model_dir):
+    eager = engine(tiny_model_dir, DEVICE, enforce_eager=True)
+    graphed = engine(tiny_model_dir, DEVICE, enforce_eager=True)
+    graphed.runner.graphs = DecodeGraphs(graphed.model, graphed.pool, 6, graphed.max_model_len, capture=False)
+    assert graphed.runner.graphs.buckets == [1, 2, 4, 6]
+    assert_same(generate(graphed), generate(eager))
+    assert graphed.runner.graphs.steps >= 8      # most steps decode only: 5 sequences, then 6, shrinking to 1
+
+
+@pytest.mark.gpu
+def test_captured_decode_graphs_equal_eager(tiny_model_dir):
+    eager = engine(tiny_model_dir, "cuda", enforce_eager=True)
+    graphed = engine(tiny_model_dir, "cuda", enforce_eager=False)
+    assert sorted(graphed.runner.graphs.graphs) == [1, 2, 4, 6]
+    assert_same(generate(graphed), generate(eager))
+    assert graphed.runner.graphs.steps >= 8
