@@ -262,7 +262,8 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
 
     machine = (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, transformers "
                f"{transformers.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
-               f"{eng.config.dtype}, model {eng.model_name}")
+               f"{eng.config.dtype}, model {eng.model_name}, kvtier decode "
+               + (f"from CUDA graphs (batch buckets {eng.runner.graphs.buckets})" if eng.runner.graphs else "eager"))
     return "\n".join([
         *header(SECTION, machine, command),
         *table,
@@ -300,6 +301,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shape", choices=sorted(SHAPES), help="a random-weight model of this shape, built offline "
                                                            "(instead of --model)")
     p.add_argument("--shapes-dir", default=os.path.join(cache_home(), "shapes"), help="where --shape models are built")
+    p.add_argument("--enforce-eager", action="store_true", help="kvtier's decode without CUDA graphs (CUDA)")
     p.add_argument("--hf-compile", action="store_true",
                    help="also measure transformers' decode with a static cache and torch.compile (CUDA)")
     add_output_args(p)
@@ -321,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     # raw compute: no prefix cache and no tiers, so no run can reuse another's (or an earlier process's) KV
     eng = LLMEngine(Config(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
                            kv_pool_tokens=need + 64 * batch, max_num_seqs=batch,
-                           prefix_cache=False, kv_host_gib=0, kv_disk=False))
+                           prefix_cache=False, kv_host_gib=0, kv_disk=False, enforce_eager=args.enforce_eager))
     hf = load_hf(resolve_model_path(args.model), DTYPES[args.dtype], device)
     print(f"kvtier vs transformers: {eng.model_name}, {args.dtype}, {args.device}, {args.threads} threads", flush=True)
     section = render(measure(args, eng, hf, device), args, eng, command)

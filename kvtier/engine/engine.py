@@ -82,7 +82,11 @@ class LLMEngine:
             log.warning("decode runs eagerly: the Triton decode kernel cannot tile head size %d and block size %d "
                         "(or Triton is missing)", self.model_config.head_dim, config.block_size)
             return None
-        return DecodeGraphs(self.model, self.pool, config.max_num_seqs, self.max_model_len)
+        try:
+            return DecodeGraphs(self.model, self.pool, config.max_num_seqs, self.max_model_len)
+        except Exception:   # serve anyway, eagerly: slower, never wrong
+            log.exception("capturing the decode graphs failed: decode runs eagerly")
+            return None
 
     def _build_pager(self, config: Config, fingerprint: str) -> Pager:
         mode = (f"bounded(blocks={config.resident_blocks},sink={config.kv_sink_blocks},tail={config.kv_tail_blocks},"
