@@ -60,6 +60,21 @@ def test_decode_kernel_matches_the_reference(bs, heads, kv_heads):
     assert torch.allclose(out.cpu().double(), expected, atol=1e-4)
 
 
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("bs, heads, kv_heads", [(16, 8, 2), (64, 6, 2), (16, 4, 4)])
+def test_split_decode_matches_the_reference(splits, bs, heads, kv_heads):
+    """Contexts split into parts and merged: shorter than one part each (empty parts), split unevenly, long."""
+    work = [(0, 1), (bs - 1, 1), (3 * bs + 5, 1), (11 * bs - 2, 1)]
+    q, k_cache, v_cache, tables, expected = setup(work, heads, kv_heads, bs, seed=splits + bs + heads)
+    q, k_cache, v_cache, tables = (x.to(DEVICE) for x in (q, k_cache, v_cache, tables))
+    out = torch.zeros_like(q)
+    rows = torch.tensor([3, 0, 2, 1], device=DEVICE)          # rows in any order
+    triton_attention.decode(q, k_cache, v_cache, out, rows, tables[[3, 0, 2, 1]],
+                            torch.tensor([s + n for s, n in work], device=DEVICE)[[3, 0, 2, 1]], bs, DIM ** -0.5,
+                            num_splits=splits)
+    assert torch.allclose(out.cpu().double(), expected, atol=1e-4)
+
+
 @pytest.mark.parametrize("bs", [16, 64])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2)])
 def test_prefill_kernel_matches_the_reference(bs, heads, kv_heads):

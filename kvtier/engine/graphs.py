@@ -85,9 +85,11 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         """One decode step of the first b rows of the buffers: logits [b, vocab]."""
+        # the kernel's split of each context is fixed at capture: as for the longest context a table can hold
+        decode = DecodeGroup(list(range(b)), [], (self.rows[:b], self.tables[:b], self.lens[:b]),
+                             longest=self.width * self.block_size)
         meta = AttentionMetadata(positions=self.positions[:b], slot_mapping=self.slots[:b], prefills=[],
-                                 decode=DecodeGroup(list(range(b)), [], (self.rows[:b], self.tables[:b], self.lens[:b])),
-                                 block_size=self.block_size)
+                                 decode=decode, block_size=self.block_size)
         return self.model.logits(self.model(self.token_ids[:b], self.kv_cache, meta))
 
     @torch.inference_mode()

@@ -58,6 +58,11 @@ class DecodeGroup:
     runs: list[list[tuple[int, int]]]      # per row, pool slot ranges [a, b) of its context, this token's included
     # (rows, block tables, context lengths) already in a captured decode graph's buffers: the kernel reads them
     tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    longest: int = 0     # tokens of the longest context (with tensors: the longest a graph's contexts may be)
+
+    def __post_init__(self):
+        if self.tensors is None:
+            self.longest = max(sum(end - a for a, end in runs) for runs in self.runs)
 
     def kernel_args(self, block_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(rows, block tables [B, max_blocks], context lengths) for the decode kernel."""
@@ -163,7 +168,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         d = meta.decode
         if kernels is not None:
             rows, tables, lens = meta.kernel_args("decode", lambda: d.kernel_args(meta.block_size, q.device))
-            kernels.decode(q, k_cache, v_cache, out, rows, tables, lens, meta.block_size, scale)
+            splits = kernels.decode_splits(len(rows), k_cache.shape[1], d.longest, q.device)
+            kernels.decode(q, k_cache, v_cache, out, rows, tables, lens, meta.block_size, scale, splits)
         else:
             # on CPU a long context is read where it lies, one sequence at a time; the others are gathered and padded
             # into one batched call, which costs less than a call per sequence while contexts are short

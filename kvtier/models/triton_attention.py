@@ -7,6 +7,9 @@ head size, block size and GQA group, and a new context length is just a new numb
 - `decode`: one query token per sequence. A program serves one (sequence, K/V head) pair
   and all the query heads that share that K/V head at once, walking the sequence's blocks
   with an online softmax, so each K/V block is read once per step.
+  A long context at a small batch would leave most of the GPU idle, so `decode` can split
+  each context into `num_splits` parts (flash-decoding): a program per (sequence, K/V
+  head, part) keeps its part's output and log-sum-exp, and a second kernel merges them.
 - `prefill`: a chunk of query tokens per sequence, attending causally to everything before
   and including each token: the cached prefix and the chunk itself, whose K/V the caller
   has already written into the pool. A program serves BLOCK_M query tokens of one head.
@@ -14,6 +17,8 @@ head size, block size and GQA group, and a new context length is just a new numb
 Tested on CPU through Triton's interpreter (TRITON_INTERPRET=1) against a dense reference.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -60,6 +65,58 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, rows_ptr, tables_ptr, lens_ptr,
 
 
 @triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr, rows_ptr, tables_ptr, lens_ptr, scale,
+                         num_heads, stride_qt, stride_qh, stride_ks, stride_kh, stride_tb,
+                         NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+    """One part of a context: its blocks [first, last) of the sequence's, an even share of them."""
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row, length = tl.load(rows_ptr + seq), tl.load(lens_ptr + seq)
+    g, d, t = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_SIZE)
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
+                other=0.0)
+    num_blocks = tl.cdiv(length, BLOCK_SIZE)
+    share = tl.cdiv(num_blocks, NUM_SPLITS)
+    first = split * share
+    last = tl.minimum(first + share, num_blocks)
+    best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for i in range(first, last):
+        block = tl.load(tables_ptr + seq * stride_tb + i).to(tl.int64)
+        valid = i * BLOCK_SIZE + t < length
+        offsets = (block * BLOCK_SIZE + t)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        best, total, acc = _online_softmax(scores, v, best, total, acc, PRECISION)
+    # an empty part (a short context split many ways) weighs nothing in the merge: log-sum-exp -inf
+    found = total > 0
+    out = acc / tl.where(found, total, 1.0)[:, None]
+    lse = tl.where(found, best + tl.log(tl.where(found, total, 1.0)), float("-inf"))
+    parts = (seq * num_heads + heads) * NUM_SPLITS + split          # [B, heads, NUM_SPLITS] row-major
+    tl.store(part_out_ptr + parts[:, None] * HEAD_DIM + d[None, :], out, mask=(g < GROUP)[:, None])
+    tl.store(part_lse_ptr + parts, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, rows_ptr, num_heads, stride_ot, stride_oh,
+                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """out = the parts' outputs weighted by their share of the whole softmax, from their log-sum-exps."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    s, d = tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM)
+    parts = (seq * num_heads + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + parts, mask=s < NUM_SPLITS, other=float("-inf"))
+    weight = tl.exp(lse - tl.max(lse, 0))          # the first part is never empty: the maximum is finite
+    o = tl.load(part_out_ptr + parts[:, None] * HEAD_DIM + d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
+    out = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
+    row = tl.load(rows_ptr + seq)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, query_lens_ptr, context_starts_ptr, tables_ptr, scale,
                     stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -102,18 +159,49 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# a part of a split context holds at least this many tokens: shorter ones cost more to merge than they save
+MIN_SPLIT_TOKENS = 512
+
+
+def decode_splits(batch: int, kv_heads: int, longest: int, device: torch.device) -> int:
+    """How many parts each context is split into: enough programs to give every streaming multiprocessor two, no
+    part shorter than MIN_SPLIT_TOKENS of the longest context. 1 off CUDA."""
+    if device.type != "cuda":
+        return 1
+    programs = 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(-(-programs // (batch * kv_heads)), longest // MIN_SPLIT_TOKENS))
+
+
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
-           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float) -> None:
+           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float,
+           num_splits: int = 1) -> None:
     """out[rows[b]] = attention of q[rows[b]] ([T, heads, D]) over the first context_lens[b] positions of
-    sequence b's blocks (block_tables [B, max_blocks]) in the caches ([slots, kv_heads, D])."""
+    sequence b's blocks (block_tables [B, max_blocks]) in the caches ([slots, kv_heads, D]); each context in
+    num_splits parts."""
     heads, kv_heads, dim = q.shape[1], k_cache.shape[1], q.shape[2]
     group = heads // kv_heads
-    _decode_kernel[(len(rows), kv_heads)](
-        q, k_cache, v_cache, out, rows, block_tables, context_lens, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=dim,
-        PRECISION=_precision(q))
+    shape = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+                 HEAD_DIM=dim, PRECISION=_precision(q))
+    if num_splits == 1:
+        _decode_kernel[(len(rows), kv_heads)](
+            q, k_cache, v_cache, out, rows, block_tables, context_lens, scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+            block_tables.stride(0), **shape)
+        return
+    part_out = torch.empty(len(rows), heads, num_splits, dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(len(rows), heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(len(rows), kv_heads, num_splits)](
+        q, k_cache, v_cache, part_out, part_lse, rows, block_tables, context_lens, scale, heads,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        NUM_SPLITS=num_splits, **shape)
+    _merge_splits_kernel[(len(rows), heads)](
+        part_out, part_lse, out, rows, heads, out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=dim)
 
 
 PREFILL_BLOCK_M = 64
