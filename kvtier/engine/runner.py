@@ -113,7 +113,9 @@ class ModelRunner:
             token_ids.append(seq.token_ids[pos])
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            blocks, length = resident_blocks(slot_runs(table, pos + 1, bs), bs)
+            blocks, length = table[:pos // bs + 1], pos + 1
+            if NOT_RESIDENT in blocks:     # holes (bounded residency) are left out
+                blocks, length = resident_blocks(slot_runs(table, pos + 1, bs), bs)
             tables.append(blocks)
             lens.append(length)
         return token_ids, positions, slots, tables, lens
