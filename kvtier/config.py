@@ -13,6 +13,10 @@ BOUNDED_BLOCK_SIZE = 16     # under bounded residency: pages small enough that a
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def default_dtype(device: str) -> str:
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
+
+
 def cache_home() -> str:
     """kvtier's directory under the user's cache directory ($XDG_CACHE_HOME, else ~/.cache)."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -66,7 +70,7 @@ class Config:
 
     def __post_init__(self):
         if self.dtype is None:
-            self.dtype = "bfloat16" if str(self.device).startswith("cuda") else "float32"
+            self.dtype = default_dtype(self.device)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         try:

@@ -19,6 +19,7 @@ import torch
 
 from kvtier.bench.report import (add_device_args, add_output_args, cpu_model, device_settings, header, parse_command,
                                  publish, verdict)
+from kvtier.bench.shapes import add_model_args, resolve_model
 from kvtier.bench.throughput import random_prompts
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
@@ -121,7 +122,7 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtier bench itl", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the bundled SmolLM2-135M)")
+    add_model_args(p)
     add_device_args(p)
     p.add_argument("--streams", type=int, default=4, help="streams decoding")
     p.add_argument("--stream-prompt", type=int, default=128, help="prompt tokens of each stream")
@@ -134,6 +135,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args, command = parse_command("kvtier.bench.itl", argv, parse_args)
+    resolve_model(args)
     extra = {"max_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}
     eng = LLMEngine(Config(model=args.model, **device_settings(args), **extra, prefix_cache=False, kv_host_gib=0,
                            kv_disk=False, kv_pool_tokens=args.long_prompt + args.streams * 4096 + 1024))

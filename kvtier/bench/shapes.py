@@ -3,10 +3,13 @@ not at hand (nothing is downloaded): a Hugging Face directory that kvtier and tr
 bundled model's tokenizer. Speed depends on the shapes, not on the values of the weights."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
 import torch
+
+from kvtier.config import DTYPES, cache_home, default_dtype
 
 LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
@@ -49,3 +52,17 @@ def build(shape: str, directory: str, dtype: torch.dtype, device: str) -> str:
         json.dump(saved, f)
     os.replace(staging, path)
     return path
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, or --shape (and where its models are built)."""
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the bundled SmolLM2-135M)")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="a random-weight model of this shape, built offline "
+                                                           "(instead of --model)")
+    p.add_argument("--shapes-dir", default=os.path.join(cache_home(), "shapes"), help="where --shape models are built")
+
+
+def resolve_model(args: argparse.Namespace) -> None:
+    """Point args.model at the --shape model, built in --dtype (the server's default for --device when not given)."""
+    if args.shape:
+        args.model = build(args.shape, args.shapes_dir, DTYPES[args.dtype or default_dtype(args.device)], args.device)

@@ -22,9 +22,8 @@ import time
 import torch
 
 from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish, verdict
-from kvtier.bench.shapes import SHAPES
-from kvtier.bench.shapes import build as build_shape
-from kvtier.config import DTYPES, Config, cache_home
+from kvtier.bench.shapes import add_model_args, resolve_model
+from kvtier.config import DTYPES, Config, default_dtype
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.models.loader import resolve_model_path
@@ -289,7 +288,7 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtier bench throughput", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the bundled SmolLM2-135M)")
+    add_model_args(p)
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both engines")
@@ -298,9 +297,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-batch", type=int_list, default=[1, 8], help="comma-separated batch sizes")
     p.add_argument("--decode-context", type=int, default=128, help="prompt length of the decode runs")
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement; the best is reported")
-    p.add_argument("--shape", choices=sorted(SHAPES), help="a random-weight model of this shape, built offline "
-                                                           "(instead of --model)")
-    p.add_argument("--shapes-dir", default=os.path.join(cache_home(), "shapes"), help="where --shape models are built")
     p.add_argument("--enforce-eager", action="store_true", help="kvtier's decode without CUDA graphs (CUDA)")
     p.add_argument("--hf-compile", action="store_true",
                    help="also measure transformers' decode with a static cache and torch.compile (CUDA)")
@@ -315,9 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     args, command = parse_command("kvtier.bench.throughput", argv, parse_args)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    if args.shape:
-        args.model = build_shape(args.shape, args.shapes_dir, DTYPES[args.dtype], args.device)
+    args.dtype = args.dtype or default_dtype(args.device)
+    resolve_model(args)
     batch = max(args.decode_batch)
     need = max(max(args.prefill_lengths) + 1, batch * (args.decode_context + args.decode_tokens))
     # raw compute: no prefix cache and no tiers, so no run can reuse another's (or an earlier process's) KV

@@ -11,7 +11,7 @@ the new turn, measured on four engines side by side:
 Raw copy bandwidth (a memcpy on CPU, a pinned host-to-device copy on CUDA) and file-read bandwidth
 are measured in the same run, to put each restore in scale.
 
-    python -m kvtier.bench.ttft [--lengths 1024,2048,4096,8192] [--repeats 2] [--device cuda --dtype bfloat16]
+    python -m kvtier.bench.ttft [--lengths 1024,2048,4096,8192] [--repeats 2] [--device cuda --shape llama-3.2-1b]
                                 [--no-write]
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ from kvtier.bench.report import (
     publish,
     verdict,
 )
+from kvtier.bench.shapes import add_model_args, resolve_model
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
@@ -488,7 +489,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lengths", type=int_list, default=[1024, 2048, 4096, 8192],
                    help="history lengths in tokens, comma-separated")
     p.add_argument("--repeats", type=int, default=2, help="runs per measurement; the best is reported")
-    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the bundled SmolLM2-135M)")
+    add_model_args(p)
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     p.add_argument("--disk-dir", default=None, help="disk tier directory (default: a new temporary directory)")
     p.add_argument("--probe-mib", type=int, default=256, help="size of the raw bandwidth probes")
@@ -500,6 +501,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args, command = parse_command("kvtier.bench.ttft", argv, parse_args)
     torch.set_num_threads(args.threads)
+    resolve_model(args)
     section = render(measure(args), args, command)
     publish(section, args)
 
