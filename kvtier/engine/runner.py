@@ -7,7 +7,7 @@ from kvtier.engine.graphs import DecodeGraphs
 from kvtier.engine.scheduler import ScheduledBatch
 from kvtier.kv.manager import KVManager
 from kvtier.kv.state import NOT_RESIDENT
-from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq, resident_blocks
+from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq, resident_blocks, to_device
 from kvtier.models.decoder import Decoder
 
 
@@ -70,14 +70,14 @@ class ModelRunner:
             if capture and capture[i]:
                 capture_rows += range(row - min(capture[i], n), row)
         meta = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            slot_mapping=torch.cat(slot_mapping).to(self.device),
+            positions=to_device(torch.tensor(positions, dtype=torch.long), self.device),
+            slot_mapping=to_device(torch.cat(slot_mapping), self.device),
             prefills=prefills,
             decode=DecodeGroup(decode_rows, decode_runs) if decode_rows else None,
-            capture_rows=torch.tensor(capture_rows, dtype=torch.long, device=self.device) if capture_rows else None,
+            capture_rows=to_device(torch.tensor(capture_rows, dtype=torch.long), self.device) if capture_rows else None,
             block_size=self.pool.block_size,
         )
-        return torch.tensor(token_ids, dtype=torch.long, device=self.device), meta, last_rows
+        return to_device(torch.tensor(token_ids, dtype=torch.long), self.device), meta, last_rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, capture: list[int] | None = None

@@ -42,7 +42,7 @@ class PrefillSeq:
     def prefix_slots(self, device: torch.device) -> torch.Tensor:
         """The resident prefix's slots as one index, built once per step for every layer's gather."""
         if self._slots is None:
-            self._slots = _slots_of(self.prefix_runs).to(device)
+            self._slots = to_device(_slots_of(self.prefix_runs), device)
         return self._slots
 
 
@@ -69,8 +69,8 @@ class DecodeGroup:
         if self.tensors is not None:
             return self.tensors
         tables, lens = zip(*(resident_blocks(runs, block_size) for runs in self.runs))
-        return (torch.tensor(self.query_rows, dtype=torch.int32).to(device), _padded_tables(list(tables), device),
-                torch.tensor(lens, dtype=torch.int32).to(device))
+        return (to_device(torch.tensor(self.query_rows, dtype=torch.int32), device),
+                _padded_tables(list(tables), device), to_device(torch.tensor(lens, dtype=torch.int32), device))
 
     def padded(self, device: torch.device, skip: set[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows but those in skip, their contexts' slots [B, max_len] padded with slot 0, and the mask
@@ -80,8 +80,8 @@ class DecodeGroup:
         lens = torch.tensor([len(x) for x in slots])
         kv_slots = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)
         mask = torch.arange(kv_slots.shape[1])[None, :] < lens[:, None]
-        return (torch.tensor([self.query_rows[i] for i in kept], device=device), kv_slots.to(device),
-                mask[:, None, None, :].to(device))
+        return (to_device(torch.tensor([self.query_rows[i] for i in kept]), device), to_device(kv_slots, device),
+                to_device(mask[:, None, None, :], device))
 
 
 @dataclass
@@ -102,6 +102,15 @@ class AttentionMetadata:
         return self._kernel_args[name]
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Step metadata built on the host, on the device. On CUDA through pinned memory and without waiting for the
+    copy (the caching host allocator keeps the pinned buffer until the copy is done): a step's host
+    synchronization is its sampling's alone."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _slots_of(runs: list[tuple[int, int]]) -> torch.Tensor:
     """The pool slots of slot ranges [a, b), in order, as one index."""
     return torch.cat([torch.arange(a, b) for a, b in runs] or [torch.empty(0, dtype=torch.long)])
@@ -109,7 +118,7 @@ def _slots_of(runs: list[tuple[int, int]]) -> torch.Tensor:
 
 def _padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     width = max(1, max(map(len, tables)))
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).to(device)
+    return to_device(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32), device)
 
 
 @functools.cache
@@ -197,7 +206,7 @@ def _prefills_by_kernel(kernels, q, k_cache, v_cache, out, meta: AttentionMetada
     if taken:
         def build():
             def ints(values):
-                return torch.tensor(values, dtype=torch.int32).to(q.device)
+                return to_device(torch.tensor(values, dtype=torch.int32), q.device)
             context_starts = [sum(b - a for a, b in seq.prefix_runs) for seq in taken]
             return (ints([seq.query_start for seq in taken]), ints([seq.query_len for seq in taken]),
                     ints(context_starts), _padded_tables([seq.blocks for seq in taken], q.device),
