@@ -1,4 +1,4 @@
-"""The throughput benchmark runs end to end on a tiny model and rewrites only its own section."""
+"""The benchmarks run end to end on tiny models; the throughput one rewrites only its own section."""
 from __future__ import annotations
 
 import pytest
@@ -37,3 +37,16 @@ def test_throughput_bench_on_a_built_shape_reports_the_floor(tmp_path, device):
     rows = [line for line in text.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2 and all(float(row.split("|")[3]) > 0 for row in rows)     # a floor in tok/s
     assert (tmp_path / "shapes" / f"tiny-llama3-{'bfloat16' if device == 'cuda' else 'float32'}" / "config.json").exists()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_itl_bench_runs_on_a_built_shape(tmp_path, device):
+    """Streams beside a long prompt on a shape whose context (128K) is far beyond the pool the bench sizes."""
+    from kvtier.bench import itl
+    out = tmp_path / "BENCHMARKS.md"
+    itl.main(["--shape", "tiny-llama3", "--shapes-dir", str(tmp_path / "shapes"), "--device", device,
+              "--streams", "2", "--stream-prompt", "16", "--long-prompt", "300", "--alone-tokens", "4",
+              "--output", str(out)])
+    text = out.read_text()
+    assert "| paced (--max-itl-ratio 2) |" in text and "| unpaced (--max-itl-ratio 0) |" in text
+    assert "model tiny-llama3-" in text

@@ -60,10 +60,14 @@ def measure_phase(eng: LLMEngine, last: dict[str, float | None], long_prompt: li
             return gaps, ttft
 
 
+# a stream's prompt and output tokens: room in the pool for more than it decodes while both long prompts prefill
+STREAM_TOKENS = 4096
+
+
 def measure(args: argparse.Namespace, eng: LLMEngine) -> dict:
     vocab, gen = eng.model_config.vocab_size, torch.Generator().manual_seed(0)
     streams = [f"stream-{i}" for i in range(args.streams)]
-    params = SamplingParams(max_tokens=eng.max_model_len - args.stream_prompt, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=STREAM_TOKENS - args.stream_prompt, temperature=0.0, ignore_eos=True)
     for rid, prompt in zip(streams, random_prompts(gen, args.streams, args.stream_prompt, vocab)):
         eng.add_request(rid, prompt, params)
     pacer = eng.scheduler.pacer
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     resolve_model(args)
     extra = {"max_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}
     eng = LLMEngine(Config(model=args.model, **device_settings(args), **extra, prefix_cache=False, kv_host_gib=0,
-                           kv_disk=False, kv_pool_tokens=args.long_prompt + args.streams * 4096 + 1024))
+                           kv_disk=False, kv_pool_tokens=args.long_prompt + args.streams * STREAM_TOKENS + 1024))
     if args.long_prompt + 1 > eng.max_model_len:
         sys.exit(f"--long-prompt must stay under the model's context ({eng.max_model_len})")
     print(f"inter-token latency: {eng.model_name}, {eng.config.dtype}, {eng.config.device}", flush=True)
