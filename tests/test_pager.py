@@ -142,22 +142,39 @@ def test_page_out_and_in_is_byte_exact(bounded):
     step_all(bounded)
 
 
+def still_bounded(tiny_model_dir) -> LLMEngine:
+    """A bounded engine with recency scores and a far reselection: nothing but the test moves blocks while it
+    looks."""
+    return LLMEngine(Config(model=tiny_model_dir, kv_resident_tokens=BUDGET * BS, kv_policy="lru",
+                            kv_reselect_every=1000, **BASE))
+
+
+def prefilled(engine, salt, max_tokens):
+    """One request with a 300-token prompt, stepped until the prompt is computed: (its sequence, its tokens so far)."""
+    engine.add_request("p", prompt(300, salt=salt),
+                       SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    got = []
+    while not engine.scheduler.running or engine.scheduler.running[0].num_computed_tokens < 300:
+        got += [t for out in engine.step() for t in out.new_token_ids]
+    return engine.scheduler.running[0], got
+
+
+def scored_blocks(seq) -> list[int]:
+    """The resident blocks that are neither the sink nor the tail."""
+    return [i for i, b in enumerate(seq.kv.block_table[:-4]) if i and b != NOT_RESIDENT]
+
+
 def test_page_ins_join_at_the_next_step_and_give_back_what_they_hold(tiny_model_dir, monkeypatch):
     """A stalled page-in: issuing it does not wait, and its block joins the table at the next step, whatever
     the copy took (tokens never depend on timing); one given up, or whose sequence ends, in flight frees its
     device block when it lands; no host pin outlives its sequence."""
-    # recency scores and a far reselection: nothing but this test moves blocks while it looks
-    engine = LLMEngine(Config(model=tiny_model_dir, kv_resident_tokens=BUDGET * BS, kv_policy="lru",
-                              kv_reselect_every=1000, **BASE))
+    engine = still_bounded(tiny_model_dir)
     kv, pool, host = engine.kv, engine.pool, engine.tiers.host
     stalled = kv.mover._paged_in
     monkeypatch.setattr(kv.mover, "_paged_in", lambda job: time.sleep(0.5) or stalled(job))
-    engine.add_request("p", prompt(300, salt=6), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
-    while not engine.scheduler.running or engine.scheduler.running[0].num_computed_tokens < 300:
-        engine.step()
-    seq = engine.scheduler.running[0]
+    seq, _ = prefilled(engine, salt=6, max_tokens=50)
     paged_out = [i for i, b in enumerate(seq.kv.block_table) if b == NOT_RESIDENT]
-    scored = [i for i, b in enumerate(seq.kv.block_table[:-4]) if i and b != NOT_RESIDENT]   # not sink, not tail
+    scored = scored_blocks(seq)
 
     kv._page_out(seq.kv, scored[:1])                # a swap, as a reselection does: the budget holds
     start = time.perf_counter()
@@ -309,17 +326,12 @@ def test_pins_without_bounded_residency_are_refused(exact):
 def test_a_page_in_that_finds_its_block_in_no_tier_is_a_miss(tiny_model_dir, monkeypatch):
     """A paged-out block gone from every tier (evicted or damaged below the host tier): its page-in lands as a
     failure, its device block is freed, and the sequence decodes on without it."""
-    engine = LLMEngine(Config(model=tiny_model_dir, kv_resident_tokens=BUDGET * BS, kv_policy="lru",
-                              kv_reselect_every=1000, **BASE))
+    engine = still_bounded(tiny_model_dir)
     kv, pool = engine.kv, engine.pool
     monkeypatch.setattr(kv.mover, "_paged_in", lambda job: False)
-    engine.add_request("p", prompt(300, salt=7), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    got = []
-    while not engine.scheduler.running or engine.scheduler.running[0].num_computed_tokens < 300:
-        got += [t for out in engine.step() for t in out.new_token_ids]
-    seq = engine.scheduler.running[0]
+    seq, got = prefilled(engine, salt=7, max_tokens=8)
     i = seq.kv.block_table.index(NOT_RESIDENT)
-    scored = [j for j, b in enumerate(seq.kv.block_table[:-4]) if j and b != NOT_RESIDENT]
+    scored = scored_blocks(seq)
     kv._page_out(seq.kv, scored[:1])
     kv._page_in(seq.kv, [i])
     block = seq.kv.residency.paging_in[i]

@@ -477,8 +477,8 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
          f"that many (a run that did not is marked **miss** and gets no ratio); a tier run may compute part of "
          f"them instead, where the rates the engine measured say that is faster (counted below). Restore "
          f"bandwidth = cached tokens × bytes per token / the loader's own time for the restore (best of the "
-         f"repeats): the tier read (for disk: file read into a reused, already faulted-in buffer and checksums) plus the copy into the "
-         f"reserved device blocks; it leaves out the hand-offs between the engine loop and the loader, which "
+         f"repeats): the tier read (for disk: file read into a reused, already faulted-in buffer and checksums) "
+         f"plus the copy into the reserved device blocks; it leaves out the hand-offs between the engine loop and the loader, which "
          f"show in warm tier TTFT − warm device TTFT (the same suffix computed, no restore)."),
         "",
     ])

@@ -37,20 +37,24 @@ def _online_softmax(scores, v, best, total, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, rows_ptr, tables_ptr, lens_ptr, scale,
-                   stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    seq, kv_head = tl.program_id(0), tl.program_id(1)
+def _decode_part(q_ptr, k_ptr, v_ptr, rows_ptr, tables_ptr, lens_ptr, scale, seq, kv_head, split,
+                 stride_qt, stride_qh, stride_ks, stride_kh, stride_tb,
+                 NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+    """The query heads sharing K/V head kv_head, of sequence seq, over part `split` of its blocks (an even share of
+    NUM_SPLITS; all of them for 1): (its row, the running max, sum and unnormalised output per head)."""
     row, length = tl.load(rows_ptr + seq), tl.load(lens_ptr + seq)
     g, d, t = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_SIZE)
     heads = kv_head * GROUP + g
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
                 other=0.0)
+    num_blocks = tl.cdiv(length, BLOCK_SIZE)
+    share = tl.cdiv(num_blocks, NUM_SPLITS)
+    first = split * share
     best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for i in range(0, tl.cdiv(length, BLOCK_SIZE)):
+    for i in range(first, tl.minimum(first + share, num_blocks)):
         block = tl.load(tables_ptr + seq * stride_tb + i).to(tl.int64)
         valid = i * BLOCK_SIZE + t < length
         offsets = (block * BLOCK_SIZE + t)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
@@ -59,6 +63,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, rows_ptr, tables_ptr, lens_ptr,
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         best, total, acc = _online_softmax(scores, v, best, total, acc, PRECISION)
+    return row, best, total, acc
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, rows_ptr, tables_ptr, lens_ptr, scale,
+                   stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    seq, kv_head = tl.program_id(0), tl.program_id(1)
+    row, best, total, acc = _decode_part(q_ptr, k_ptr, v_ptr, rows_ptr, tables_ptr, lens_ptr, scale, seq, kv_head, 0,
+                                         stride_qt, stride_qh, stride_ks, stride_kh, stride_tb,
+                                         1, GROUP, GROUP_PAD, BLOCK_SIZE, HEAD_DIM, PRECISION)
+    g, d = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g
     out = acc / total[:, None]
     tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=(g < GROUP)[:, None])
@@ -69,29 +87,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr, rows_p
                          num_heads, stride_qt, stride_qh, stride_ks, stride_kh, stride_tb,
                          NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
-    """One part of a context: its blocks [first, last) of the sequence's, an even share of them."""
+    """One part of a context, kept with its log-sum-exp for the merge."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row, length = tl.load(rows_ptr + seq), tl.load(lens_ptr + seq)
-    g, d, t = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_SIZE)
+    _, best, total, acc = _decode_part(q_ptr, k_ptr, v_ptr, rows_ptr, tables_ptr, lens_ptr, scale, seq, kv_head,
+                                       split, stride_qt, stride_qh, stride_ks, stride_kh, stride_tb,
+                                       NUM_SPLITS, GROUP, GROUP_PAD, BLOCK_SIZE, HEAD_DIM, PRECISION)
+    g, d = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + g
-    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
-                other=0.0)
-    num_blocks = tl.cdiv(length, BLOCK_SIZE)
-    share = tl.cdiv(num_blocks, NUM_SPLITS)
-    first = split * share
-    last = tl.minimum(first + share, num_blocks)
-    best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    total = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for i in range(first, last):
-        block = tl.load(tables_ptr + seq * stride_tb + i).to(tl.int64)
-        valid = i * BLOCK_SIZE + t < length
-        offsets = (block * BLOCK_SIZE + t)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-        k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        best, total, acc = _online_softmax(scores, v, best, total, acc, PRECISION)
     # an empty part (a short context split many ways) weighs nothing in the merge: log-sum-exp -inf
     found = total > 0
     out = acc / tl.where(found, total, 1.0)[:, None]
