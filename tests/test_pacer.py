@@ -1,5 +1,5 @@
 """The pacer sizes the prompt tokens of a step beside running decodes from measured step times."""
-from kvtier.engine.pacer import FIRST_BUDGET, MIN_BUDGET, Pacer
+from kvtier.engine.pacer import FIRST_BUDGET, MIN_BUDGET, REFRESH_EVERY, Pacer
 
 
 def test_no_bound_without_decodes_or_before_a_decode_step_is_measured():
@@ -40,6 +40,20 @@ def test_budget_grows_by_doubling_on_a_fast_device_and_keeps_a_floor_on_a_slow_o
     slow.observe(1, 0, 0.01)
     slow.observe(1, 64, 10.0)                    # prompt tokens far too slow for the bound
     assert slow.budget(decoding=True) == MIN_BUDGET
+
+
+def test_a_long_prefill_leaves_room_for_decode_only_steps_that_measure_the_pace_again():
+    """Streams slow down as their contexts grow: every REFRESH_EVERY-th step beside a prefill carries no prompt
+    tokens, and its time becomes part of the pace, which the budget is then sized by."""
+    pacer = Pacer(2048, 2.0)
+    pacer.observe(4, 0, 0.05)
+    budgets = []
+    for _ in range(REFRESH_EVERY):
+        budgets.append(pacer.budget(decoding=True))
+        pacer.observe(4, budgets[-1], 0.1)
+    assert min(budgets) > 0 and pacer.budget(decoding=True) == 0
+    pacer.observe(4, 0, 0.15)                     # the streams' step now takes 0.15 s, not 0.05
+    assert pacer.decode_seconds > 0.05 and pacer.budget(decoding=True) > 0
 
 
 def test_the_engine_paces_a_long_prompt_beside_running_streams(tiny_model_dir):

@@ -58,6 +58,31 @@ def test_pool_shape_and_its_padding_block_zeroed():
     assert pool.kv_cache[:, :, :BS].abs().sum() == 0
 
 
+def runs_of(blocks: list[int]) -> int:
+    return 1 + sum(b != a + 1 for a, b in zip(blocks, blocks[1:]))
+
+
+def test_sequences_growing_side_by_side_keep_their_blocks_in_long_runs():
+    """CPU attention reads each run of consecutive slots in one call: four tables growing a block at a time in
+    turn each continue their own run, where handing out blocks in order would interleave them block by block."""
+    pool = make_pool(64)
+    tables = [pool.allocate(1) for _ in range(4)]
+    for _ in range(12):
+        for table in tables:
+            table += pool.allocate(1, after=table[-1])
+    assert len({b for t in tables for b in t}) == 52
+    assert max(map(runs_of, tables)) <= 3 and sum(map(runs_of, tables)) <= 7     # in order: 13 runs each
+
+
+def test_empty_blocks_are_taken_before_cached_ones_are_evicted():
+    pool = make_pool(4)
+    blocks = pool.allocate(4)
+    pool.seal(blocks[3], b"tail")       # a sealed tail block is the first one eviction would take
+    pool.free(blocks)
+    assert blocks[3] not in pool.allocate(3)
+    assert pool.match_prefix([b"tail"]) == [blocks[3]]
+
+
 def test_block_table_grows_one_block_per_block_size_tokens():
     sched = make_scheduler(make_pool(8), max_batched_tokens=64, max_num_seqs=4)
     seq = make_seq(0, 5)

@@ -1,7 +1,8 @@
 """Inter-token latency of running streams while a long prompt prefills, with and without pacing.
 
 Some streams decode; their inter-token latency is measured alone, then while a long prompt
-arrives and prefills beside them, in the same engine: once with the pacer bounding the steps
+arrives and prefills beside them, then alone again (their contexts grow meanwhile), in the same
+engine: once with the pacer bounding the steps
 (`--max-itl-ratio`, the server's default), once without (prompt chunks of `max_batched_tokens`,
 as before pacing). The long prompt's time to first token is reported for both, since pacing
 trades it for the streams' pace.
@@ -76,13 +77,14 @@ def measure(args: argparse.Namespace, eng: LLMEngine) -> dict:
     measure_phase(eng, last, None, 8, "warm-up")
     for mode, ratio in (("paced", paced_ratio), ("unpaced", 0)):
         pacer.max_itl_ratio = ratio
-        alone, _ = measure_phase(eng, last, None, args.alone_tokens, "")
+        before, _ = measure_phase(eng, last, None, args.alone_tokens, "")
         [long_prompt] = random_prompts(gen, 1, args.long_prompt, vocab)
         during, ttft = measure_phase(eng, last, long_prompt, 0, f"long-{mode}")
-        results[mode] = {"alone": alone, "during": during, "ttft": ttft, "ratio": ratio}
-        print(f"  {mode}: alone p50 {percentile(alone, 0.5) * 1e3:.0f} ms, during p50 "
-              f"{percentile(during, 0.5) * 1e3:.0f} ms p99 {percentile(during, 0.99) * 1e3:.0f} ms, long TTFT "
-              f"{ttft:.1f} s", flush=True)
+        after, _ = measure_phase(eng, last, None, args.alone_tokens, "")
+        results[mode] = {"before": before, "after": after, "during": during, "ttft": ttft, "ratio": ratio}
+        print(f"  {mode}: alone p50 {percentile(before, 0.5) * 1e3:.0f} ms before, "
+              f"{percentile(after, 0.5) * 1e3:.0f} ms after, during p50 {percentile(during, 0.5) * 1e3:.0f} ms "
+              f"p99 {percentile(during, 0.99) * 1e3:.0f} ms, long TTFT {ttft:.1f} s", flush=True)
     for rid in streams:
         eng.abort_request(rid)
     while eng.has_unfinished():
@@ -91,15 +93,17 @@ def measure(args: argparse.Namespace, eng: LLMEngine) -> dict:
 
 
 def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str) -> str:
-    table = ["| mode | streams alone p50 / p99 | during the prefill p50 / p99 | during / alone p50 / p99 "
-             "| long prompt TTFT |", "| --- | ---: | ---: | ---: | ---: |"]
+    table = ["| mode | alone before the prefill p50 / p99 | alone after it p50 / p99 | during the prefill p50 / p99 "
+             "| during / alone p50 / p99 | long prompt TTFT |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     ratios = {}
     for mode, r in results.items():
-        alone = [percentile(r["alone"], q) for q in (0.5, 0.99)]
-        during = [percentile(r["during"], q) for q in (0.5, 0.99)]
+        before, after, during = ([percentile(r[phase], q) for q in (0.5, 0.99)] for phase in ("before", "after",
+                                                                                              "during"))
+        alone = [(b + a) / 2 for b, a in zip(before, after)]     # idle at the contexts midway through the prefill
         ratios[mode] = [d / a for d, a in zip(during, alone)]
         label = f"paced (--max-itl-ratio {r['ratio']:g})" if r["ratio"] else "unpaced (--max-itl-ratio 0)"
-        table.append(f"| {label} | {alone[0] * 1e3:.0f} / {alone[1] * 1e3:.0f} ms | {during[0] * 1e3:.0f} / "
+        table.append(f"| {label} | {before[0] * 1e3:.0f} / {before[1] * 1e3:.0f} ms | {after[0] * 1e3:.0f} / "
+                     f"{after[1] * 1e3:.0f} ms | {during[0] * 1e3:.0f} / "
                      f"{during[1] * 1e3:.0f} ms | {ratios[mode][0]:.1f}× / {ratios[mode][1]:.1f}× | "
                      f"{r['ttft']:.1f} s |")
     paced = ratios["paced"]
@@ -117,7 +121,10 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
         "",
         f"How: {args.streams} streams with {args.stream_prompt}-token prompts decode greedily; their gaps between "
         f"tokens are measured over {args.alone_tokens} tokens each alone, then while a {args.long_prompt}-token "
-        f"prompt (random tokens, a fresh one per mode) prefills beside them, until its first token. Both modes run "
+        f"prompt (random tokens, a fresh one per mode) prefills beside them, until its first token, then alone "
+        f"again. A stream's step gets slower as its context grows, and its contexts during the prefill lie between "
+        f"those before and after it, so its idle latency is the mean of the two alone phases' (each percentile "
+        f"apart). Both modes run "
         f"in one engine, paced first; the streams' context grows between them. Pacing costs the long prompt "
         f"{slower:.2f}× its unpaced TTFT here. Prefix cache and tiers are off: every token is computed.",
         "",

@@ -8,12 +8,18 @@ rate, at most twice the last budget (so the budget finds the device's size in a 
 instead of trying a whole `max_batched_tokens` chunk first). With nothing decoding, a step
 carries up to `max_batched_tokens` prompt tokens. Measuring each step, rather than fixing a
 chunk size, fits any device and any context length (a chunk's attention grows with it).
+
+The streams' own steps get slower as their contexts grow, and a long prefill leaves no step that
+only decodes: every REFRESH_EVERY-th step beside a prefill carries no prompt tokens, to measure
+the pace again. Without it the pace would stay the one measured before the prompt arrived, and
+the growing decodes would be charged to the prompt tokens, shrinking their budget step by step.
 """
 from __future__ import annotations
 
 SMOOTHING = 0.3          # weight of the newest decode-only step
 FIRST_BUDGET = 64        # prompt tokens of the first step beside decodes
-MIN_BUDGET = 16          # a prompt always advances
+MIN_BUDGET = 4           # a prompt always advances
+REFRESH_EVERY = 16       # steps beside a prefill before one that only decodes
 
 
 class Pacer:
@@ -22,12 +28,13 @@ class Pacer:
         self.max_itl_ratio = max_itl_ratio           # 0: no bound
         self.decode_seconds: float | None = None     # a decode-only step, as a moving average
         self.prompt_budget = min(FIRST_BUDGET, max_batched_tokens)
+        self.steps_since_pace = 0                    # steps with prompt tokens since the last decode-only one
 
     def budget(self, decoding: bool) -> int:
         """Prompt tokens the step may carry beside its decodes."""
         if not decoding or not self.max_itl_ratio or self.decode_seconds is None:
             return self.max_batched_tokens
-        return self.prompt_budget
+        return 0 if self.steps_since_pace >= REFRESH_EVERY else self.prompt_budget
 
     def observe(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:
         """A step's duration (forward and sampling) with its decodes and prompt tokens."""
@@ -36,7 +43,9 @@ class Pacer:
         if not num_prompt_tokens:
             old = self.decode_seconds
             self.decode_seconds = seconds if old is None else (1 - SMOOTHING) * old + SMOOTHING * seconds
+            self.steps_since_pace = 0
             return
+        self.steps_since_pace += 1
         if self.decode_seconds is None:
             return
         prompt_seconds = max(seconds - self.decode_seconds, 1e-6)

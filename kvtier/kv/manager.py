@@ -100,7 +100,7 @@ class KVManager:
     def _begin_load(self, state: KVState, plan: LoadPlan, on_device: list[int]) -> None:
         """Reserve the plan's blocks (after those the device holds), write the state, start the copy. The
         blocks stay the request's until the load lands: an abort or a miss frees them then."""
-        blocks = self.pool.allocate(plan.num_blocks)
+        blocks = self.pool.allocate(plan.num_blocks, after=_last_block(on_device))
         state.block_table = on_device + blocks
         state.block_keys = self.prompt_keys(state)[:len(on_device)]
         state.load_from = (len(on_device) + plan.front) * self.block_size
@@ -152,7 +152,7 @@ class KVManager:
         if not self.pool.can_allocate(need):
             self.pool.free(cached)
             return None
-        state.block_table = held + self.pool.allocate(need)
+        state.block_table = held + self.pool.allocate(need, after=_last_block(held))
         state.block_keys = keys
         if not state.compute_first:      # one computing first takes its landed blocks up at load_from
             state.restored = 0
@@ -187,7 +187,7 @@ class KVManager:
         need = self.pool.blocks_for(end) - len(state.block_table)
         if not self.pool.can_allocate(need):
             return False
-        state.block_table += self.pool.allocate(need)
+        state.block_table += self.pool.allocate(need, after=_last_block(state.block_table))
         return True
 
     # --- after a step ----------------------------------------------------------------------------
@@ -455,3 +455,8 @@ class KVManager:
         return {"tiers": self.stack.stats(), "rates": self.rates.stats(), "load_buckets": LOAD_BUCKETS,
                 "load_counts": list(self.load_counts), "load_seconds_sum": self.load_seconds_sum,
                 "num_loading": len(self.loading)}
+
+
+def _last_block(table: list[int]) -> int | None:
+    """The block a table's next one should follow in the pool (None for an empty table or a trailing hole)."""
+    return table[-1] if table and table[-1] != NOT_RESIDENT else None

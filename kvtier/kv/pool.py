@@ -3,6 +3,13 @@
 Blocks are reference-counted. A full block can be sealed under its content key; once its
 last user lets go it stays cached, evictable, in an LRU free list, and a later request
 whose prefix has the same keys reuses it instead of recomputing it.
+
+Allocation keeps each sequence's blocks in long runs of consecutive slots where it can: the CPU
+attention reads a run of slots in one call, so a context scattered over many runs costs a call
+(or a gather) per run. A sequence grows into the empty block after its last one; one that cannot
+(a new sequence, or its neighbour took that block) starts in the middle of the longest run of
+empty blocks, so sequences growing side by side get room apart. Empty blocks go before cached
+ones are evicted.
 """
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 CPU_POOL_SHARE = 0.10    # of available host RAM when --kv-pool-tokens is not given
@@ -62,6 +70,7 @@ class KVPool:
         self.keys: list[bytes | None] = [None] * self.num_blocks   # sealed blocks' content keys
         self.cached: dict[bytes, int] = {}                          # key → block holding it
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))  # LRU first
+        self._empty = np.ones(self.num_blocks, dtype=bool)    # free and holding no cached block
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -81,17 +90,30 @@ class KVPool:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
-    def allocate(self, num_blocks: int) -> list[int]:
-        """Fresh blocks, evicting the least recently freed cached ones first."""
+    def allocate(self, num_blocks: int, after: int | None = None) -> list[int]:
+        """Fresh blocks, continuing the run that ends at block `after` where the blocks after it are empty; cached
+        blocks are evicted (least recently freed first) only when no block is empty."""
         if num_blocks > len(self._free):
             raise PoolExhausted(f"asked for {num_blocks} blocks, {len(self._free)} free")
         blocks = []
         for _ in range(num_blocks):
-            block, _ = self._free.popitem(last=False)
+            block = self._next_block(blocks[-1] if blocks else after)
+            del self._free[block]
+            self._empty[block] = False
             self._forget(block)
             self.ref_counts[block] = 1
             blocks.append(block)
         return blocks
+
+    def _next_block(self, after: int | None) -> int:
+        if after is not None and after + 1 < self.num_blocks and self._empty[after + 1]:
+            return after + 1
+        if not self._empty.any():
+            return next(iter(self._free))
+        edges = np.diff(self._empty.astype(np.int8), prepend=0, append=0)     # +1 where a run starts, -1 past its end
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        longest = int(np.argmax(ends - starts))
+        return int(starts[longest] + ends[longest]) // 2
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block. Tail blocks are queued for eviction before head
@@ -100,6 +122,7 @@ class KVPool:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self._free[block] = None
+                self._empty[block] = self.keys[block] is None
 
     def pin(self, blocks: list[int]) -> None:
         """One more reference to blocks someone already holds (e.g. while a copy out of them is in flight)."""
