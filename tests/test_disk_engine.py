@@ -1,15 +1,19 @@
-"""Disk tier through the engine: restart hits, prefixes spanning tiers, damaged files, foreign namespaces."""
+"""Disk tier through the engine: restart hits, prefixes spanning tiers, damaged files, foreign namespaces, the
+measured rates a restart keeps."""
+import json
 import logging
 import pathlib
 import time
 
 import pytest
+import torch
 from conftest import max_logit_diff
 from conftest import run_greedy as run
 
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
+from kvtier.kv.rates import rates_path
 
 BS = 16
 
@@ -183,3 +187,63 @@ def test_abort_while_computing_the_front_frees_the_blocks_once_the_copy_lands(ti
         outs += eng.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("r", "abort")]
     assert eng.pool.num_free_blocks == eng.pool.num_blocks
+
+
+def saved_rates(eng, disk_speed):
+    """Rates as a server that measured them would leave them: computing at 1000 tokens/s, the disk `disk_speed`
+    times as fast; written at shutdown."""
+    rates = eng.kv.rates
+    rates.prefill_tokens_per_s = 1000.0
+    rates.tier_bytes_per_s["disk"] = rates.bytes_per_token * rates.prefill_tokens_per_s * disk_speed
+    eng.shutdown()
+    return rates.stats()
+
+
+def test_a_restarted_server_weighs_loading_with_the_rates_it_measured_before(tiny_model_dir, tmp_path):
+    """Without its rates a new server loads every prefix; with the ones saved at shutdown it computes a prefix
+    the disk is too slow for, from its first request, with the same tokens."""
+    eng = make_engine(tiny_model_dir, tmp_path)
+    p = prompt(150, salt=25)
+    first = run(eng, p)
+    saved = saved_rates(eng, disk_speed=0.1)
+    eng = make_engine(tiny_model_dir, tmp_path)
+    rates = eng.stats()["rates"]
+    assert rates["prefill_tokens_per_s"] == saved["prefill_tokens_per_s"]
+    assert rates["tier_bytes_per_s"] == saved["tier_bytes_per_s"]
+    again = run(eng, p)
+    assert again.tokens == first.tokens and again.cached == 0
+    assert eng.stats()["rates"]["computed_instead"] == {"disk": 9 * BS}
+
+
+@pytest.mark.parametrize("damage", ["garbage", "negative", "other model"])
+def test_damaged_saved_rates_are_ignored(tiny_model_dir, tmp_path, caplog, damage):
+    eng = make_engine(tiny_model_dir, tmp_path)
+    p = prompt(150, salt=26)
+    first = run(eng, p)
+    saved_rates(eng, disk_speed=0.1)
+    [path] = pathlib.Path(tmp_path, "rates").glob("*.json")
+    record = json.loads(path.read_text())
+    if damage == "garbage":
+        path.write_bytes(b"\x00{not json")
+    elif damage == "negative":
+        path.write_text(json.dumps({**record, "prefill_tokens_per_s": -5.0}))
+    else:
+        path.write_text(json.dumps({**record, "bytes_per_token": record["bytes_per_token"] * 2}))
+    with caplog.at_level(logging.WARNING):
+        eng = make_engine(tiny_model_dir, tmp_path)
+    assert any("ignoring the saved rates" in r.getMessage() for r in caplog.records)
+    assert eng.stats()["rates"]["prefill_tokens_per_s"] is None and eng.stats()["rates"]["tier_bytes_per_s"] == {}
+    again = run(eng, p)                   # unmeasured: the prefix loads
+    assert again.tokens == first.tokens and again.cached == 149
+
+
+def test_saved_rates_belong_to_the_device_they_were_measured_on(tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        paths = set()
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            paths.add(rates_path(str(tmp_path), b"n" * 16, torch.device("cpu")))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(paths) == 2

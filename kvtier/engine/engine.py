@@ -24,6 +24,7 @@ from kvtier.kv.manager import KVManager
 from kvtier.kv.manifest import ManifestStore
 from kvtier.kv.pager import CAPTURE_ROWS, Pager, PinRefused
 from kvtier.kv.pool import KVPool, default_pool_tokens
+from kvtier.kv.rates import rates_path
 from kvtier.kv.tiers.host import HostTier
 from kvtier.kv.tiers.stack import TierStack
 from kvtier.models.attention import triton_supports
@@ -67,7 +68,9 @@ class LLMEngine:
         if self.pager:
             manifests = ManifestStore(self.pager.bounded_namespace, beside_disk and beside_disk("manifests"))
         self.max_pinned_tokens = self.pager.max_pinned_tokens if self.pager else None
-        self.kv = KVManager(self.pool, self.tiers, self.pager, manifests, beside_disk and beside_disk("partials"))
+        rates_file = beside_disk and rates_path(beside_disk("rates"), ns, self.device)
+        self.kv = KVManager(self.pool, self.tiers, self.pager, manifests, beside_disk and beside_disk("partials"),
+                            rates_file)
         self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs, config.max_itl_ratio)
         self.runner = ModelRunner(self.model, self.kv, self.device, self._decode_graphs(config))
         self.grammars = GrammarCompiler(self.tokenizer.hf)

@@ -38,13 +38,14 @@ LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 
 
 class KVManager:
     def __init__(self, pool: KVPool, stack: TierStack, pager: Pager | None = None,
-                 manifests: ManifestStore | None = None, partials_dir: str | None = None):
+                 manifests: ManifestStore | None = None, partials_dir: str | None = None,
+                 rates_file: str | None = None):
         self.pool, self.stack, self.pager, self.manifests = pool, stack, pager, manifests
         self.block_size = pool.block_size
         self.mover = Mover(pool, stack, manifests) if stack else None
         self.loading: dict[str, KVState] = {}     # loads in flight, by request id
         self.partials = PartialBlocks(pool.namespace, partials_dir)
-        self.rates = Rates(pool.block_bytes // pool.block_size)
+        self.rates = Rates(pool.block_bytes // pool.block_size, rates_file)
         self.planner = LoadPlanner(pool, stack, self.rates, self.partials, pager, manifests)
         self.num_saving = 0                       # block runs pinned for a copy that has not landed
         self.num_paging = 0                       # page-outs and page-ins in flight
@@ -448,6 +449,7 @@ class KVManager:
     def shutdown(self) -> None:
         if self.mover:
             self.mover.shutdown()
+        self.rates.save()
 
     def stats(self) -> dict:
         if not self.stack:

@@ -54,13 +54,16 @@ class KVPool:
         self.num_blocks = num_tokens // block_size
         if self.num_blocks < 1:
             raise ValueError(f"KV pool of {num_tokens} tokens holds no {block_size}-token block")
-        # not zero-filled: start-up would write the whole pool (most of a GPU's memory). Attention reads only
-        # written slots, but for slot 0, which pads a batch of decode contexts: masked out, yet NaN garbage there
-        # would leak through the softmax, so its block starts as zeros. One more block past the last is never
-        # handed out: the padding rows of a graph-captured decode step write and read their K/V there (pad_slot).
+        # On CUDA not zero-filled: start-up would write the whole pool (most of a GPU's memory). Attention reads
+        # only written slots, but for slot 0, which pads a batch of decode contexts: masked out, yet NaN garbage
+        # there would leak through the softmax, so its block starts as zeros. On CPU the whole pool is zeroed once
+        # at start-up, which maps all its pages: a block's slots lie in 2 x num_layers places, and faulting them in
+        # on first use cost a step 10-100 ms (a warm turn's copy of a partial block: 102 of its 555 ms).
+        # One more block past the last is never handed out: the padding rows of a graph-captured decode step write
+        # and read their K/V there (pad_slot).
         self.kv_cache = torch.empty(2, num_layers, (self.num_blocks + 1) * block_size, num_kv_heads, head_dim,
                                     dtype=dtype, device=device)
-        self.kv_cache[:, :, :block_size].zero_()
+        (self.kv_cache if self.kv_cache.device.type == "cpu" else self.kv_cache[:, :, :block_size]).zero_()
         self.pad_slot = self.num_blocks * block_size
         # transfers to and from the tiers go through a contiguous device buffer on CUDA (see blocks_out)
         self.staged_copies = self.kv_cache.device.type == "cuda"

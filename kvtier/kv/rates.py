@@ -8,23 +8,52 @@ it is computed when loading even its last block would take longer. Until both ar
 manager loads. A prefix that would be computed whole still loads its last block on every
 EXPLORE_EVERY-th time, so a measurement taken on a bad moment (a cold page cache, a busy disk)
 does not rule a tier out for good.
+
+With a path (beside the disk tier) the rates are saved at shutdown and taken up at the next start:
+a restarted server would otherwise know neither rate until it had served, and so load every
+prefix from disk, even where computing it is faster. The file is named by the model's namespace
+and the device it was measured on; a damaged or foreign file is ignored.
 """
 from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+import torch
+
+from kvtier.kv.tiers.files import atomic_write, read_regular
+
+log = logging.getLogger("kvtier.kv.rates")
 
 SMOOTHING = 0.3       # weight of the newest measurement
 EXPLORE_EVERY = 16
 # A restore replaces the prefill of a long prefix, which runs in long chunks: steps with fewer prompt tokens
 # (the suffix after a restore, a short question) run at a lower rate and would make computing look slower.
 MIN_PREFILL_TOKENS = 256
+MAX_FILE_BYTES = 1 << 12
+
+
+def rates_path(directory: str, namespace: bytes, device: torch.device) -> str:
+    """Where the rates of this model (namespace) on this device are kept: a CPU's rates depend on its threads."""
+    if device.type == "cuda":
+        label = torch.cuda.get_device_name(device)
+    else:
+        label = f"{device.type}-{torch.get_num_threads()}-threads"
+    return os.path.join(directory, f"{namespace.hex()[:16]}-{''.join(c if c.isalnum() else '_' for c in label)}.json")
 
 
 class Rates:
-    def __init__(self, bytes_per_token: int):
+    def __init__(self, bytes_per_token: int, path: str | None = None):
         self.bytes_per_token = bytes_per_token
         self.tier_bytes_per_s: dict[str, float] = {}
         self.prefill_tokens_per_s: float | None = None
         self.computed_whole = 0                       # prefixes that would have been computed whole
         self.computed_instead: dict[str, int] = {}    # per tier: cached tokens computed rather than loaded
+        self.path = path
+        if path is not None:
+            self._load()
 
     def observe_tier(self, tier: str, nbytes: int, seconds: float) -> None:
         if nbytes and seconds > 0:
@@ -56,6 +85,38 @@ class Rates:
     def stats(self) -> dict:
         return {"tier_bytes_per_s": dict(self.tier_bytes_per_s), "prefill_tokens_per_s": self.prefill_tokens_per_s,
                 "computed_instead": dict(self.computed_instead)}
+
+    def save(self) -> None:
+        """Write the measured rates to the path (atomically), if there is one and anything was measured."""
+        if self.path is None or (self.prefill_tokens_per_s is None and not self.tier_bytes_per_s):
+            return
+        record = {"bytes_per_token": self.bytes_per_token, "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                  "tier_bytes_per_s": self.tier_bytes_per_s}
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            atomic_write(self.path, [json.dumps(record).encode()])
+        except OSError as e:
+            log.warning("the measured rates were not saved: %s", e)
+
+    def _load(self) -> None:
+        try:
+            record = json.loads(read_regular(self.path, MAX_FILE_BYTES))
+            prefill, tiers = record["prefill_tokens_per_s"], record["tier_bytes_per_s"]
+            valid = (record["bytes_per_token"] == self.bytes_per_token and (prefill is None or _rate(prefill))
+                     and isinstance(tiers, dict) and all(isinstance(t, str) and _rate(v) for t, v in tiers.items()))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("ignoring the saved rates in %s: %s", self.path, e)
+            return
+        if not valid:
+            log.warning("ignoring the saved rates in %s: not this model's, or not rates", self.path)
+            return
+        self.prefill_tokens_per_s, self.tier_bytes_per_s = prefill, dict(tiers)
+
+
+def _rate(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _smoothed(old: float | None, new: float) -> float:

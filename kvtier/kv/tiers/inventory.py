@@ -14,7 +14,8 @@ from kvtier.kv.tiers.blockfile import BlockFileError, read_header
 from kvtier.kv.tiers.disk import LOCK_NAME, SUFFIX, regular_subdirs
 from kvtier.kv.tiers.files import TMP_SUFFIX, regular_files, remove
 
-SIDE_STORES = {"manifests": ".kvm", "partials": ".kvp"}   # beside the block files: subdirectory → suffix
+# beside the block files: subdirectory → suffix (rates: what loading and computing cost, kv/rates.py)
+SIDE_STORES = {"manifests": ".kvm", "partials": ".kvp", "rates": ".json"}
 
 
 def survey(directory: str) -> dict:
@@ -45,8 +46,8 @@ def survey(directory: str) -> dict:
 
 
 def clear(directory: str) -> dict:
-    """Delete every block file, manifest and partial-block entry (and leftover temp files), holding the
-    writers' lock; what else is in the directory stays. Returns what was deleted."""
+    """Delete every block file, manifest, partial-block entry and saved rate (and leftover temp files), holding
+    the writers' lock; what else is in the directory stays. Returns what was deleted."""
     removed = {"files": 0, "bytes": 0}
     with _writers_lock(directory):
         victims = list(_block_files(directory))
