@@ -1,4 +1,5 @@
 """Bounded residency: exact while it fits, budgets, sinks, tails and pins hold, pages round-trip."""
+import threading
 import time
 
 import pytest
@@ -227,6 +228,14 @@ def test_config_checks(tiny_model_dir):
         Config(model=tiny_model_dir, block_size=BS, kv_resident_tokens=8 * BS, kv_host_gib=0)
 
 
+def reads_below_on_this_thread(engine) -> list[bytes]:
+    """The keys the engine's thread (this one) reads from below the host tier from here on."""
+    reads, from_below, me = [], engine.kv.mover.from_below, threading.current_thread()
+    engine.kv.mover.from_below = lambda key: (reads.append(key) if threading.current_thread() is me else None,
+                                              from_below(key))[1]
+    return reads
+
+
 def manifest_engine(model_dir, disk_dir):
     return LLMEngine(Config(model=model_dir, kv_resident_tokens=BUDGET * BS, kv_policy="quest", kv_reselect_every=4,
                             **{**BASE, "kv_disk": True}, kv_disk_dir=str(disk_dir)))
@@ -244,13 +253,38 @@ def test_manifest_round_trip_continues_like_the_uninterrupted_run(tiny_model_dir
     second = manifest_engine(tiny_model_dir, tmp_path / "b")
     jobs, load = [], second.kv.mover.load
     second.kv.mover.load = lambda job: (jobs.append(job), load(job))
+    engine_reads = reads_below_on_this_thread(second)
     rest = run(second, p + head, max_tokens=25)
     assert rest.cached == 19 * BS
     assert rest.tokens == whole[5:]
-    # the restore moved only the resident blocks, at most the budget, to the device
+    # the restore moved only the resident blocks, at most the budget, to the device; the loader pinned the others
+    # in the host tier, so the prompt's chunk read none of them from disk on the engine thread
     (job,) = jobs
     assert job.manifest is not None and len(job.keys) == 19
     assert sum(job.manifest.resident) <= BUDGET and job.bytes == sum(job.manifest.resident) * second.pool.block_bytes
+    assert job.pinned == [i for i, r in enumerate(job.manifest.resident) if not r] and engine_reads == []
+    assert second.tiers.host.pinned_bytes == 0         # given back when the sequence finished
+
+
+def test_a_restore_aborted_while_loading_gives_back_its_host_pins(tiny_model_dir, tmp_path):
+    p = prompt(300, salt=12)
+    first = manifest_engine(tiny_model_dir, tmp_path)
+    head = run(first, p, max_tokens=5).tokens
+    first.shutdown()
+    second = manifest_engine(tiny_model_dir, tmp_path)
+    disk, jobs, load = second.tiers.disk, [], second.kv.mover.load
+    read = disk.read_run
+    disk.read_run = lambda keys, staging=None: (time.sleep(0.3), read(keys, staging))[1]
+    second.kv.mover.load = lambda job: (jobs.append(job), load(job))
+    second.add_request("r", p + head, SamplingParams(max_tokens=3))
+    second.step()
+    assert second.kv.loading
+    second.abort_request("r")
+    while second.has_unfinished():
+        second.step()
+    (job,) = jobs
+    assert job.ok and job.pinned          # the loader pinned the blocks left off the device, then the abort came
+    assert second.tiers.host.pinned_bytes == 0 and second.pool.num_free_blocks == second.pool.num_blocks
 
 
 def test_damaged_manifest_is_a_miss(tiny_model_dir, tmp_path, caplog):
@@ -277,10 +311,12 @@ def test_a_long_exact_prefix_restores_with_only_sink_and_tail_resident(tiny_mode
     bounded = manifest_engine(tiny_model_dir, tmp_path)
     jobs, load = [], bounded.kv.mover.load
     bounded.kv.mover.load = lambda job: (jobs.append(job), load(job))
+    engine_reads = reads_below_on_this_thread(bounded)
     warm = run(bounded, p, max_tokens=8)
     assert warm.cached == 384 and max_logit_diff(cold, warm) < 1e-4
     (job,) = jobs
     assert job.bytes == 5 * bounded.pool.block_bytes          # 1 sink + 4 tail blocks of 24 went to the device
+    assert len(job.pinned) == 24 - 5 and engine_reads == []  # the other 19 wait pinned in the host tier
     assert warm.tokens[0] == cold.tokens[0]
     # the end-of-prompt reselection paged the best blocks in up to the budget, and the peak counter saw it
     assert bounded.stats()["residency"]["max_resident_blocks"] == BUDGET

@@ -254,9 +254,9 @@ class KVManager:
         self.mover.page_in(job)
 
     def _fetch(self, state: KVState, i: int) -> torch.Tensor:
-        """A paged-out block's payload (a copy): from the device while its copy to the host tier is in flight,
-        from the host tier, or, for one restored from a manifest and left below until now, from a lower tier
-        (then pinned in the host tier)."""
+        """A paged-out block's payload (a copy): from the device while its copy to the host tier is in flight, or
+        from the host tier. A restore pins the blocks it leaves off the device there (the loader reads them from
+        below); one it found no room for is read from a lower tier here, on the engine thread, and pinned."""
         key, host = state.block_keys[i], self.stack.host
         if key in self.paging_out:
             return self.pool.read_blocks([self.paging_out[key]])[0]
@@ -363,7 +363,8 @@ class KVManager:
                 self.rates.observe_tier(tier, nbytes, seconds)
             state = self.loading.pop(job.request_id)
             state.loading = False
-            if state.aborted:      # cancelled while loading: blocks are free only now
+            if state.aborted:      # cancelled while loading: blocks (and host pins) are free only now
+                self.mover.unpin([job.keys[i] for i in job.pinned])
                 self.release(state)
                 aborted.append(state)
             elif job.ok and job.manifest is not None:
@@ -429,9 +430,7 @@ class KVManager:
         state.block_keys = list(job.keys)
         state.block_table = [placed.get(i, NOT_RESIDENT) for i in range(len(job.keys))]
         self.pager.restore(state, job.manifest)
-        for i, key in enumerate(job.keys):
-            if i not in placed and self.stack.host.pin(key):
-                state.residency.offloaded.add(i)
+        state.residency.offloaded.update(job.pinned)
         state.restored = state.num_cached_tokens = len(job.keys) * self.block_size
 
     def _observe_load(self, seconds: float) -> None:

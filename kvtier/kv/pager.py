@@ -19,8 +19,8 @@ pinned token range. The rest of the budget goes to the best-scoring sealed block
   share of some head's attention (the answer to a question turns to where it was said).
   Scores are kept in a ledger that fades by LEDGER_DECAY per step;
 - `manifest` / `restore` save and bring back a sequence's pager state (see manifest.py):
-  only resident blocks return to the device, the others are paged in when selected, from
-  the host tier or, failing that, the disk tier.
+  only resident blocks return to the device; the loader pins the others in the host tier
+  (reading from disk those it lacks), and they are paged in from there when selected.
 
 The pager decides; the KV manager (manager.py) moves the blocks and writes the block tables.
 

@@ -49,6 +49,8 @@ class LoadJob:
     resident: list[bool] | None = None  # a bounded sequence without a manifest: these blocks go to `blocks`
     manifest: Manifest | None = None    # read, or for `resident` made, by the loader
     partial_tokens: int = 0             # the last key is a partial block's (partials.py): its tokens used
+    pinned: list[int] = field(default_factory=list)   # a bounded sequence's blocks left off the device: pinned in
+                                                      # the host tier for it by the loader (by index in keys)
     tier_times: dict[str, tuple[int, float]] = field(default_factory=dict)   # tier → (bytes, seconds) it took
     ok: bool = False
     seconds: float = 0.0
@@ -321,10 +323,37 @@ class Mover:
             if job.resident is not None:
                 job.manifest = self._summarized(job.keys, job.resident, payloads)
             self._promote(reads)
+            if job.manifest is not None:
+                job.pinned = self._pin_offloaded(job.keys, job.manifest.resident, payloads)
         finally:
             for tier, got, _ in reads:
                 tier.release(list(got))
         return True
+
+    def _pin_offloaded(self, keys: list[bytes], resident: list[bool], payloads: dict) -> list[int]:
+        """Pin a restored bounded sequence's blocks left off the device in the host tier, reading those it lacks
+        from below: its next prompt chunk attends to them all, and the engine reads them from host memory (pager.py).
+        Returns their indices; one without room in the host tier is fetched from below when a chunk needs it."""
+        host, pinned, below = self.stack.host, [], []
+        for i, key in enumerate(keys):
+            if resident[i]:
+                continue
+            if key in payloads:                 # read for the summaries, in hand
+                if host.put(key, payloads[key], pin=True):
+                    pinned.append(i)
+            elif host.pin(key):
+                pinned.append(i)
+            else:
+                below.append(i)
+        reads = self._read([keys[i] for i in below]) if below else None    # after `payloads` is used: it reuses
+        if reads is not None:                                               # the staging buffer
+            try:
+                got = {key: payload for _, run, _ in reads for key, payload in run.items()}
+                pinned += [i for i in below if host.put(keys[i], got[keys[i]], pin=True)]
+            finally:
+                for tier, run, _ in reads:
+                    tier.release(list(run))
+        return sorted(pinned)
 
     def _read(self, keys: list[bytes]) -> list[tuple[object, dict, float]] | None:
         """Each key's payload from the fastest tier holding it: [(tier, {key: payload}, seconds)], every read
