@@ -113,6 +113,12 @@ def test_staging_buffer_is_reused_and_bounded(tmp_path):
     buffer = staging.buffer
     got = tier.get_run(keys[3:], staging)
     assert staging.buffer is buffer and all(torch.equal(a, b) for a, b in zip(got, payloads[3:]))
+    one_file = make_tier(tmp_path / "one")                   # a conversation's next restore is a little longer:
+    one_file.put_run(keys, payloads)                         # it fits the room to spare, no new buffer
+    growing = Staging(max_bytes=1 << 20)
+    one_file.get_run(keys[:5], growing)
+    buffer = growing.buffer
+    assert torch.equal(one_file.get_run(keys, growing)[-1], payloads[-1]) and growing.buffer is buffer
     small = Staging(max_bytes=BLOCK_BYTES)                   # too small: fresh buffers, same data
     assert all(torch.equal(a, b) for a, b in zip(tier.get_run(keys, small), payloads))
     assert small.buffer.numel() == 0

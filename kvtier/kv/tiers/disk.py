@@ -75,8 +75,10 @@ class BlockFile:
 class Staging:
     """A reusable read buffer, kept faulted in: reading into fresh memory pays a page fault
     per page, which on this kind of machine halves the file-read rate. Grows to the largest
-    restore up to `max_bytes`; larger restores read into fresh buffers. Pinned for a CUDA pool, so the
-    copy to the device that follows is DMA."""
+    restore up to `max_bytes`, with a quarter to spare (growing by exactly what a slightly longer restore
+    needs, as a conversation's do, would fault a whole new buffer in each time); larger restores read
+    into fresh buffers.
+    Pinned for a CUDA pool, so the copy to the device that follows is DMA."""
 
     def __init__(self, max_bytes: int, pin_memory: bool = False):
         self.max_bytes = max_bytes
@@ -88,7 +90,9 @@ class Staging:
         if total > self.max_bytes:
             return [None] * len(sizes)
         if total > self.buffer.numel():
-            self.buffer = torch.zeros(total, dtype=torch.uint8, pin_memory=self.pin_memory)  # zeros: fault pages in now
+            size = min(self.max_bytes, total + total // 4)
+            self.buffer = torch.empty(0, dtype=torch.uint8)      # the old one goes first
+            self.buffer = torch.zeros(size, dtype=torch.uint8, pin_memory=self.pin_memory)  # zeros: fault pages in now
         return list(self.buffer[:total].split(sizes))
 
 
