@@ -364,7 +364,8 @@ class KVManager:
             state = self.loading.pop(job.request_id)
             state.loading = False
             if state.aborted:      # cancelled while loading: blocks (and host pins) are free only now
-                self.mover.unpin([job.keys[i] for i in job.pinned])
+                if job.pinned:
+                    self.mover.unpin([job.keys[i] for i in job.pinned])
                 self.release(state)
                 aborted.append(state)
             elif job.ok and job.manifest is not None:

@@ -232,7 +232,7 @@ class Mover:
             if kind == "unpin":
                 try:
                     self.stack.host.release(job)
-                except KeyError:     # a page-out that failed pinned less than its sequence counts
+                except Exception:    # e.g. a page-out that failed pinned less than its sequence counts
                     log.exception("unpinning %d host blocks failed", len(job))
                 self._pages.task_done()
                 continue
@@ -283,20 +283,29 @@ class Mover:
 
     def _load_loop(self) -> None:
         while (job := self._loads.get()) is not None:
-            start = time.perf_counter()
+            start, reads = time.perf_counter(), []
             try:
-                job.ok = self._restore(job)
+                job.ok = self._restore(job, reads)
             except Exception:   # damaged data must never take the engine down: count it as a miss
                 log.exception("restoring %d blocks for %s failed; recomputing", len(job.keys), job.request_id)
                 job.ok = False
             job.seconds = time.perf_counter() - start
             self._done.put(("loaded", job))
             self._landed.set()
-            self._loads.task_done()
+            try:        # after the request has its blocks, off its time to first token
+                if job.ok:
+                    self._promote(reads)
+            except Exception:
+                log.exception("keeping %d restored blocks in the host tier failed", len(job.keys))
+            finally:
+                for tier, got, _ in reads:
+                    tier.release(list(got))
+                self._loads.task_done()
 
-    def _restore(self, job: LoadJob) -> bool:
+    def _restore(self, job: LoadJob, reads: list) -> bool:
         """Copy the job's resident blocks into the pool; False on a miss. Without a manifest, a bounded
-        sequence's blocks are all read once, to summarize their keys."""
+        sequence's blocks are all read once, to summarize their keys. The reads it made are appended to
+        `reads`, for the caller to promote (once the job has landed) and release."""
         resident = [True] * len(job.keys) if job.resident is None else job.resident
         if job.manifest_key is not None:
             job.manifest = self.manifests.get(job.manifest_key)
@@ -308,26 +317,22 @@ class Mover:
         if len(wanted) > len(job.blocks):
             return False
         keys = job.keys if job.resident is not None else wanted
-        reads = self._read(keys)
-        if reads is None:
+        got_reads = self._read(keys)
+        if got_reads is None:
             return False
-        try:
-            payloads = {key: payload for tier, got, _ in reads for key, payload in got.items()}
-            start = time.perf_counter()
-            with self._on_copy_stream(job.ready):
-                self.pool.blocks_in(job.blocks[:len(wanted)], [payloads[key] for key in wanted])
-            copy_s = (time.perf_counter() - start) / max(1, len(wanted))
-            job.bytes = len(wanted) * self.pool.block_bytes
-            for tier, got, read_s in reads:      # the copy's time shared out by blocks
-                job.tier_times[tier.name] = (len(got) * self.pool.block_bytes, read_s + copy_s * len(got))
-            if job.resident is not None:
-                job.manifest = self._summarized(job.keys, job.resident, payloads)
-            self._promote(reads)
-            if job.manifest is not None:
-                job.pinned = self._pin_offloaded(job.keys, job.manifest.resident, payloads)
-        finally:
-            for tier, got, _ in reads:
-                tier.release(list(got))
+        reads += got_reads
+        payloads = {key: payload for tier, got, _ in reads for key, payload in got.items()}
+        start = time.perf_counter()
+        with self._on_copy_stream(job.ready):
+            self.pool.blocks_in(job.blocks[:len(wanted)], [payloads[key] for key in wanted])
+        copy_s = (time.perf_counter() - start) / max(1, len(wanted))
+        job.bytes = len(wanted) * self.pool.block_bytes
+        for tier, got, read_s in reads:      # the copy's time shared out by blocks
+            job.tier_times[tier.name] = (len(got) * self.pool.block_bytes, read_s + copy_s * len(got))
+        if job.resident is not None:
+            job.manifest = self._summarized(job.keys, job.resident, payloads)
+        if job.manifest is not None:
+            job.pinned = self._pin_offloaded(job.keys, job.manifest.resident, payloads)
         return True
 
     def _pin_offloaded(self, keys: list[bytes], resident: list[bool], payloads: dict) -> list[int]:
@@ -345,8 +350,8 @@ class Mover:
                 pinned.append(i)
             else:
                 below.append(i)
-        reads = self._read([keys[i] for i in below]) if below else None    # after `payloads` is used: it reuses
-        if reads is not None:                                               # the staging buffer
+        reads = self._read([keys[i] for i in below], fresh=True) if below else None   # the staging buffer
+        if reads is not None:                                     # holds `payloads` until they are promoted
             try:
                 got = {key: payload for _, run, _ in reads for key, payload in run.items()}
                 pinned += [i for i in below if host.put(keys[i], got[keys[i]], pin=True)]
@@ -355,14 +360,16 @@ class Mover:
                     tier.release(list(run))
         return sorted(pinned)
 
-    def _read(self, keys: list[bytes]) -> list[tuple[object, dict, float]] | None:
+    def _read(self, keys: list[bytes], fresh: bool = False) -> list[tuple[object, dict, float]] | None:
         """Each key's payload from the fastest tier holding it: [(tier, {key: payload}, seconds)], every read
-        to be released; None (everything released) if some key is in no tier."""
+        to be released; None (everything released) if some key is in no tier. Reads from disk land in the
+        staging buffer (valid until its next use), or with `fresh` in new buffers."""
         reads, missing = [], list(keys)
+        staging = None if fresh else self._staging
         for tier in self.stack.tiers:
             here = [key for key in missing if tier.contains(key)]
             start = time.perf_counter()
-            got = tier.read_run(here, self._staging) if here else None
+            got = tier.read_run(here, staging) if here else None
             if got is not None:
                 reads.append((tier, dict(zip(here, got)), time.perf_counter() - start))
                 missing = [key for key in missing if key not in reads[-1][1]]
