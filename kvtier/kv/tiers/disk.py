@@ -77,8 +77,7 @@ class Staging:
     per page, which on this kind of machine halves the file-read rate. Grows to the largest
     restore up to `max_bytes`, with a quarter to spare (growing by exactly what a slightly longer restore
     needs, as a conversation's do, would fault a whole new buffer in each time); larger restores read
-    into fresh buffers.
-    Pinned for a CUDA pool, so the copy to the device that follows is DMA."""
+    into fresh buffers. Pinned for a CUDA pool, so the copy to the device that follows is DMA."""
 
     def __init__(self, max_bytes: int, pin_memory: bool = False):
         self.max_bytes = max_bytes
