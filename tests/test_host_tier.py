@@ -1,5 +1,9 @@
 """Host RAM tier: saves in the background, restores after device eviction, warm equals cold."""
+import random
+import threading
+
 import pytest
+import torch
 from conftest import max_logit_diff
 from conftest import run_greedy as run
 
@@ -38,6 +42,27 @@ def test_host_tier_lru_budget():
     assert len(tier) == 3 and tier.bytes_used == 192 and tier.stats["evictions"] == 2
     assert tier.match_prefix([bytes([2]) * 16, bytes([3]) * 16, bytes([0]) * 16]) == 2
     assert tier.get_run([bytes([0]) * 16]) is None
+
+
+def test_concurrent_writers_keep_every_slot_and_payload():
+    """Writers copy outside the lock: racing puts of the same keys keep one slot each, no slot leaks, and every
+    held block holds its payload."""
+    tier = HostTier(budget_bytes=24 * 64, block_shape=(4, 4), dtype=torch.float32)       # 24 slots of 64 bytes
+    keys = [bytes([i]) * 16 for i in range(40)]
+
+    def writer(seed):
+        for i in random.Random(seed).sample(range(40), 40):
+            tier.put(keys[i], torch.full((4, 4), float(i)), pin=i < 8)
+    threads = [threading.Thread(target=writer, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(tier) + len(tier._free_slots) == tier.num_slots
+    assert len(set(tier._slots.values())) == len(tier)
+    assert all(keys[i] in tier._slots for i in range(8))                  # pinned: never evicted
+    for key, slot in tier._slots.items():
+        assert torch.equal(tier.slab[slot], torch.full((4, 4), float(key[0])))
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False], ids=["after-eviction", "pure-tier"])

@@ -28,7 +28,8 @@ from kvtier.kv.planner import LoadPlan, LoadPlanner
 from kvtier.kv.pool import KVPool
 from kvtier.kv.rates import Rates
 from kvtier.kv.state import NOT_RESIDENT, KVState
-from kvtier.kv.tiers.mover import LoadJob, Mover, PageIn, PageOut
+from kvtier.kv.tiers.disk import Staging
+from kvtier.kv.tiers.mover import STAGING_MAX_BYTES, LoadJob, Mover, PageIn, PageOut
 from kvtier.kv.tiers.stack import TierStack
 
 log = logging.getLogger("kvtier.kv.manager")
@@ -43,6 +44,7 @@ class KVManager:
         self.pool, self.stack, self.pager, self.manifests = pool, stack, pager, manifests
         self.block_size = pool.block_size
         self.mover = Mover(pool, stack, manifests) if stack else None
+        self._gather = Staging(STAGING_MAX_BYTES, pin_memory=pool.kv_cache.device.type == "cuda")   # paged_out_kv
         self.loading: dict[str, KVState] = {}     # loads in flight, by request id
         self.partials = PartialBlocks(pool.namespace, partials_dir)
         self.rates = Rates(pool.block_bytes // pool.block_size, rates_file)
@@ -253,29 +255,54 @@ class KVManager:
         self.num_paging += 1
         self.mover.page_in(job)
 
-    def _fetch(self, state: KVState, i: int) -> torch.Tensor:
-        """A paged-out block's payload (a copy): from the device while its copy to the host tier is in flight, or
-        from the host tier. A restore pins the blocks it leaves off the device there (the loader reads them from
-        below); one it found no room for is read from a lower tier here, on the engine thread, and pinned."""
-        key, host = state.block_keys[i], self.stack.host
-        if key in self.paging_out:
-            return self.pool.read_blocks([self.paging_out[key]])[0]
-        payload = host.get(key)
-        if payload is None:
-            payload, pinned = self.mover.from_below(key)
-            if pinned:
-                state.residency.offloaded.add(i)
-        if payload is None:
-            raise RuntimeError(f"block {i} of {state.request_id} is in no tier any more")
-        return payload
+    def paged_out_kv(self, chunks: list[tuple[KVState, int]]) -> list[torch.Tensor | None]:
+        """Per prompt chunk (a bounded sequence and the token it starts at): K/V [2, layers, tokens, kv_heads,
+        head_dim] of its paged-out blocks before that token, in block order (exact prefill attends to them too),
+        or None. Gathered in one copy into a buffer reused step after step (a fresh one faulted in 260 MB per
+        chunk of a long prompt here), pinned on CUDA so that the copies to the device do not wait."""
+        wanted = [[i for i, b in enumerate(state.block_table[:end // self.block_size]) if b == NOT_RESIDENT]
+                  for state, end in chunks]
+        if any(wanted) and self.pool.kv_cache.device.type == "cuda":
+            torch.cuda.current_stream(self.pool.kv_cache.device).synchronize()   # the last step's copies out of it
+        # room for all a prompt may page out: its next chunks gather more, and growing faults a new buffer in
+        room = sum(self.pager.host_bytes_for(len(state.token_ids)) for state, _ in chunks)
+        buffers = self._gather.split([len(blocks) * self.pool.block_bytes for blocks in wanted], room)
+        return [self._gathered(state, blocks, buffer) if blocks else None
+                for (state, _), blocks, buffer in zip(chunks, wanted, buffers)]
 
-    def paged_out_kv(self, state: KVState, end: int) -> torch.Tensor | None:
-        """K/V [2, layers, tokens, kv_heads, head_dim] of the paged-out blocks before token `end`, in block
-        order: exact prefill attends to them too."""
-        blocks = [i for i, b in enumerate(state.block_table[:end // self.block_size]) if b == NOT_RESIDENT]
-        if not blocks:
-            return None
-        return torch.cat([self._fetch(state, i) for i in blocks], dim=2)
+    def _gathered(self, state: KVState, blocks: list[int], buffer: torch.Tensor | None) -> torch.Tensor:
+        """The blocks' payloads side by side in `buffer` (a fresh tensor if None): from the device while a
+        block's copy to the host tier is in flight (a step's page-outs run beside it), else from the host tier's
+        slot. A restore pins the blocks it leaves off the device there (the loader reads them from below); one
+        it found no room for is read from a lower tier here, on the engine thread, and pinned if there is room
+        now."""
+        keys, host = [state.block_keys[i] for i in blocks], self.stack.host
+        flying = [key for key in keys if key in self.paging_out]
+        parts = dict(zip(flying, self.pool.blocks_out([self.paging_out[key] for key in flying])))
+        leased = []
+        try:
+            for i, key in zip(blocks, keys):
+                if key in parts:
+                    continue
+                view = host.lease([key])
+                if view is not None:
+                    leased.append(key)
+                    parts[key] = view[0]
+                    continue
+                payload, pinned = self.mover.from_below(key)
+                if payload is None:
+                    raise RuntimeError(f"block {i} of {state.request_id} is in no tier any more")
+                if pinned:
+                    state.residency.offloaded.add(i)
+                parts[key] = payload
+            two, layers, block, heads, dim = self.pool.block_shape
+            shape, dtype = (two, layers, block * len(keys), heads, dim), self.pool.kv_cache.dtype
+            out = torch.empty(shape, dtype=dtype) if buffer is None else buffer.view(dtype).view(shape)
+            for j, key in enumerate(keys):
+                out[:, :, j * block:(j + 1) * block].copy_(parts[key])
+            return out
+        finally:
+            host.release(leased)
 
     # --- the end of a request --------------------------------------------------------------------
 

@@ -84,12 +84,14 @@ class Staging:
         self.pin_memory = pin_memory
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
-    def split(self, sizes: list[int]) -> list[torch.Tensor | None]:
+    def split(self, sizes: list[int], room: int = 0) -> list[torch.Tensor | None]:
+        """Consecutive pieces of the buffer of these sizes (all None past max_bytes). A buffer too small grows to
+        at least `room`: what the caller knows it will soon ask for."""
         total = sum(sizes)
         if total > self.max_bytes:
             return [None] * len(sizes)
         if total > self.buffer.numel():
-            size = min(self.max_bytes, total + total // 4)
+            size = min(self.max_bytes, max(room, total + total // 4))
             self.buffer = torch.empty(0, dtype=torch.uint8)      # the old one goes first
             self.buffer = torch.zeros(size, dtype=torch.uint8, pin_memory=self.pin_memory)  # zeros: fault pages in now
         return list(self.buffer[:total].split(sizes))

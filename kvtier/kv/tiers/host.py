@@ -51,19 +51,29 @@ class HostTier:
             return n
 
     def put(self, key: bytes, payload: torch.Tensor, pin: bool = False) -> bool:
-        """Copy a payload in; with pin, also pin it. False if no slot could be freed for it."""
+        """Copy a payload in; with pin, also pin it. False if no slot could be freed for it. The copy runs outside
+        the lock (into a slot no one else can see yet), so readers of other blocks never wait for it."""
         with self._lock:
-            if key not in self._slots:
-                slot = self._take_slot()
-                if slot is None:
-                    return False
-                self.slab[slot].copy_(payload)
+            if key in self._slots:
+                return self._touch(key, pin)
+            slot = self._take_slot()
+            if slot is None:
+                return False
+        self.slab[slot].copy_(payload)
+        with self._lock:
+            if key in self._slots:      # another writer put it meanwhile
+                self._free_slots.append(slot)
+            else:
                 self._slots[key] = slot
                 self.stats["bytes_written"] += self.block_bytes
-            self._slots.move_to_end(key)
-            if pin:
-                self._pins[key] = self._pins.get(key, 0) + 1
-            return True
+            return self._touch(key, pin)
+
+    def _touch(self, key: bytes, pin: bool) -> bool:
+        """(Under the lock.) A held block becomes the most recently used, pinned once more with pin."""
+        self._slots.move_to_end(key)
+        if pin:
+            self._pins[key] = self._pins.get(key, 0) + 1
+        return True
 
     def put_run(self, keys: list[bytes], payloads) -> None:
         for key, payload in zip(keys, payloads):
