@@ -215,6 +215,25 @@ def test_a_restarted_server_weighs_loading_with_the_rates_it_measured_before(tin
     assert eng.stats()["rates"]["computed_instead"] == {"disk": 9 * BS}
 
 
+def test_a_server_killed_while_serving_keeps_the_rates_it_measured(tiny_model_dir, tmp_path):
+    """Rates are written while serving (here at once; by default at most once a minute), off the engine thread,
+    so a server that never shuts down (killed) leaves them for the next one; unchanged rates are not rewritten."""
+    eng = make_engine(tiny_model_dir, tmp_path)
+    p = prompt(150, salt=27)
+    run(eng, p)
+    eng = restart(eng, tiny_model_dir, tmp_path)
+    assert not list(pathlib.Path(tmp_path).rglob("rates/*.json"))     # nothing measured yet: nothing written
+    eng.kv.rates.save_every_s = 0
+    assert run(eng, p).cached == 149                                  # a load from disk measures the disk
+    while not eng.kv.idle():
+        time.sleep(0.01)
+    measured = eng.stats()["rates"]["tier_bytes_per_s"]
+    assert set(measured) == {"disk"}
+    assert eng.kv.rates.pending() is None                             # taken: the same rates are not written again
+    # no shutdown: the next server takes up what the killed one measured
+    assert make_engine(tiny_model_dir, tmp_path).stats()["rates"]["tier_bytes_per_s"] == measured
+
+
 @pytest.mark.parametrize("damage", ["garbage", "negative", "other model"])
 def test_damaged_saved_rates_are_ignored(tiny_model_dir, tmp_path, caplog, damage):
     eng = make_engine(tiny_model_dir, tmp_path)

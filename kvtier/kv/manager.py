@@ -413,6 +413,8 @@ class KVManager:
                 state.tier_tokens = {"device": state.tier_tokens["device"]}
             else:
                 self._missed(state, retry=job.manifest_key is not None)
+        if (record := self.rates.pending()) is not None:     # written off this thread, now and then while serving
+            self.mover.after_saves(lambda: self.rates.write(record))
         return aborted
 
     def _land_page_in(self, job: PageIn) -> None:
@@ -475,8 +477,9 @@ class KVManager:
 
     def shutdown(self) -> None:
         if self.mover:
-            self.mover.shutdown()
-        self.rates.save()
+            self.mover.shutdown()      # after any rates it was still to write
+        if (record := self.rates.pending(now=True)) is not None:
+            self.rates.write(record)
 
     def stats(self) -> dict:
         if not self.stack:

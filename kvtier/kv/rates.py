@@ -9,10 +9,12 @@ manager loads. A prefix that would be computed whole still loads its last block 
 EXPLORE_EVERY-th time, so a measurement taken on a bad moment (a cold page cache, a busy disk)
 does not rule a tier out for good.
 
-With a path (beside the disk tier) the rates are saved at shutdown and taken up at the next start:
-a restarted server would otherwise know neither rate until it had served, and so load every
-prefix from disk, even where computing it is faster. The file is named by the model's namespace
-and the device it was measured on; a damaged or foreign file is ignored.
+With a path (beside the disk tier) the rates are saved and taken up at the next start: a
+restarted server would otherwise know neither rate until it had served, and so load every prefix
+from disk, even where computing it is faster. They are written at shutdown and, while serving,
+at most every SAVE_EVERY_S when they changed, so a server that is killed keeps them too. The file
+is named by the model's namespace and the device it was measured on; a damaged or foreign file is
+ignored.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import json
 import logging
 import math
 import os
+import time
 
 import torch
 
@@ -33,6 +36,7 @@ EXPLORE_EVERY = 16
 # (the suffix after a restore, a short question) run at a lower rate and would make computing look slower.
 MIN_PREFILL_TOKENS = 256
 MAX_FILE_BYTES = 1 << 12
+SAVE_EVERY_S = 60.0
 
 
 def rates_path(directory: str, namespace: bytes, device: torch.device) -> str:
@@ -52,6 +56,9 @@ class Rates:
         self.computed_whole = 0                       # prefixes that would have been computed whole
         self.computed_instead: dict[str, int] = {}    # per tier: cached tokens computed rather than loaded
         self.path = path
+        self._written: dict | None = None     # the record last written or loaded
+        self._written_at = time.monotonic()
+        self.save_every_s = SAVE_EVERY_S
         if path is not None:
             self._load()
 
@@ -86,12 +93,19 @@ class Rates:
         return {"tier_bytes_per_s": dict(self.tier_bytes_per_s), "prefill_tokens_per_s": self.prefill_tokens_per_s,
                 "computed_instead": dict(self.computed_instead)}
 
-    def save(self) -> None:
-        """Write the measured rates to the path (atomically), if there is one and anything was measured."""
-        if self.path is None or (self.prefill_tokens_per_s is None and not self.tier_bytes_per_s):
-            return
-        record = {"bytes_per_token": self.bytes_per_token, "prefill_tokens_per_s": self.prefill_tokens_per_s,
-                  "tier_bytes_per_s": self.tier_bytes_per_s}
+    def pending(self, now: bool = False) -> dict | None:
+        """The rates to write, if there is a path, something is measured, it differs from what was last written
+        and (unless now) that write is save_every_s old; taking them counts as their write."""
+        if self.path is None or (not now and time.monotonic() - self._written_at < self.save_every_s):
+            return None
+        record = self._record()
+        if record == self._written or (self.prefill_tokens_per_s is None and not self.tier_bytes_per_s):
+            return None
+        self._written, self._written_at = record, time.monotonic()
+        return record
+
+    def write(self, record: dict) -> None:
+        """Write a record from `pending` to the path, atomically (on any thread: the record is a copy)."""
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             atomic_write(self.path, [json.dumps(record).encode()])
@@ -113,6 +127,11 @@ class Rates:
             log.warning("ignoring the saved rates in %s: not this model's, or not rates", self.path)
             return
         self.prefill_tokens_per_s, self.tier_bytes_per_s = prefill, dict(tiers)
+        self._written = self._record()
+
+    def _record(self) -> dict:
+        return {"bytes_per_token": self.bytes_per_token, "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "tier_bytes_per_s": dict(self.tier_bytes_per_s)}
 
 
 def _rate(value) -> bool:
