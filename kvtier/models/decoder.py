@@ -17,11 +17,14 @@ from kvtier.models.attention import AttentionMetadata, paged_attention
 from kvtier.models.config import ModelConfig
 
 
-# On CPU, a product of 2 to this many rows takes the weight as BLAS's tall left matrix, with the rows padded to a
-# multiple of ROW_MULTIPLE past 8: MKL runs a row count that is not a multiple of 8 up to 2x slower than the next
-# one that is (15 rows: 91 ms against 43 for 16, SmolLM2's 30 layers on a 2-core EPYC). Against F.linear's
-# rows @ weight.T this makes decode steps of 2-4 sequences about 2x faster, and steps of 9-80 rows (decodes beside a
-# small prompt chunk) 1.1-1.7x; one row runs as fast either way, and from about 96 rows F.linear is as fast or faster
+# On CPU, a product of up to this many rows takes the weight as BLAS's tall left matrix, with the rows padded to at
+# least 2 and to a multiple of ROW_MULTIPLE past 8. MKL's matrix-vector product (one row) reads the weight at about
+# 10 GB/s where its two-column product reads it at about 29 GB/s, near the memory's read bandwidth: one row through
+# SmolLM2's 30 layers takes 35 ms as F.linear and 15 ms padded to two (2-core EPYC, weights out of cache), and a
+# batch-1 decode runs 1.6-2x faster. MKL also runs a row count that is not a multiple of 8 up to 2x slower than the
+# next one that is (15 rows: 91 ms against 43 for 16). Against F.linear's rows @ weight.T this makes decode steps
+# of 2-4 sequences about 2x faster, and steps of 9-80 rows (decodes beside a small prompt chunk) 1.1-1.7x; from
+# about 96 rows F.linear is as fast or faster
 SMALL_ROWS = 80
 ROW_MULTIPLE = 8
 
@@ -31,10 +34,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if x.device.type != "cpu" or not 1 < rows <= SMALL_ROWS:
+        if x.device.type != "cpu" or not 0 < rows <= SMALL_ROWS:
             return F.linear(x, self.weight, self.bias)
-        if rows > ROW_MULTIPLE:
-            x = F.pad(x, (0, 0, 0, -rows % ROW_MULTIPLE))
+        if rows == 1 or rows > ROW_MULTIPLE:
+            x = F.pad(x, (0, 0, 0, 1 if rows == 1 else -rows % ROW_MULTIPLE))
         y = (self.weight @ x.T).T[:rows].contiguous()
         return y if self.bias is None else y + self.bias
 
