@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvtier.models.decoder import SMALL_ROWS, Linear
+from kvtier.models.decoder import SMALL_ROWS, Linear, many_rows_product, onednn_linear
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -17,3 +17,20 @@ def test_linear_gives_f_linear_for_every_row_count(bias):
         assert got.is_contiguous() and got.shape == (rows, 200)
         assert torch.allclose(got.double(), F.linear(x.double(), layer.weight.double(),
                                                      None if layer.bias is None else layer.bias.double()), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_chunks_take_a_product_that_gives_f_linear(dtype):
+    """Many rows take F.linear or oneDNN's product, whichever this CPU runs faster: either gives F.linear's values,
+    with a bias too, and the choice is made once."""
+    product = many_rows_product(dtype)
+    assert product in (F.linear, onednn_linear) and many_rows_product(dtype) is product
+    torch.manual_seed(1)
+    layer = Linear(64, 48, bias=True, dtype=dtype)
+    x = torch.randn(SMALL_ROWS + 50, 64, dtype=dtype)
+    want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    assert torch.allclose(layer(x).double(), want, atol=tolerance)
+    if dtype == torch.float32:     # whichever was chosen: oneDNN's product is right (it is in every CPU build)
+        assert torch.allclose(onednn_linear(x, layer.weight, layer.bias).double(), want, atol=tolerance)
+

@@ -7,7 +7,10 @@ RMSNorm (Qwen3).
 """
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +18,8 @@ from torch import nn
 
 from kvtier.models.attention import AttentionMetadata, paged_attention
 from kvtier.models.config import ModelConfig
+
+log = logging.getLogger("kvtier.models")
 
 
 # On CPU, a product of up to this many rows takes the weight as BLAS's tall left matrix, with the rows padded to at
@@ -24,22 +29,54 @@ from kvtier.models.config import ModelConfig
 # batch-1 decode runs 1.6-2x faster. MKL also runs a row count that is not a multiple of 8 up to 2x slower than the
 # next one that is (15 rows: 91 ms against 43 for 16). Against F.linear's rows @ weight.T this makes decode steps
 # of 2-4 sequences about 2x faster, and steps of 9-80 rows (decodes beside a small prompt chunk) 1.1-1.7x; from
-# about 96 rows F.linear is as fast or faster
+# about 96 rows a product as F.linear is as fast or faster (many_rows_product picks the faster of two)
 SMALL_ROWS = 80
 ROW_MULTIPLE = 8
 
 
 class Linear(nn.Linear):
-    """nn.Linear, with the small-batch CPU product above: decode steps of a few sequences."""
+    """nn.Linear, with the CPU products above for a few rows (decode steps) and below for many (prompt chunks)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if x.device.type != "cpu" or not 0 < rows <= SMALL_ROWS:
+        if x.device.type != "cpu" or rows == 0:
             return F.linear(x, self.weight, self.bias)
+        if rows > SMALL_ROWS:
+            return many_rows_product(x.dtype)(x, self.weight, self.bias)
         if rows == 1 or rows > ROW_MULTIPLE:
             x = F.pad(x, (0, 0, 0, 1 if rows == 1 else -rows % ROW_MULTIPLE))
         y = (self.weight @ x.T).T[:rows].contiguous()
         return y if self.bias is None else y + self.bias
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product (the one torch.compile uses on CPU), where F.linear takes MKL's."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+
+
+@functools.cache
+def many_rows_product(dtype: torch.dtype):
+    """F.linear or oneDNN's product for prompt chunks on CPU: whichever multiplies 256 rows faster on this CPU,
+    timed once per process and dtype. On a 2-core EPYC oneDNN's is 1.2-1.3x faster (MKL takes a slower path on
+    AMD CPUs), which made prefill of the bundled model 9-12% faster at 2K-4K tokens (A/B, alternating); MKL may win
+    elsewhere. F.linear where this build of torch has no oneDNN product for the dtype, or it disagrees."""
+    x, weight = torch.randn(256, 1024, dtype=dtype), torch.randn(2048, 1024, dtype=dtype)
+    try:
+        if not torch.allclose(onednn_linear(x, weight, None).float(), F.linear(x, weight).float(), rtol=1e-2,
+                              atol=0.25):
+            return F.linear
+    except (RuntimeError, AttributeError):
+        return F.linear
+    seconds = {F.linear: [], onednn_linear: []}
+    for _ in range(3):
+        for product in seconds:
+            start = time.perf_counter()
+            product(x, weight, None)
+            seconds[product].append(time.perf_counter() - start)
+    chosen = min(seconds, key=lambda product: min(seconds[product]))
+    log.info("CPU products of many %s rows: %s (%.2fx the other here)", dtype, chosen.__name__,
+             max(min(t) for t in seconds.values()) / min(min(t) for t in seconds.values()))
+    return chosen
 
 
 class RMSNorm(nn.Module):
