@@ -33,4 +33,3 @@ def test_prompt_chunks_take_a_product_that_gives_f_linear(dtype):
     assert torch.allclose(layer(x).double(), want, atol=tolerance)
     if dtype == torch.float32:     # whichever was chosen: oneDNN's product is right (it is in every CPU build)
         assert torch.allclose(onednn_linear(x, layer.weight, layer.bias).double(), want, atol=tolerance)
-

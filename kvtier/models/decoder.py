@@ -57,7 +57,7 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @functools.cache
 def many_rows_product(dtype: torch.dtype):
     """F.linear or oneDNN's product for prompt chunks on CPU: whichever multiplies 256 rows faster on this CPU,
-    timed once per process and dtype. On a 2-core EPYC oneDNN's is 1.2-1.3x faster (MKL takes a slower path on
+    timed once per process and dtype. On a 2-core EPYC oneDNN's is 1.2-1.4x faster (MKL takes a slower path on
     AMD CPUs), which made prefill of the bundled model 9-12% faster at 2K-4K tokens (A/B, alternating); MKL may win
     elsewhere. F.linear where this build of torch has no oneDNN product for the dtype, or it disagrees."""
     x, weight = torch.randn(256, 1024, dtype=dtype), torch.randn(2048, 1024, dtype=dtype)
