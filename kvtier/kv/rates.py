@@ -2,12 +2,12 @@
 
 Two moving averages: each tier's restore bandwidth (bytes/s, read plus copy to the device, from
 the loads so far; a new read buffer's one-time page faults left out) and the prefill rate
-(tokens/s, from long prefill steps). For a prefix below the device the manager computes its
-front while the back loads, split where both would finish together (`blocks_to_compute`): all of it loads when a tier is much faster than computing, all of
-it is computed when loading even its last block would take longer. Until both are measured the
-manager loads. A prefix that would be computed whole still loads its last block on every
-EXPLORE_EVERY-th time, so a measurement taken on a bad moment (a cold page cache, a busy disk)
-does not rule a tier out for good.
+(tokens/s, from long prefill steps). For a prefix below the device the manager computes its front
+while the back loads, split where both would finish together (`blocks_to_compute`): all of it
+loads when a tier is much faster than computing, all of it is computed when loading even its last
+block would take longer. Until both are measured the manager loads. A prefix that would be
+computed whole still loads its last block on every EXPLORE_EVERY-th time, so a measurement taken
+on a bad moment (a cold page cache, a busy disk) does not rule a tier out for good.
 
 With a path (beside the disk tier) the rates are saved and taken up at the next start: a
 restarted server would otherwise know neither rate until it had served, and so load every prefix
