@@ -3,15 +3,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvtier.models.decoder import SMALL_ROWS, Linear, many_rows_product, onednn_linear
+from kvtier.models.decoder import FEW_ROWS, Linear, many_rows_product, onednn_linear
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_gives_f_linear_for_every_row_count(bias):
-    """Few rows (decode steps of a few sequences) take another product on CPU: the same values, contiguous."""
+    """Few rows (decode steps of a few sequences) and more take other products on CPU: the same values,
+    contiguous."""
     torch.manual_seed(0)
     layer = Linear(96, 200, bias=bias)
-    for rows in range(1, SMALL_ROWS + 3):
+    for rows in range(1, 4 * FEW_ROWS):
         x = torch.randn(rows, 96, dtype=torch.float64).float()
         got = layer(x)
         assert got.is_contiguous() and got.shape == (rows, 200)
@@ -27,7 +28,7 @@ def test_prompt_chunks_take_a_product_that_gives_f_linear(dtype):
     assert product in (F.linear, onednn_linear) and many_rows_product(dtype) is product
     torch.manual_seed(1)
     layer = Linear(64, 48, bias=True, dtype=dtype)
-    x = torch.randn(SMALL_ROWS + 50, 64, dtype=dtype)
+    x = torch.randn(FEW_ROWS + 50, 64, dtype=dtype)
     want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
     tolerance = 1e-4 if dtype == torch.float32 else 0.1
     assert torch.allclose(layer(x).double(), want, atol=tolerance)

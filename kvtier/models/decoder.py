@@ -22,30 +22,25 @@ from kvtier.models.config import ModelConfig
 log = logging.getLogger("kvtier.models")
 
 
-# On CPU, a product of up to this many rows takes the weight as BLAS's tall left matrix, with the rows padded to at
-# least 2 and to a multiple of ROW_MULTIPLE past 8. MKL's matrix-vector product (one row) reads the weight at about
-# 10 GB/s where its two-column product reads it at about 29 GB/s, near the memory's read bandwidth: one row through
-# SmolLM2's 30 layers takes 35 ms as F.linear and 15 ms padded to two (2-core EPYC, weights out of cache), and a
-# batch-1 decode runs 1.6-2x faster. MKL also runs a row count that is not a multiple of 8 up to 2x slower than the
-# next one that is (15 rows: 91 ms against 43 for 16). Against F.linear's rows @ weight.T this makes decode steps
-# of 2-4 sequences about 2x faster, and steps of 9-80 rows (decodes beside a small prompt chunk) 1.1-1.7x; from
-# about 96 rows a product as F.linear is as fast or faster (many_rows_product picks the faster of two)
-SMALL_ROWS = 80
-ROW_MULTIPLE = 8
+# On CPU, a product of up to this many rows (a decode step of a few sequences) takes the weight as BLAS's tall left
+# matrix, one row padded to two. MKL's matrix-vector product (one row) reads the weight at about 10 GB/s where its
+# two-column product reads it at about 29 GB/s, near the memory's read bandwidth: one row through SmolLM2's 30 layers
+# takes 35 ms as F.linear and 15 ms padded to two, 2-4 rows about 2x less than F.linear (2-core EPYC, weights out of
+# cache). More rows take many_rows_product: from 6 rows oneDNN's product is faster still, where it is chosen.
+FEW_ROWS = 5
 
 
 class Linear(nn.Linear):
-    """nn.Linear, with the CPU products above for a few rows (decode steps) and below for many (prompt chunks)."""
+    """nn.Linear, with the CPU products for a few rows (above) and for more (many_rows_product)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if x.device.type != "cpu" or rows == 0:
             return F.linear(x, self.weight, self.bias)
-        if rows > SMALL_ROWS:
+        if rows > FEW_ROWS:
             return many_rows_product(x.dtype)(x, self.weight, self.bias)
-        if rows == 1 or rows > ROW_MULTIPLE:
-            x = F.pad(x, (0, 0, 0, 1 if rows == 1 else -rows % ROW_MULTIPLE))
-        y = (self.weight @ x.T).T[:rows].contiguous()
+        padded = F.pad(x, (0, 0, 0, 1)) if rows == 1 else x
+        y = (self.weight @ padded.T).T[:rows].contiguous()
         return y if self.bias is None else y + self.bias
 
 
@@ -56,10 +51,11 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 @functools.cache
 def many_rows_product(dtype: torch.dtype):
-    """F.linear or oneDNN's product for prompt chunks on CPU: whichever multiplies 256 rows faster on this CPU,
-    timed once per process and dtype. On a 2-core EPYC oneDNN's is 1.2-1.4x faster (MKL takes a slower path on
-    AMD CPUs), which made prefill of the bundled model 9-12% faster at 2K-4K tokens (A/B, alternating); MKL may win
-    elsewhere. F.linear where this build of torch has no oneDNN product for the dtype, or it disagrees."""
+    """F.linear or oneDNN's product on CPU for more than FEW_ROWS rows (decode batches, prompt chunks): whichever
+    multiplies 256 rows faster on this CPU, timed once per process and dtype. On a 2-core EPYC oneDNN's is 1.2-1.4x
+    faster (MKL takes a slower path on AMD CPUs): prefill of the bundled model 9-12% faster at 2K-4K tokens, the
+    58-token turn after a cached 4K history 13% (A/B, alternating); MKL may win elsewhere. F.linear where this build
+    of torch has no oneDNN product for the dtype, or it disagrees."""
     x, weight = torch.randn(256, 1024, dtype=dtype), torch.randn(2048, 1024, dtype=dtype)
     try:
         if not torch.allclose(onednn_linear(x, weight, None).float(), F.linear(x, weight).float(), rtol=1e-2,
