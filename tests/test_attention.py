@@ -5,6 +5,7 @@ import torch
 
 from kvtier.engine.runner import slot_runs
 from kvtier.kv.state import NOT_RESIDENT
+from kvtier.models import attention
 from kvtier.models.attention import CPU_DECODE_APART, MAX_PREFIX_RUNS, AttentionMetadata, DecodeGroup, PrefillSeq, paged_attention
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
@@ -30,6 +31,30 @@ def block_tables(num_blocks, lengths, bs, consecutive):
         tables.append(free[:n])
         free = free[n:]
     return tables
+
+
+@pytest.mark.parametrize("decodes", [1, 3])
+def test_a_lone_short_decode_reads_its_context_where_it_lies(monkeypatch, decodes):
+    """On CPU the step's only decode attends where its K/V lies, however short its context; short contexts of
+    several decodes share the gathered call. Either way the values are the dense reference's."""
+    bs, scale, length = 16, DIM ** -0.5, 3 * 16 + 5
+    gen = torch.Generator().manual_seed(decodes)
+    k_cache, v_cache = (torch.randn(16 * bs, KV_HEADS, DIM, generator=gen) for _ in range(2))
+    q, k, v = (torch.randn(decodes, heads, DIM, generator=gen) for heads in (HEADS, KV_HEADS, KV_HEADS))
+    tables = block_tables(16, [length] * decodes, bs, consecutive=False)
+    slots = [[table[p // bs] * bs + p % bs for p in range(length)] for table in tables]
+    apart = []
+    segment_parts = attention._segment_parts_cpu
+    monkeypatch.setattr(attention, "_segment_parts_cpu", lambda *a: apart.append(1) or segment_parts(*a))
+    meta = AttentionMetadata(positions=torch.zeros(decodes, dtype=torch.long),
+                             slot_mapping=torch.tensor([s[-1] for s in slots]), prefills=[],
+                             decode=DecodeGroup(list(range(decodes)), [slot_runs(t, length, bs) for t in tables]),
+                             block_size=bs)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    assert len(apart) == (decodes == 1)
+    for i in range(decodes):
+        want = reference(q[i:i + 1], k_cache[slots[i]], v_cache[slots[i]], scale)
+        assert torch.allclose(out[i:i + 1].double(), want, atol=1e-4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
