@@ -182,8 +182,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             splits = kernels.decode_splits(len(rows), k_cache.shape[1], d.longest, q.device)
             kernels.decode(q, k_cache, v_cache, out, rows, tables, lens, meta.block_size, scale, splits)
         else:
-            # on CPU a long context is read where it lies, one sequence at a time; the others are gathered and padded
-            # into one batched call, which costs less than a call per sequence while contexts are short
+            # on CPU a lone decode or a long context is read where it lies, one sequence at a time; the others are
+            # gathered and padded into one batched call, which costs less than a call per sequence while they are short
             apart = [i for i, runs in enumerate(d.runs) if q.device.type == "cpu" and len(runs) <= MAX_PREFIX_RUNS
                      and (len(d.runs) == 1 or sum(b - a for a, b in runs) >= CPU_DECODE_APART)]
             for i in apart:
