@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -164,6 +165,13 @@ def scrape(http) -> dict[str, float]:
 
 IDLE_GAUGES = ("kvtier_requests_running", "kvtier_requests_waiting", "kvtier_requests_loading",
                "kvtier_kv_pool_blocks_used", "kvtier_kv_host_pinned_bytes", "kvtier_kv_host_reserved_bytes")
+
+
+def sse_events(text: str) -> list[dict]:
+    """The JSON events of a server-sent event stream, which must end with [DONE]."""
+    lines = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
 
 
 def wait_until_idle(http, timeout=10.0) -> dict[str, float]:

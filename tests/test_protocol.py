@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+from conftest import sse_events
 from fastapi.testclient import TestClient
 
 from kvtier.config import Config, ConfigError
@@ -90,12 +91,6 @@ def client(engine):
 
 def chat_body(**kw):
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kw}
-
-
-def sse_events(text):
-    lines = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
 
 
 # ---------------------------------------------------------------- request models
