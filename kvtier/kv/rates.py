@@ -57,7 +57,7 @@ class Rates:
         self.computed_instead: dict[str, int] = {}    # per tier: cached tokens computed rather than loaded
         self.path = path
         self._written: dict | None = None     # the record last written or loaded
-        self._written_at = time.monotonic()
+        self._looked_at = time.monotonic()     # when pending last compared the rates with it
         self.save_every_s = SAVE_EVERY_S
         if path is not None:
             self._load()
@@ -94,14 +94,16 @@ class Rates:
                 "computed_instead": dict(self.computed_instead)}
 
     def pending(self, now: bool = False) -> dict | None:
-        """The rates to write, if there is a path, something is measured, it differs from what was last written
-        and (unless now) that write is save_every_s old; taking them counts as their write."""
-        if self.path is None or (not now and time.monotonic() - self._written_at < self.save_every_s):
+        """The rates to write, if there is a path, something is measured and it differs from what was last written;
+        unless now, they are looked at only every save_every_s (a call per engine step costs a clock read). Taking
+        them counts as their write."""
+        if self.path is None or (not now and time.monotonic() - self._looked_at < self.save_every_s):
             return None
+        self._looked_at = time.monotonic()
         record = self._record()
         if record == self._written or (self.prefill_tokens_per_s is None and not self.tier_bytes_per_s):
             return None
-        self._written, self._written_at = record, time.monotonic()
+        self._written = record
         return record
 
     def write(self, record: dict) -> None:
