@@ -72,7 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     group = serve.add_argument_group("server")
     group.add_argument("--host", help="address to bind (default: 127.0.0.1)")
     group.add_argument("--port", type=int, metavar="N", help="port to bind (default: 8000)")
-    group.add_argument("--served-model-name", help="model name clients must send (default: the model's name)")
+    group.add_argument("--served-model-name", dest="served_model_names", nargs="+", metavar="NAME",
+                       help="model names clients may send; /v1/models lists them (default: the model's name)")
+    group.add_argument("--any-model-name", action="store_true", default=None,
+                       help="answer to any model name a client sends (as llama.cpp does; agents that call a second, "
+                            "smaller model by name need it)")
     group.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
                        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health; "
                             "may repeat; $KVTIER_API_KEY also sets one, and keeps it out of the process list")
@@ -138,7 +142,7 @@ def _serve(args) -> int:
         app = build_app(engine, config)
         # on Ctrl-C, give open streams a few seconds, then cancel them (which aborts their requests)
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, timeout_graceful_shutdown=5))
-        name = config.served_model_name or engine.model_name
+        name = ", ".join(config.served_model_names or [engine.model_name])
         asyncio.run(_serve_until_stopped(server, f"http://{config.host}:{config.port}/v1", name))
     finally:
         engine.shutdown()

@@ -60,7 +60,8 @@ class Config:
     # server
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str | None = None
+    served_model_names: list[str] = field(default_factory=list)   # names clients may ask for; [] → the model's
+    any_model_name: bool = False          # answer to any model name (as llama.cpp does), e.g. an agent's second model
     api_keys: list[str] = field(default_factory=list)   # any of them opens every route but /health
     api_key_file: str | None = None       # more keys, one per line ('#' starts a comment)
     cache_salt_from_api_key: bool = False  # each key's requests share KV only with the same key's
@@ -130,6 +131,8 @@ class Config:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                               f"got {self.tool_call_parser!r}")
+        if any(not name or name != name.strip() for name in self.served_model_names):
+            raise ConfigError("a served model name must be non-empty and carry no surrounding whitespace")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ConfigError(f"chat_template {self.chat_template!r} is not a file")
         if self.max_request_bytes < 1024:

@@ -317,12 +317,49 @@ def test_api_keys_from_a_file(tmp_path):
         Config(api_key_file=str(tmp_path / "missing"))
 
 
-def test_models_and_served_name(engine):
-    client = TestClient(build_app(engine, Config(served_model_name="alias")))
+def test_models_and_served_names(engine):
+    """Several names (vLLM's --served-model-name a b): each is listed and answered, under the name asked for."""
+    client = TestClient(build_app(engine, Config(served_model_names=["alias", "small"])))
     data = client.get("/v1/models").json()["data"]
-    assert [m["id"] for m in data] == ["alias"] and data[0]["max_model_len"] == 64
-    assert client.post("/v1/chat/completions", json=chat_body(model="alias")).status_code == 200
-    assert client.post("/v1/chat/completions", json=chat_body()).status_code == 404
+    assert [m["id"] for m in data] == ["alias", "small"] and data[0]["max_model_len"] == 64
+    r = client.post("/v1/chat/completions", json=chat_body(model="small"))
+    assert r.status_code == 200 and r.json()["model"] == "small"
+    assert client.get("/v1/models/small").json()["id"] == "small"
+    r = client.post("/v1/chat/completions", json=chat_body())
+    assert r.status_code == 404 and "'alias', 'small'" in r.json()["error"]["message"]
+
+
+def test_any_model_name(engine):
+    """--any-model-name answers to whatever name the client sends (llama.cpp's behaviour)."""
+    client = TestClient(build_app(engine, Config(any_model_name=True)))
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL]
+    for name in (MODEL, "claude-haiku-4-5", "gpt-5-codex"):
+        r = client.post("/v1/chat/completions", json=chat_body(model=name))
+        assert r.status_code == 200 and r.json()["model"] == name
+    r = client.post("/v1/messages", json={"model": "claude-haiku-4-5", "max_tokens": 3,
+                                          "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and r.json()["model"] == "claude-haiku-4-5"
+
+
+def test_errors_are_logged_and_counted_by_reason(client, caplog):
+    """Every 4xx is logged with its reason (the field, never the prompt) and counted by route and reason."""
+    secret = "the prompt text stays out of the log"
+    with caplog.at_level("WARNING", logger="kvtier.server"):
+        client.post("/v1/chat/completions", json=chat_body(model="nope"))
+        client.post("/v1/chat/completions", json={**chat_body(), "bogus_field": 1,
+                                                  "messages": [{"role": "user", "content": secret}]})
+        client.post("/v1/chat/completions", json={**chat_body(), "temperature": "hot"})
+        client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "POST /v1/chat/completions: 404 model_not_found: the model 'nope' does not exist" in logged
+    assert "400 unsupported_field: bogus_field: kvtier does not support this field" in logged
+    assert "400 invalid_field: temperature:" in logged and "400 invalid_json:" in logged
+    assert secret not in logged
+    text = client.get("/metrics").text
+    for status, reason in (("404", "model_not_found"), ("400", "unsupported_field"), ("400", "invalid_field"),
+                           ("400", "invalid_json")):
+        assert (f'kvtier_request_errors_total{{endpoint="/v1/chat/completions",reason="{reason}",'
+                f'status="{status}"}} 1.0') in text
 
 
 def test_metrics_count_requests_and_tokens(client):

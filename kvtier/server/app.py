@@ -50,8 +50,8 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
     parser = PARSERS[config.tool_call_parser] if config.tool_call_parser else \
         parser_for_template(engine.tokenizer.chat_template)
     store = ResponseStore(os.path.join(os.path.expanduser(config.kv_disk_dir), "responses") if config.kv_disk else None)
-    routes = _Routes(engine, config.served_model_name or engine.model_name, metrics, config.cache_salt_from_api_key,
-                     parser, store)
+    routes = _Routes(engine, config.served_model_names or [engine.model_name], config.any_model_name, metrics,
+                     config.cache_salt_from_api_key, parser, store)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/messages", routes.messages, methods=["POST"])
@@ -70,13 +70,14 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
 
 
 class _Routes:
-    def __init__(self, engine: AsyncEngine, served_model: str, metrics: Metrics, salt_from_api_key: bool,
-                 tool_parser: ToolParser, response_store: ResponseStore):
+    def __init__(self, engine: AsyncEngine, model_names: list[str], any_model_name: bool, metrics: Metrics,
+                 salt_from_api_key: bool, tool_parser: ToolParser, response_store: ResponseStore):
         self.engine = engine
         self.response_store = response_store
         self.tool_parser = tool_parser
         self.salt_from_api_key = salt_from_api_key
-        self.served_model = served_model
+        self.model_names = model_names      # answers name the model as the request did
+        self.any_model_name = any_model_name
         self.metrics = metrics
         self.created = int(time.time())
 
@@ -85,7 +86,7 @@ class _Routes:
         # templating and tokenizing a large body takes seconds: never on the event loop
         prompt, parser, grammar = await run_in_threadpool(self._chat_prompt, body)
         renderers = choice_renderers(body.n, lambda index: ChatRenderer(
-            self.served_model, self.engine.tokenizer.token_str, body.include_usage, parser, body.legacy_functions,
+            body.model, self.engine.tokenizer.token_str, body.include_usage, parser, body.legacy_functions,
             max_calls=1 if body.parallel_tool_calls is False else None, index=index))
         return await self._generate(request, body, prompt, renderers, grammar)
 
@@ -99,7 +100,7 @@ class _Routes:
             marked_prefix = chat.model_copy(update={"messages": chat.messages[:marked]})
             end = len((await run_in_threadpool(self._chat_prompt, marked_prefix))[0])
             chat.kvtier = KvtierOptions(pin=[(0, min(end, len(prompt), self.engine.max_pinned_tokens))])
-        renderer = MessagesRenderer(self.served_model, self.engine.tokenizer.token_str, parser)
+        renderer = MessagesRenderer(body.model, self.engine.tokenizer.token_str, parser)
         return await self._generate(request, chat, prompt, [renderer], grammar)
 
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
@@ -119,7 +120,7 @@ class _Routes:
         def keep(response_id: str, output: list[dict]) -> None:
             if body.store is not False:
                 self.response_store.put(response_id, conversation + output)
-        renderer = ResponsesRenderer(self.served_model, self.engine.tokenizer.token_str, body, parser, keep)
+        renderer = ResponsesRenderer(body.model, self.engine.tokenizer.token_str, body, parser, keep)
         return await self._generate(request, chat, prompt, [renderer], grammar)
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:
@@ -133,7 +134,7 @@ class _Routes:
         echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else \
             self.engine.tokenizer.decode(body.prompt)
         renderers = choice_renderers(body.n, lambda index: CompletionRenderer(
-            self.served_model, self.engine.tokenizer.token_str, body.include_usage, echo, index=index))
+            body.model, self.engine.tokenizer.token_str, body.include_usage, echo, index=index))
         return await self._generate(request, body, prompt, renderers)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], ToolParser | None, str | None]:
@@ -202,14 +203,14 @@ class _Routes:
         return f"{request.state.api_key}\0{body.cache_salt or ''}"
 
     async def models(self) -> ModelList:
-        return ModelList(data=[self._card()])
+        return ModelList(data=[self._card(name) for name in self.model_names])
 
     async def model(self, model_id: str) -> ModelCard:
         self._check_model(model_id)
-        return self._card()
+        return self._card(model_id)
 
-    def _card(self) -> ModelCard:
-        return ModelCard(id=self.served_model, created=self.created, max_model_len=self.engine.max_model_len)
+    def _card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, created=self.created, max_model_len=self.engine.max_model_len)
 
     async def health(self) -> dict:
         return {"status": "ok"}
@@ -219,9 +220,10 @@ class _Routes:
         return Response(content, media_type=media_type)
 
     def _check_model(self, model: str) -> None:
-        if model != self.served_model:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.served_model}'",
-                           param="model", code="model_not_found")
+        if model not in self.model_names and not self.any_model_name:
+            served = ", ".join(f"'{name}'" for name in self.model_names)
+            raise APIError(404, f"the model '{model}' does not exist; this server serves {served} "
+                                "(--any-model-name answers to any name)", param="model", code="model_not_found")
 
     async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: list[int],
                         renderers: list[Renderer], grammar: str | None = None) -> Response:

@@ -23,7 +23,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = Headers(scope=scope).get("content-length", "")
         if length.isdigit() and int(length) > self.max_bytes:
-            return await error_response(self._too_large(), scope["path"])(scope, receive, send)
+            return await error_response(self._too_large(), scope)(scope, receive, send)
         received = 0
 
         async def receive_within_limit():
@@ -54,7 +54,7 @@ class APIKeyGuard:
             if key is None:
                 err = APIError(401, "missing or incorrect API key; send it as 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
-                return await error_response(err, scope["path"])(scope, receive, send)
+                return await error_response(err, scope)(scope, receive, send)
             scope.setdefault("state", {})["api_key"] = key
         await self.app(scope, receive, send)
 

@@ -19,6 +19,8 @@ class Metrics:
         r = self.registry
         self.requests = Counter("kvtier_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
+        self.errors = Counter("kvtier_request_errors", "HTTP requests answered with an error, by endpoint, status "
+                              "code and reason", ["endpoint", "status", "reason"], registry=r)
         self.prompt_tokens = Counter("kvtier_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_prompt_tokens = Counter("kvtier_cached_prompt_tokens",
                                             "Prompt tokens restored from the KV cache instead of computed",
@@ -159,3 +161,7 @@ class RequestCounter:
             await self.app(scope, receive, send_and_note)
         finally:
             self.metrics.requests.labels(scope["path"], str(status)).inc()
+            if status >= 400:
+                # an unexpected exception is answered outside this middleware, with no reason left behind
+                reason = scope.get("state", {}).get("error_reason", "server_error" if status >= 500 else "unknown")
+                self.metrics.errors.labels(scope["path"], str(status), reason).inc()

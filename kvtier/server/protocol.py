@@ -43,13 +43,15 @@ class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status_code: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", reason: str | None = None):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.param = param
         self.code = code
         self.type = type
+        # what the log and /metrics call it: a word from a small fixed set, never text from the request
+        self.reason = reason or code or type
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
