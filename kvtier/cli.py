@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the model's")
     group.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"),
                        help="how tool calls are read from the output (default: from the chat template)")
+    group.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1", "none"),
+                       help="how <think> reasoning is read from the output: qwen3 (the model opens the block), "
+                            "deepseek_r1 (the prompt opens it), none (default: from the chat template)")
     serve.set_defaults(handler=_serve)
 
     generate = commands.add_parser("generate", parents=[engine], help="answer one prompt on stdout")

@@ -8,6 +8,7 @@ import torch
 
 KV_POLICIES = ("lru", "quest", "meankey")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 EXACT_BLOCK_SIZE = 64       # tokens per block: large runs for the tiers
 BOUNDED_BLOCK_SIZE = 16     # under bounded residency: pages small enough that a needle is not diluted in hay
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,6 +69,7 @@ class Config:
     max_request_bytes: int = 16 * 2**20   # larger bodies get a 413 before they are read
     chat_template: str | None = None      # a Jinja chat template file, instead of the model's
     tool_call_parser: str | None = None   # hermes | llama3_json; None → chosen from the chat template
+    reasoning_parser: str | None = None   # qwen3 | deepseek_r1 | none; None → chosen from the chat template
 
     def __post_init__(self):
         if self.dtype is None:
@@ -131,6 +133,9 @@ class Config:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                               f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, "none", *REASONING_PARSERS):
+            raise ConfigError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or none, "
+                              f"got {self.reasoning_parser!r}")
         if any(not name or name != name.strip() for name in self.served_model_names):
             raise ConfigError("a served model name must be non-empty and carry no surrounding whitespace")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):

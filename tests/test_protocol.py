@@ -36,8 +36,11 @@ class StubTokenizer:
     chat_template = None
     knows_tools = False
 
-    def apply_chat_template(self, messages, tools=None):
-        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+    def render_chat(self, messages, tools=None, **template_kwargs):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def apply_chat_template(self, messages, tools=None, **template_kwargs):
+        return self.encode(self.render_chat(messages, tools, **template_kwargs))
 
 
 class StubEngine:

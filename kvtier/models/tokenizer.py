@@ -99,15 +99,20 @@ class Tokenizer:
     def use_chat_template(self, template: str) -> None:
         self.hf.chat_template = template
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> list[int]:
+        """The prompt's token ids; template_kwargs reach the template (e.g. enable_thinking)."""
+        # render, then tokenize without adding special tokens: the template already wrote them
+        return self.hf(self.render_chat(messages, tools, **template_kwargs), add_special_tokens=False).input_ids
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> str:
+        """The prompt's text, ending with the assistant's generation prompt."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions with a plain prompt")
-        # render, then tokenize without adding special tokens: the template already wrote them
         try:
-            text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            return self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                               **template_kwargs)
         except jinja2.TemplateError as e:   # the template refused the conversation (e.g. roles must alternate)
             raise ValueError(f"the chat template rejected the messages: {e}") from e
-        return self.hf(text, add_special_tokens=False).input_ids
 
     @functools.cached_property
     def max_token_chars(self) -> int:

@@ -8,12 +8,14 @@ import uuid
 from collections.abc import Callable
 from typing import Annotated, Literal
 
+import xxhash
 from pydantic import BaseModel, Field, ValidationError
 
 from kvtier.engine.outputs import RequestOutput
 from kvtier.server.protocol import APIError, ChatCompletionRequest, KvtierOptions, RequestModel
+from kvtier.server.reasoning import ReplyReader
 from kvtier.server.render import Renderer
-from kvtier.server.tool_parsers import ToolCall, ToolParser
+from kvtier.server.tool_parsers import ToolCall
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 499: "invalid_request_error",
@@ -58,7 +60,7 @@ class ToolResultBlock(ContentBlock):
         return f"Error: {text}" if self.is_error else text
 
 
-class ThinkingBlock(ContentBlock):         # earlier turns' thinking: accepted, left out of the prompt
+class ThinkingBlock(ContentBlock):         # earlier turns' thinking: rendered as the chat template wants
     cache_control: dict | None = None
     type: Literal["thinking", "redacted_thinking"]
     thinking: str | None = None
@@ -92,8 +94,10 @@ class ToolChoice(RequestModel):
 
 
 class ThinkingConfig(RequestModel):
-    type: Literal["enabled", "disabled"]
+    """Switches a reasoning model's thinking (the template's enable_thinking); budget_tokens is a hint."""
+    type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: int | None = None
+    display: str | None = None
 
 
 class CountTokensRequest(RequestModel):
@@ -108,8 +112,6 @@ class CountTokensRequest(RequestModel):
         """The same conversation as an OpenAI chat request (tool results become tool messages, tool uses
         assistant tool calls, thinking blocks are dropped), and how many of its messages reach through the
         last cache_control breakpoint (0 if none)."""
-        if self.thinking is not None and self.thinking.type == "enabled":
-            raise APIError(400, "extended thinking is not supported by this server", param="thinking")
         messages = []
         marked = int(any(t.cache_control for t in self.tools or []))   # tools are written before the messages
         if self.system:
@@ -127,15 +129,20 @@ class CountTokensRequest(RequestModel):
             else:
                 calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                          for b in blocks if isinstance(b, ToolUseBlock)]
-                messages.append({"role": "assistant", "content": texts or None, **({"tool_calls": calls} if calls else {})})
+                thinking = "\n".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock) and b.thinking)
+                messages.append({"role": "assistant", "content": texts or None,
+                                 **({"reasoning_content": thinking} if thinking else {}),
+                                 **({"tool_calls": calls} if calls else {})})
             if any(b.cache_control for b in message.blocks() if not isinstance(b, ThinkingBlock)):
                 marked = len(messages)
         tools = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
                                                    **({"description": t.description} if t.description else {})}}
                  for t in self.tools or []] or None
+        switch = {} if self.thinking is None else \
+            {"chat_template_kwargs": {"enable_thinking": self.thinking.type != "disabled"}}
         try:
             return ChatCompletionRequest(model=self.model, messages=messages, tools=tools, **self._tool_choice(),
-                                         **sampling), marked
+                                         **switch, **sampling), marked
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
             raise APIError(400, f"the conversation cannot be served: {problems}") from None
@@ -195,22 +202,25 @@ class MessageResponse(BaseModel):
 
 
 class MessagesRenderer(Renderer):
-    """Anthropic's shapes. Streams: message_start, then per content block (text, or a tool use once its
-    call is complete) content_block_start / _delta / _stop, then message_delta and message_stop."""
+    """Anthropic's shapes. Streams: message_start, then per content block (thinking, text, or a tool use once
+    its call is complete) content_block_start / _delta / _stop, then message_delta and message_stop."""
     id_prefix = "msg_"
 
-    def __init__(self, model: str, token_str: Callable[[int], str], parser: ToolParser | None = None):
+    def __init__(self, model: str, token_str: Callable[[int], str], reader: ReplyReader):
         super().__init__(model, token_str)
-        self.parser = parser
-        self.streamer = parser.streamer() if parser else None
+        self.reader = reader
         self.started = False
         self.num_blocks = 0
-        self.text_open = False
+        self.open_block: str | None = None    # "thinking" or "text" while one streams
+        self.thinking = ""                    # what the open thinking block holds, for its signature
         self.called = False
 
     def response(self, out: RequestOutput) -> MessageResponse:
-        text, calls = self.parser.parse(out.new_text) if self.parser else (out.new_text, [])
-        content = ([{"type": "text", "text": text}] if text else []) + [_tool_use(call) for call in calls]
+        reply = self.reader.read(out.new_text)
+        text, calls = reply.content, reply.calls
+        thinking = [{"type": "thinking", "thinking": reply.reasoning, "signature": signature(reply.reasoning)}] \
+            if reply.reasoning else []
+        content = thinking + ([{"type": "text", "text": text}] if text else []) + [_tool_use(call) for call in calls]
         return MessageResponse(id=self.id, model=self.model, content=content, usage=MessageUsage.of(out),
                                stop_reason=self._stop_reason(out, bool(calls)),
                                stop_sequence=out.stop_string)
@@ -223,15 +233,18 @@ class MessagesRenderer(Renderer):
             events.append(_event("message_start", {"message": {
                 "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": usage}}))
-        text, calls = self.streamer.feed(out.new_text, final=out.finished) if self.streamer else (out.new_text, [])
-        if text:
-            if not self.text_open:
-                events.append(self._start_block({"type": "text", "text": ""}))
-                self.text_open = True
+        reply = self.reader.feed(out.new_text, final=out.finished)
+        if reply.reasoning:
+            events += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            self.thinking += reply.reasoning
+            events.append(_event("content_block_delta", {"index": self.num_blocks - 1, "delta": {
+                "type": "thinking_delta", "thinking": reply.reasoning}}))
+        if reply.content:
+            events += self._open("text", {"type": "text", "text": ""})
             events.append(_event("content_block_delta", {"index": self.num_blocks - 1,
-                                                         "delta": {"type": "text_delta", "text": text}}))
-        for call in calls:
-            events += self._close_text()
+                                                         "delta": {"type": "text_delta", "text": reply.content}}))
+        for call in reply.calls:
+            events += self._close()
             use = _tool_use(call)
             events.append(self._start_block({**use, "input": {}}))
             events.append(_event("content_block_delta", {"index": self.num_blocks - 1, "delta": {
@@ -241,7 +254,7 @@ class MessagesRenderer(Renderer):
         return events
 
     def closing_events(self, last: RequestOutput) -> list[str]:
-        return self._close_text() + [
+        return self._close() + [
             _event("message_delta", {"delta": {"stop_reason": self._stop_reason(last, self.called),
                                                "stop_sequence": last.stop_string},
                                      "usage": {"output_tokens": last.num_output_tokens}}),
@@ -254,11 +267,25 @@ class MessagesRenderer(Renderer):
         self.num_blocks += 1
         return _event("content_block_start", {"index": self.num_blocks - 1, "content_block": block})
 
-    def _close_text(self) -> list[str]:
-        if not self.text_open:
+    def _open(self, kind: str, block: dict) -> list[str]:
+        """The events that make a block of this kind the open one (none if it already is)."""
+        if self.open_block == kind:
             return []
-        self.text_open = False
-        return [_event("content_block_stop", {"index": self.num_blocks - 1})]
+        events = self._close() + [self._start_block(block)]
+        self.open_block = kind
+        return events
+
+    def _close(self) -> list[str]:
+        """The events that close the open block; a thinking block gets its signature first."""
+        kind, self.open_block = self.open_block, None
+        if kind is None:
+            return []
+        events = []
+        if kind == "thinking":
+            events.append(_event("content_block_delta", {"index": self.num_blocks - 1, "delta": {
+                "type": "signature_delta", "signature": signature(self.thinking)}}))
+            self.thinking = ""
+        return events + [_event("content_block_stop", {"index": self.num_blocks - 1})]
 
     @staticmethod
     def _stop_reason(out: RequestOutput, called: bool) -> str | None:
@@ -267,6 +294,12 @@ class MessagesRenderer(Renderer):
         if called:
             return "tool_use"
         return "stop_sequence" if out.stop_string else "end_turn"
+
+
+def signature(thinking: str) -> str:
+    """The signature clients expect on a thinking block and send back with it. kvtier checks nothing with it
+    (a thinking block in the history is rendered as the chat template wants): a digest of the text."""
+    return xxhash.xxh3_128_hexdigest(thinking.encode())
 
 
 def _tool_use(call: ToolCall) -> dict:

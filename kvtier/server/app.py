@@ -3,9 +3,10 @@ path they share (errors.py, guards.py and streaming.py hold the rest)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from kvtier.server.protocol import (
     find_unencodable,
     text_chars,
 )
+from kvtier.server.reasoning import ReplyReader, reasoning_parser_for_template, starts_inside
 from kvtier.server.render import ChatRenderer, CompletionRenderer, Renderer
 from kvtier.server.responses import ResponsesRenderer, ResponsesRequest, ResponseStore
 from kvtier.server.streaming import SSEResponse, choice_renderers, combined, interleaved, merged, sse, \
@@ -51,7 +53,7 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
         parser_for_template(engine.tokenizer.chat_template)
     store = ResponseStore(os.path.join(os.path.expanduser(config.kv_disk_dir), "responses") if config.kv_disk else None)
     routes = _Routes(engine, config.served_model_names or [engine.model_name], config.any_model_name, metrics,
-                     config.cache_salt_from_api_key, parser, store)
+                     config.cache_salt_from_api_key, parser, _reasoning_parser(engine, config), store)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/messages", routes.messages, methods=["POST"])
@@ -69,10 +71,23 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
     return app
 
 
+def _reasoning_parser(engine: AsyncEngine, config: Config) -> str | None:
+    """--reasoning-parser, or the one the chat template's thinking format calls for (None: no reasoning)."""
+    if config.reasoning_parser is not None:
+        return None if config.reasoning_parser == "none" else config.reasoning_parser
+    try:
+        generation_prompt = engine.tokenizer.render_chat([{"role": "user", "content": "Hi"}])
+    except ValueError:       # no chat template, or one that needs more than a user message
+        generation_prompt = ""
+    return reasoning_parser_for_template(engine.tokenizer.chat_template, generation_prompt)
+
+
 class _Routes:
     def __init__(self, engine: AsyncEngine, model_names: list[str], any_model_name: bool, metrics: Metrics,
-                 salt_from_api_key: bool, tool_parser: ToolParser, response_store: ResponseStore):
+                 salt_from_api_key: bool, tool_parser: ToolParser, reasoning_parser: str | None,
+                 response_store: ResponseStore):
         self.engine = engine
+        self.reasoning_parser = reasoning_parser
         self.response_store = response_store
         self.tool_parser = tool_parser
         self.salt_from_api_key = salt_from_api_key
@@ -84,9 +99,9 @@ class _Routes:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         # templating and tokenizing a large body takes seconds: never on the event loop
-        prompt, parser, grammar = await run_in_threadpool(self._chat_prompt, body)
+        prompt, reader, grammar = await run_in_threadpool(self._chat_prompt, body)
         renderers = choice_renderers(body.n, lambda index: ChatRenderer(
-            body.model, self.engine.tokenizer.token_str, body.include_usage, parser, body.legacy_functions,
+            body.model, self.engine.tokenizer.token_str, body.include_usage, reader(), body.legacy_functions,
             max_calls=1 if body.parallel_tool_calls is False else None, index=index))
         return await self._generate(request, body, prompt, renderers, grammar)
 
@@ -94,13 +109,13 @@ class _Routes:
         """Anthropic's Messages API, served through the chat machinery."""
         self._check_model(body.model)
         chat, marked = body.to_chat()
-        prompt, parser, grammar = await run_in_threadpool(self._chat_prompt, chat)
+        prompt, reader, grammar = await run_in_threadpool(self._chat_prompt, chat)
         if marked and self.engine.max_pinned_tokens and not chat.kvtier:
             # a cache_control breakpoint keeps its prefix resident (as much of it as the budget allows)
             marked_prefix = chat.model_copy(update={"messages": chat.messages[:marked]})
             end = len((await run_in_threadpool(self._chat_prompt, marked_prefix))[0])
             chat.kvtier = KvtierOptions(pin=[(0, min(end, len(prompt), self.engine.max_pinned_tokens))])
-        renderer = MessagesRenderer(body.model, self.engine.tokenizer.token_str, parser)
+        renderer = MessagesRenderer(body.model, self.engine.tokenizer.token_str, reader())
         return await self._generate(request, chat, prompt, [renderer], grammar)
 
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
@@ -115,12 +130,12 @@ class _Routes:
                                param="previous_response_id", code="previous_response_not_found")
         conversation = history + body.messages()
         chat = body.to_chat(history)
-        prompt, parser, grammar = await run_in_threadpool(self._chat_prompt, chat)
+        prompt, reader, grammar = await run_in_threadpool(self._chat_prompt, chat)
 
         def keep(response_id: str, output: list[dict]) -> None:
             if body.store is not False:
                 self.response_store.put(response_id, conversation + output)
-        renderer = ResponsesRenderer(body.model, self.engine.tokenizer.token_str, body, parser, keep)
+        renderer = ResponsesRenderer(body.model, self.engine.tokenizer.token_str, body, reader(), keep)
         return await self._generate(request, chat, prompt, [renderer], grammar)
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:
@@ -137,9 +152,9 @@ class _Routes:
             body.model, self.engine.tokenizer.token_str, body.include_usage, echo, index=index))
         return await self._generate(request, body, prompt, renderers)
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], ToolParser | None, str | None]:
-        """The prompt, the parser for tool calls in the reply (None without tools), and the grammar the reply
-        must follow (a forced call, a JSON schema; None if free)."""
+    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], Callable[[], ReplyReader], str | None]:
+        """The prompt, what makes a reader of the reply (its reasoning and, with tools, its calls), and the
+        grammar the reply must follow (a forced call, a JSON schema; None if free)."""
         tokenizer = self.engine.tokenizer
         mode = body.tool_mode()
         functions = body.functions_offered()
@@ -149,11 +164,16 @@ class _Routes:
         self._check_text(body, text_chars(messages) + text_chars(tools), "messages")
         messages, template_tools = template_messages(messages, tools, tokenizer.knows_tools)
         try:
-            prompt = tokenizer.apply_chat_template(messages, template_tools)
+            prompt = tokenizer.apply_chat_template(messages, template_tools, **body.template_kwargs())
         except ValueError as e:
             raise APIError(400, f"cannot build a chat prompt: {e}", param="messages") from None
         parser = self.tool_parser if mode not in (None, "none") else None
-        return prompt, parser, self._grammar(body, mode, functions, self.tool_parser)
+        grammar = self._grammar(body, mode, functions, self.tool_parser)
+        # a reply a grammar writes is all content; else the prompt's end says where the reply starts
+        reasoning = self.reasoning_parser is not None and grammar is None
+        inside = starts_inside(self.reasoning_parser, tokenizer.decode(prompt[-4:], skip_special_tokens=False)) \
+            if reasoning else None
+        return prompt, functools.partial(ReplyReader, reasoning, inside, parser), grammar
 
     @staticmethod
     def _grammar(body: ChatCompletionRequest, mode: str | None, functions: list[dict],

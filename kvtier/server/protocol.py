@@ -202,6 +202,11 @@ class ResponseFormat(RequestModel):
     json_schema: JSONSchemaFormat | None = None
 
 
+# what kvtier itself hands the chat template (or the call that renders it)
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "conversation",
+                                "documents", "continue_final_message", "return_dict", "chat_template", "tokenizer"})
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -213,6 +218,18 @@ class ChatCompletionRequest(_GenerationRequest):
     functions: list[FunctionDefinition] | None = None         # legacy form of tools
     function_call: Literal["none", "auto"] | NamedFunction | None = None   # legacy form of tool_choice
     response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None       # "none" switches a reasoning model's thinking off, others on
+    chat_template_kwargs: dict | None = None  # as in vLLM: more variables for the chat template
+
+    def template_kwargs(self) -> dict:
+        """The chat template's extra variables; reasoning_effort sets its thinking switch unless they do."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        taken = sorted(kwargs.keys() & TEMPLATE_VARIABLES)
+        if taken:
+            raise APIError(400, f"chat_template_kwargs cannot set {', '.join(taken)}", param="chat_template_kwargs")
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
     @property
     def legacy_functions(self) -> bool:
@@ -346,6 +363,7 @@ class ToolCallOut(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = OMITTED_UNLESS_SET     # a reasoning model's thoughts, as vLLM names them
     tool_calls: list[ToolCallOut] | None = OMITTED_UNLESS_SET
     function_call: FunctionCall | None = OMITTED_UNLESS_SET    # the legacy `functions` API
 
@@ -381,6 +399,7 @@ class ToolCallDelta(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = OMITTED_UNLESS_SET
     tool_calls: list[ToolCallDelta] | None = OMITTED_UNLESS_SET
     function_call: FunctionCallDelta | None = OMITTED_UNLESS_SET
 

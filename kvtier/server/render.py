@@ -28,7 +28,7 @@ from kvtier.server.protocol import (
     ToolCallOut,
     Usage,
 )
-from kvtier.server.tool_parsers import ToolParser
+from kvtier.server.reasoning import ReplyReader
 
 
 class Renderer:
@@ -92,24 +92,25 @@ def _data(chunk: BaseModel) -> str:
 
 
 class ChatRenderer(_OpenAIRenderer):
-    """With a tool parser, calls in the output become tool_calls (or, for the legacy functions API, a
-    function_call) and never reach the content."""
+    """Reasoning becomes reasoning_content; with a tool parser, calls in the output become tool_calls (or, for
+    the legacy functions API, a function_call) and never reach the content."""
     id_prefix = "chatcmpl-"
 
     def __init__(self, model: str, token_str: Callable[[int], str], include_usage: bool = False,
-                 parser: ToolParser | None = None, legacy_functions: bool = False, max_calls: int | None = None,
+                 reader: ReplyReader | None = None, legacy_functions: bool = False, max_calls: int | None = None,
                  index: int = 0):
         super().__init__(model, token_str, include_usage, index)
         self.sent_role = False
-        self.parser, self.legacy = parser, legacy_functions
+        self.reader = reader or ReplyReader(False, None, None)
+        self.legacy = legacy_functions
         self.max_calls = 1 if legacy_functions else max_calls    # parallel_tool_calls=false: the first call only
-        self.streamer = parser.streamer() if parser else None
         self.num_calls = 0
 
     def response(self, out: RequestOutput) -> ChatCompletionResponse:
-        content, calls = self.parser.parse(out.new_text) if self.parser else (out.new_text, [])
-        calls = calls[:self.max_calls]
-        message = ChatResponseMessage(content=content or None if calls else content)
+        reply = self.reader.read(out.new_text)
+        content, calls = reply.content, reply.calls[:self.max_calls]
+        message = ChatResponseMessage(content=content or None if calls else content,
+                                      reasoning_content=reply.reasoning or None)
         if calls and self.legacy:
             message.function_call = FunctionCall(name=calls[0].name, arguments=calls[0].arguments)
         elif calls:
@@ -122,10 +123,12 @@ class ChatRenderer(_OpenAIRenderer):
     def chunks(self, out: RequestOutput) -> list[ChatCompletionChunk]:
         """The chunks for one delta: content first, then each completed call as its id and name, then its
         arguments; the finish reason on the last. None of them when there is nothing to say."""
-        content, calls = self.streamer.feed(out.new_text, final=out.finished) if self.streamer else (out.new_text, [])
+        reply = self.reader.feed(out.new_text, final=out.finished)
+        content, calls = reply.content, reply.calls
         if self.max_calls is not None:
             calls = calls[:max(0, self.max_calls - self.num_calls)]
-        deltas = [ChatDelta(content=content)] if content or out.logprobs else []
+        deltas = [ChatDelta(reasoning_content=reply.reasoning)] if reply.reasoning else []
+        deltas += [ChatDelta(content=content)] if content or (out.logprobs and not reply.reasoning) else []
         for call in calls:
             if self.legacy:
                 deltas += [ChatDelta(function_call=FunctionCallDelta(name=call.name, arguments="")),

@@ -18,8 +18,9 @@ from pydantic import BaseModel, Field, ValidationError
 from kvtier.engine.outputs import RequestOutput
 from kvtier.kv.tiers.files import atomic_write, read_regular, regular_files, remove
 from kvtier.server.protocol import APIError, ChatCompletionRequest, KvtierOptions, RequestModel
+from kvtier.server.reasoning import ReplyReader
 from kvtier.server.render import Renderer
-from kvtier.server.tool_parsers import ToolCall, ToolParser
+from kvtier.server.tool_parsers import ToolCall
 
 log = logging.getLogger("kvtier.server")
 
@@ -137,23 +138,23 @@ def _text(content) -> str:
 # ---------------------------------------------------------------- responses
 
 class ResponsesRenderer(Renderer):
-    """Response objects and the Responses stream: response.created, then per output item (a message, or a
-    function call once complete) its added / delta / done events, then response.completed. on_done gets
-    the output as chat messages, for the store."""
+    """Response objects and the Responses stream: response.created, then per output item (reasoning, a
+    message, or a function call once complete) its added / delta / done events, then response.completed.
+    on_done gets the output as chat messages, for the store."""
     id_prefix = "resp_"
 
-    def __init__(self, model: str, token_str: Callable[[int], str], body: ResponsesRequest,
-                 parser: ToolParser | None, on_done: Callable[[str, list[dict]], None] | None):
+    def __init__(self, model: str, token_str: Callable[[int], str], body: ResponsesRequest, reader: ReplyReader,
+                 on_done: Callable[[str, list[dict]], None] | None):
         super().__init__(model, token_str)
-        self.body, self.parser, self.on_done = body, parser, on_done
-        self.streamer = parser.streamer() if parser else None
+        self.body, self.reader, self.on_done = body, reader, on_done
         self.sequence = 0
-        self.items: list[dict] = []         # output items so far (the open message's text grows)
-        self.open_message: dict | None = None
+        self.items: list[dict] = []         # output items so far (the open item's text grows)
+        self.open_item: dict | None = None  # the reasoning or message item streaming now
 
     def response(self, out: RequestOutput) -> BaseModel:
-        text, calls = self.parser.parse(out.new_text) if self.parser else (out.new_text, [])
-        self.items = ([_message_item(text)] if text else []) + [_call_item(call) for call in calls]
+        reply = self.reader.read(out.new_text)
+        self.items = ([_reasoning_item(reply.reasoning)] if reply.reasoning else []) + \
+            ([_message_item(reply.content)] if reply.content else []) + [_call_item(call) for call in reply.calls]
         return Response(**self._object(out, "completed" if out.finish_reason != "length" else "incomplete"))
 
     def events(self, out: RequestOutput) -> list[str]:
@@ -162,21 +163,17 @@ class ResponsesRenderer(Renderer):
             start = self._object(out, "in_progress", usage=False)
             events += [self._event("response.created", response=start),
                        self._event("response.in_progress", response=start)]
-        text, calls = self.streamer.feed(out.new_text, final=out.finished) if self.streamer else (out.new_text, [])
-        if text:
-            if self.open_message is None:
-                self.open_message = _message_item("", status="in_progress")
-                self.items.append(self.open_message)
-                events += [self._event("response.output_item.added", output_index=len(self.items) - 1,
-                                       item=self.open_message),
-                           self._event("response.content_part.added", item_id=self.open_message["id"],
-                                       output_index=len(self.items) - 1, content_index=0,
-                                       part={"type": "output_text", "text": "", "annotations": []})]
-            self.open_message["content"][0]["text"] += text
-            events.append(self._event("response.output_text.delta", item_id=self.open_message["id"],
-                                      output_index=len(self.items) - 1, content_index=0, delta=text))
-        for call in calls:
-            events += self._close_message()
+        reply = self.reader.feed(out.new_text, final=out.finished)
+        for kind, text in (("reasoning", reply.reasoning), ("message", reply.content)):
+            if text:
+                events += self._open(kind)
+                item = self.open_item
+                item["content"][0]["text"] += text
+                delta = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+                events.append(self._event(delta, item_id=item["id"], output_index=len(self.items) - 1,
+                                          content_index=0, delta=text))
+        for call in reply.calls:
+            events += self._close()
             item = _call_item(call)
             self.items.append(item)
             index = len(self.items) - 1
@@ -190,23 +187,42 @@ class ResponsesRenderer(Renderer):
 
     def closing_events(self, last: RequestOutput) -> list[str]:
         status = "completed" if last.finish_reason != "length" else "incomplete"
-        return self._close_message() + [self._event(f"response.{status}", response=self._object(last, status))]
+        return self._close() + [self._event(f"response.{status}", response=self._object(last, status))]
 
     def error_events(self, message: str) -> list[str]:
         return [self._event("error", code="server_error", message=message, param=None)]
 
-    def _close_message(self) -> list[str]:
-        message, self.open_message = self.open_message, None
-        if message is None:
+    def _open(self, kind: str) -> list[str]:
+        """The events that make an item of this kind the open one (none if it already is)."""
+        if self.open_item is not None and self.open_item["type"] == kind:
             return []
-        index = self.items.index(message)
-        message["status"] = "completed"
-        part = message["content"][0]
-        return [self._event("response.output_text.done", item_id=message["id"], output_index=index, content_index=0,
+        events = self._close()
+        self.open_item = _message_item("", status="in_progress") if kind == "message" else _reasoning_item("")
+        self.items.append(self.open_item)
+        index = len(self.items) - 1
+        events.append(self._event("response.output_item.added", output_index=index, item=self.open_item))
+        if kind == "message":
+            events.append(self._event("response.content_part.added", item_id=self.open_item["id"],
+                                      output_index=index, content_index=0,
+                                      part={"type": "output_text", "text": "", "annotations": []}))
+        return events
+
+    def _close(self) -> list[str]:
+        item, self.open_item = self.open_item, None
+        if item is None:
+            return []
+        index = self.items.index(item)
+        part = item["content"][0]
+        if item["type"] == "reasoning":
+            return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                content_index=0, text=part["text"]),
+                    self._event("response.output_item.done", output_index=index, item=item)]
+        item["status"] = "completed"
+        return [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                             text=part["text"]),
-                self._event("response.content_part.done", item_id=message["id"], output_index=index,
+                self._event("response.content_part.done", item_id=item["id"], output_index=index,
                             content_index=0, part=part),
-                self._event("response.output_item.done", output_index=index, item=message)]
+                self._event("response.output_item.done", output_index=index, item=item)]
 
     def _object(self, out: RequestOutput, status: str, usage: bool = True) -> dict:
         """The response object; a finished one is handed to the store."""
@@ -245,6 +261,11 @@ def _message_item(text: str, status: str = "completed") -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
+def _reasoning_item(text: str) -> dict:
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def _call_item(call: ToolCall) -> dict:
     return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id, "name": call.name,
             "arguments": call.arguments, "status": "completed"}
@@ -253,9 +274,11 @@ def _call_item(call: ToolCall) -> dict:
 def _as_messages(items: list[dict]) -> list[dict]:
     """Output items as the chat messages a continuation renders."""
     text = "".join(i["content"][0]["text"] for i in items if i["type"] == "message")
+    reasoning = "".join(i["content"][0]["text"] for i in items if i["type"] == "reasoning")
     calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
              for i in items if i["type"] == "function_call"]
-    return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
+    return [{"role": "assistant", "content": text or None, **({"reasoning_content": reasoning} if reasoning else {}),
+             **({"tool_calls": calls} if calls else {})}]
 
 
 # ---------------------------------------------------------------- the store

@@ -70,7 +70,7 @@ class HermesStreamer:
         while True:
             start = self.pending.find(HermesParser.START)
             if start < 0:
-                keep = 0 if final else _partial_suffix(self.pending, HermesParser.START)
+                keep = 0 if final else partial_suffix(self.pending, HermesParser.START)
                 pieces.append(self._content(self.pending[:len(self.pending) - keep]))
                 self.pending = self.pending[len(self.pending) - keep:]
                 break
@@ -154,7 +154,7 @@ def _split_objects(text: str) -> list[str]:
     return [p for p in parts if p]
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of text that is a proper beginning of tag."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
