@@ -45,17 +45,39 @@ def bundled_tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="session")
 def make_tiny_model(tmp_path_factory, bundled_tokenizer):
-    """make_tiny_model(hf_config, seed=0) -> path of a directory holding a random-weight model
-    built from hf_config (a transformers config) and the bundled tokenizer."""
-    def make(hf_config, seed: int = 0) -> str:
+    """make_tiny_model(hf_config, seed=0, tokenizer=None) -> path of a directory holding a random-weight model
+    built from hf_config (a transformers config) and a Hugging Face tokenizer (the bundled one by default)."""
+    def make(hf_config, seed: int = 0, tokenizer=None) -> str:
         path = tmp_path_factory.mktemp(f"tiny-{hf_config.model_type}")
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(hf_config)
         model.save_pretrained(path)
-        bundled_tokenizer.hf.save_pretrained(path)
+        (tokenizer or bundled_tokenizer.hf).save_pretrained(path)
         return str(path)
     return make
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(bundled_tokenizer):
+    """The bundled tokenizer (ChatML, as Qwen's) with Qwen3's think and tool-call tokens and Qwen3's real chat
+    template (tests/data/qwen3_chat_template.jinja)."""
+    import copy
+    hf = copy.deepcopy(bundled_tokenizer.hf)
+    hf.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>"])
+    with open(os.path.join(os.path.dirname(__file__), "data", "qwen3_chat_template.jinja")) as f:
+        hf.chat_template = f.read()
+    return hf
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(make_tiny_model, qwen3_tokenizer) -> str:
+    """A tiny random Qwen3 (hidden 64, 2 layers) with Qwen3's chat template and think tokens."""
+    from transformers import Qwen3Config
+    return make_tiny_model(Qwen3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=len(qwen3_tokenizer), max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2), tokenizer=qwen3_tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,7 @@ class StubTokenizer:
 
     chat_template = None
     knows_tools = False
+    added_tokens = frozenset()
 
     def render_chat(self, messages, tools=None, **template_kwargs):
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"

@@ -91,6 +91,11 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self.hf.chat_template
 
+    @functools.cached_property
+    def added_tokens(self) -> frozenset[str]:
+        """The texts of the tokens added to the vocabulary (`<|im_end|>`, `<think>`, `<tool_call>`...)."""
+        return frozenset(token.content for token in self.hf.added_tokens_decoder.values())
+
     @property
     def knows_tools(self) -> bool:
         """Whether the chat template has a tool format of its own (it reads the `tools` variable)."""

@@ -33,6 +33,7 @@ from kvtier.server.protocol import (
 from kvtier.server.reasoning import ReplyReader, reasoning_parser_for_template, starts_inside
 from kvtier.server.render import ChatRenderer, CompletionRenderer, Renderer
 from kvtier.server.responses import ResponsesRenderer, ResponsesRequest, ResponseStore
+from kvtier.server.scripted import ScriptedReplies
 from kvtier.server.streaming import SSEResponse, choice_renderers, combined, interleaved, merged, sse, \
     unless_disconnected
 from kvtier.server.tool_parsers import PARSERS, ToolParser, parser_for_template
@@ -88,6 +89,7 @@ class _Routes:
                  response_store: ResponseStore):
         self.engine = engine
         self.reasoning_parser = reasoning_parser
+        self.script = ScriptedReplies.from_environment()
         self.response_store = response_store
         self.tool_parser = tool_parser
         self.salt_from_api_key = salt_from_api_key
@@ -160,24 +162,26 @@ class _Routes:
         functions = body.functions_offered()
         # tools stay in the prompt with tool_choice "none" (as in vLLM), so a tool loop's prefix never changes
         tools = [{"type": "function", "function": f} for f in functions] or None
-        messages = [m.for_template() for m in body.messages]
-        self._check_text(body, text_chars(messages) + text_chars(tools), "messages")
-        messages, template_tools = template_messages(messages, tools, tokenizer.knows_tools)
+        conversation = [m.for_template() for m in body.messages]
+        self._check_text(body, text_chars(conversation) + text_chars(tools), "messages")
+        messages, template_tools = template_messages(conversation, tools, tokenizer.knows_tools)
         try:
             prompt = tokenizer.apply_chat_template(messages, template_tools, **body.template_kwargs())
         except ValueError as e:
             raise APIError(400, f"cannot build a chat prompt: {e}", param="messages") from None
         parser = self.tool_parser if mode not in (None, "none") else None
-        grammar = self._grammar(body, mode, functions, self.tool_parser)
+        grammar = self._grammar(body, mode, functions, self.tool_parser, tokenizer.added_tokens)
         # a reply a grammar writes is all content; else the prompt's end says where the reply starts
         reasoning = self.reasoning_parser is not None and grammar is None
+        if self.script is not None and grammar is None:
+            grammar = self.script.grammar(conversation, [f["name"] for f in functions], tokenizer.added_tokens)
         inside = starts_inside(self.reasoning_parser, tokenizer.decode(prompt[-4:], skip_special_tokens=False)) \
             if reasoning else None
         return prompt, functools.partial(ReplyReader, reasoning, inside, parser), grammar
 
     @staticmethod
-    def _grammar(body: ChatCompletionRequest, mode: str | None, functions: list[dict],
-                 parser: ToolParser) -> str | None:
+    def _grammar(body: ChatCompletionRequest, mode: str | None, functions: list[dict], parser: ToolParser,
+                 tokens: frozenset[str]) -> str | None:
         schema = body.output_schema()
         forced = mode not in (None, "none", "auto")
         if forced and schema is not None:
@@ -186,7 +190,8 @@ class _Routes:
             param = "function_call" if body.legacy_functions else "tool_choice"
             called = [f for f in functions if mode == "required" or f["name"] == mode]
             grammar = tool_call_grammar(called, parser.name, parallel=mode == "required" and
-                                        body.parallel_tool_calls is not False and not body.legacy_functions)
+                                        body.parallel_tool_calls is not False and not body.legacy_functions,
+                                        tokens=tokens)
         elif schema is not None:
             param, grammar = "response_format", json_grammar(schema)
         else:

@@ -18,12 +18,14 @@ from pydantic import BaseModel, Field, ValidationError
 from kvtier.engine.outputs import RequestOutput
 from kvtier.kv.tiers.files import atomic_write, read_regular, regular_files, remove
 from kvtier.server.protocol import APIError, ChatCompletionRequest, KvtierOptions, RequestModel
+from kvtier.server.agent_tools import HOSTED_CALLS, FunctionSet, responses_functions
 from kvtier.server.reasoning import ReplyReader
 from kvtier.server.render import Renderer
 from kvtier.server.tool_parsers import ToolCall
 
 log = logging.getLogger("kvtier.server")
 
+TEXT_PARTS = frozenset({"input_text", "output_text", "text", "reasoning_text", "summary_text", "refusal"})
 MAX_IN_MEMORY = 1024
 MAX_FILES = 4096
 
@@ -31,28 +33,28 @@ MAX_FILES = 4096
 # ---------------------------------------------------------------- requests
 
 class InputItem(BaseModel, extra="allow"):
-    """A message, a function call or a function call's output; clients send back output items with every
-    key they were given (ids, statuses), so extra keys pass."""
-    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
+    """An item of the conversation; clients send back output items with every key they were given (ids,
+    statuses, encrypted content), so extra keys pass."""
+    type: str = "message"
     role: Literal["user", "system", "developer", "assistant"] | None = None
     content: str | list[dict] | None = None
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
+    input: str | None = None              # a custom tool's call
     output: str | list[dict] | None = None
+    summary: list[dict] | None = None     # a reasoning item's
 
 
-class FunctionTool(RequestModel):
-    type: Literal["function"]
+class NamedTool(RequestModel):
+    type: Literal["function", "custom"]
     name: str
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
 
 
-class NamedFunction(RequestModel):
-    type: Literal["function"]
-    name: str
+class AllowedTools(RequestModel):
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[dict]
 
 
 class TextFormat(RequestModel, populate_by_name=True):
@@ -65,74 +67,127 @@ class TextFormat(RequestModel, populate_by_name=True):
 
 class TextOptions(RequestModel):
     format: TextFormat | None = None
+    verbosity: str | None = None          # a hint: kvtier writes what the model writes
+
+
+class ReasoningOptions(RequestModel):
+    effort: str | None = None             # "none" switches a reasoning model's thinking off, others on
+    summary: str | None = None            # hints: the reasoning comes whole, as reasoning text
+    generate_summary: str | None = None
 
 
 class ResponsesRequest(RequestModel):
     model: str
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tools: list[dict] | None = None       # sorted by agent_tools.responses_functions
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | AllowedTools | None = None
     parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=1)
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     stream: bool | None = None
+    stream_options: dict | None = None    # include_obfuscation: a hint, nothing is padded
     previous_response_id: str | None = None
     store: bool | None = None
     text: TextOptions | None = None
-    metadata: dict | None = None           # the caller's labels: echoed back, not used
+    reasoning: ReasoningOptions | None = None
+    metadata: dict | None = None          # the caller's labels: echoed back, not used
+    # hints and metadata, accepted and not used (see the README's table of request fields)
     user: str | None = None
-    truncation: Literal["disabled"] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None   # kvtier caches every prefix by content anyway
+    prompt_cache_retention: str | None = None
+    service_tier: str | None = None
+    client_metadata: dict | None = None
+    include: list[str] | None = None      # reasoning comes as text; nothing is encrypted
+    truncation: Literal["disabled", "auto"] | None = None   # kvtier never drops input: too long is a 400
+    background: Literal[False] | None = None
+    top_logprobs: Literal[0] | None = None
     kvtier: KvtierOptions | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+
+    @property
+    def functions(self) -> FunctionSet:
+        return responses_functions(self.tools or [])
 
     def messages(self) -> list[dict]:
         """The input items as chat messages (without the instructions, which never carry over)."""
         items = [InputItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         messages: list[dict] = []
-        for item in items:
+        reasoning = ""            # a reasoning item goes with the assistant message that follows it
+        for index, item in enumerate(items):
             if item.type == "message":
-                messages.append({"role": "system" if item.role == "developer" else item.role or "user",
-                                 "content": _text(item.content)})
-            elif item.type == "function_call":
-                call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": item.arguments or "{}"}}
-                if messages and messages[-1]["role"] == "assistant":     # parallel calls share one message
+                if item.role == "assistant":
+                    messages.append(_assistant(reasoning, _text(item.content, f"input[{index}].content")))
+                    reasoning = ""
+                else:
+                    messages.append({"role": "system" if item.role == "developer" else item.role or "user",
+                                     "content": _text(item.content, f"input[{index}].content")})
+            elif item.type in ("function_call", "custom_tool_call"):
+                arguments = item.arguments or "{}" if item.type == "function_call" else json.dumps({"input": item.input})
+                call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": arguments}}
+                if messages and messages[-1]["role"] == "assistant" and not reasoning:   # parallel calls share one
                     messages[-1].setdefault("tool_calls", []).append(call)
                 else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            elif item.type == "function_call_output":
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+                    messages.append({**_assistant(reasoning, None), "tool_calls": [call]})
+                    reasoning = ""
+            elif item.type in ("function_call_output", "custom_tool_call_output"):
+                messages.append({"role": "tool", "tool_call_id": item.call_id,
+                                 "content": _text(item.output, f"input[{index}].output")})
+            elif item.type == "reasoning":
+                reasoning += _text(item.content, f"input[{index}].content") or \
+                    "\n".join(part.get("text", "") for part in item.summary or [])
+            elif item.type not in HOSTED_CALLS:       # a hosted tool's call kvtier never made: left out
+                raise APIError(400, f"input[{index}]: items of type '{item.type}' are not supported", param="input")
         return messages
 
     def to_chat(self, history: list[dict]) -> ChatCompletionRequest:
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                 for t in self.tools or []] or None
+        functions = self.functions
+        if functions.hosted:
+            log.info("hosted tools left out of the prompt (kvtier runs none): %s", ", ".join(functions.hosted))
+        tools = [{"type": "function", "function": f} for f in functions.functions] or None
         choice = self.tool_choice
-        if isinstance(choice, NamedFunction):
+        if isinstance(choice, NamedTool):
             choice = {"type": "function", "function": {"name": choice.name}}
+        elif isinstance(choice, AllowedTools):
+            raise APIError(400, "tool_choice of type allowed_tools is not supported; send the allowed tools "
+                                "as tools", param="tool_choice")
         fmt = self.text.format if self.text else None
         response_format = None if fmt is None else {"type": fmt.type, **(
             {"json_schema": {"name": fmt.name or "output", "schema": fmt.json_schema}} if fmt.type == "json_schema"
             else {})}
+        effort = self.reasoning.effort if self.reasoning else None
         try:
             return ChatCompletionRequest(
                 model=self.model, messages=system + history + self.messages(), tools=tools, tool_choice=choice,
                 parallel_tool_calls=self.parallel_tool_calls, max_tokens=self.max_output_tokens,
                 temperature=self.temperature, top_p=self.top_p, stream=self.stream, response_format=response_format,
-                kvtier=self.kvtier, cache_salt=self.cache_salt)
+                reasoning_effort=effort, kvtier=self.kvtier, cache_salt=self.cache_salt)
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
             raise APIError(400, f"the input cannot be served: {problems}", param="input") from None
 
 
-def _text(content) -> str:
-    """Text of a message's content or a call's output: a string, or parts with text."""
+def _assistant(reasoning: str, content: str | None) -> dict:
+    return {"role": "assistant", "content": content, **({"reasoning_content": reasoning} if reasoning else {})}
+
+
+def _text(content, where: str) -> str:
+    """Text of a message's content or a call's output: a string, or parts with text (a part that holds
+    something else, an image say, is a 400 naming it: kvtier serves text models)."""
     if content is None or isinstance(content, str):
         return content or ""
-    return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"{where}[{i}]: parts of type '{kind}' are not supported (kvtier serves "
+                                "text models)", param="input")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 # ---------------------------------------------------------------- responses
@@ -150,11 +205,14 @@ class ResponsesRenderer(Renderer):
         self.sequence = 0
         self.items: list[dict] = []         # output items so far (the open item's text grows)
         self.open_item: dict | None = None  # the reasoning or message item streaming now
+        self.freeform = body.functions.freeform
+        self.calls_left = 1 if body.parallel_tool_calls is False else body.max_tool_calls or 2**31
 
     def response(self, out: RequestOutput) -> BaseModel:
         reply = self.reader.read(out.new_text)
         self.items = ([_reasoning_item(reply.reasoning)] if reply.reasoning else []) + \
-            ([_message_item(reply.content)] if reply.content else []) + [_call_item(call) for call in reply.calls]
+            ([_message_item(reply.content)] if reply.content else []) + \
+            [self._call_item(call) for call in self._allowed(reply)]
         return Response(**self._object(out, "completed" if out.finish_reason != "length" else "incomplete"))
 
     def events(self, out: RequestOutput) -> list[str]:
@@ -172,18 +230,33 @@ class ResponsesRenderer(Renderer):
                 delta = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
                 events.append(self._event(delta, item_id=item["id"], output_index=len(self.items) - 1,
                                           content_index=0, delta=text))
-        for call in reply.calls:
+        for call in self._allowed(reply):
             events += self._close()
-            item = _call_item(call)
+            item = self._call_item(call)
             self.items.append(item)
             index = len(self.items) - 1
-            events += [self._event("response.output_item.added", output_index=index, item={**item, "arguments": ""}),
-                       self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                   delta=call.arguments),
-                       self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                   arguments=call.arguments),
+            if item["type"] == "custom_tool_call":
+                argument, stage = "input", "response.custom_tool_call_input"
+            else:
+                argument, stage = "arguments", "response.function_call_arguments"
+            events += [self._event("response.output_item.added", output_index=index, item={**item, argument: ""}),
+                       self._event(f"{stage}.delta", item_id=item["id"], output_index=index, delta=item[argument]),
+                       self._event(f"{stage}.done", item_id=item["id"], output_index=index,
+                                   **{argument: item[argument]}),
                        self._event("response.output_item.done", output_index=index, item=item)]
         return events
+
+    def _allowed(self, reply) -> list[ToolCall]:
+        """The reply's calls within max_tool_calls (one without parallel calls)."""
+        calls = reply.calls[:self.calls_left]
+        self.calls_left -= len(calls)
+        return calls
+
+    def _call_item(self, call: ToolCall) -> dict:
+        item = {"id": f"fc_{uuid.uuid4().hex}", "call_id": call.id, "name": call.name, "status": "completed"}
+        if call.name in self.freeform:
+            return {"type": "custom_tool_call", **item, "input": str(json.loads(call.arguments).get("input", ""))}
+        return {"type": "function_call", **item, "arguments": call.arguments}
 
     def closing_events(self, last: RequestOutput) -> list[str]:
         status = "completed" if last.finish_reason != "length" else "incomplete"
@@ -235,7 +308,7 @@ class ResponsesRenderer(Renderer):
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "error": None, "instructions": body.instructions, "metadata": body.metadata or {},
             "previous_response_id": body.previous_response_id,
-            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "tools": body.tools or [],
             "tool_choice": body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel)
             else body.tool_choice or "auto",
             "parallel_tool_calls": body.parallel_tool_calls is not False,
@@ -266,17 +339,13 @@ def _reasoning_item(text: str) -> dict:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _call_item(call: ToolCall) -> dict:
-    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id, "name": call.name,
-            "arguments": call.arguments, "status": "completed"}
-
-
 def _as_messages(items: list[dict]) -> list[dict]:
     """Output items as the chat messages a continuation renders."""
     text = "".join(i["content"][0]["text"] for i in items if i["type"] == "message")
     reasoning = "".join(i["content"][0]["text"] for i in items if i["type"] == "reasoning")
-    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-             for i in items if i["type"] == "function_call"]
+    calls = [{"id": i["call_id"], "type": "function", "function": {
+        "name": i["name"], "arguments": i["arguments"] if "arguments" in i else json.dumps({"input": i["input"]})}}
+        for i in items if i["type"] in ("function_call", "custom_tool_call")]
     return [{"role": "assistant", "content": text or None, **({"reasoning_content": reasoning} if reasoning else {}),
              **({"tool_calls": calls} if calls else {})}]
 

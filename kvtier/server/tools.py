@@ -3,6 +3,7 @@ a call or a JSON reply (Lark with embedded JSON schemas, compiled by llguidance 
 from __future__ import annotations
 
 import json
+import re
 
 import llguidance
 
@@ -20,6 +21,7 @@ the function's name and its arguments:
 <tool_call>
 {{"name":<function name>,"arguments":<the arguments as a JSON object>}}
 </tool_call>"""
+HERMES_START, HERMES_END = "<tool_call>\n", "\n</tool_call>"
 COMPACT = {"x-guidance": {"whitespace_flexible": False}}   # forced JSON is written without free whitespace
 
 
@@ -57,7 +59,7 @@ def template_messages(messages: list[dict], tools: list[dict] | None,
 def hermes_call(name: str, arguments) -> str:
     """A call as a forced call is generated (compact JSON), so a history that repeats it reuses its KV."""
     call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False, separators=(",", ":"))
-    return f"<tool_call>\n{call}\n</tool_call>"
+    return f"{HERMES_START}{call}{HERMES_END}"
 
 
 def _arguments_as_objects(message: dict) -> dict:
@@ -76,9 +78,22 @@ def _arguments_as_objects(message: dict) -> dict:
     return {**message, "tool_calls": calls}
 
 
-def tool_call_grammar(functions: list[dict], parser: str, parallel: bool) -> str:
+def lark_text(text: str, tokens: frozenset[str]) -> str:
+    """Text as a Lark sequence. Where it holds one of the tokenizer's added tokens (`<think>`, `<tool_call>`),
+    the token is named as a token: llguidance lets such a token through its mask for the literal text, then
+    refuses it."""
+    names = sorted((t for t in tokens if len(t) > 2 and t[0] == "<" and t[-1] == ">" and t in text), key=len,
+                   reverse=True)
+    if not names:
+        return json.dumps(text)
+    pieces = re.split(f"({'|'.join(map(re.escape, names))})", text)
+    return " ".join(piece if piece in names else json.dumps(piece) for piece in pieces if piece)
+
+
+def tool_call_grammar(functions: list[dict], parser: str, parallel: bool, tokens: frozenset[str]) -> str:
     """A grammar whose every sentence is a call (one or more with parallel calls) of one of `functions`,
-    written as `parser` reads it, with arguments matching the function's parameter schema."""
+    written as `parser` reads it, with arguments matching the function's parameter schema; tokens: the
+    tokenizer's added tokens."""
     arguments_key = "parameters" if parser == "llama3_json" else "arguments"
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
               "properties": {"name": {"const": f["name"]},
@@ -88,7 +103,8 @@ def tool_call_grammar(functions: list[dict], parser: str, parallel: bool) -> str
         more = ' ("; " call)*' if parallel else ""
         return f"start: call{more}\ncall: %json {json.dumps(schema)}"
     more = "+" if parallel else ""
-    return f'start: call{more}\ncall: "<tool_call>\\n" %json {json.dumps(schema)} "\\n</tool_call>"'
+    return f"start: call{more}\ncall: {lark_text(HERMES_START, tokens)} %json {json.dumps(schema)} " \
+        f"{lark_text(HERMES_END, tokens)}"
 
 
 def json_grammar(schema: dict) -> str:
