@@ -88,6 +88,10 @@ def test_json_schema_response_format(client, model):
     r = client.chat.completions.create(model=model, max_tokens=48, temperature=0, messages=ASK,
                                        response_format={"type": "json_object"})
     assert isinstance(json.loads(r.choices[0].message.content), dict)
+    # llama.cpp's extension: json_object with its schema beside the type
+    r = client.chat.completions.create(model=model, max_tokens=64, temperature=0, messages=ASK,
+                                       response_format={"type": "json_object", "schema": schema})
+    assert set(json.loads(r.choices[0].message.content)) == {"city", "population"}
 
 
 def test_invalid_schemas_and_tool_choices_are_400s(client, model):

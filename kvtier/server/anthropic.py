@@ -4,6 +4,7 @@ engine's outputs become Anthropic messages and stream events."""
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Callable
 from typing import Annotated, Literal
@@ -12,10 +13,13 @@ import xxhash
 from pydantic import BaseModel, Field, ValidationError
 
 from kvtier.engine.outputs import RequestOutput
+from kvtier.server.agent_tools import anthropic_functions
 from kvtier.server.protocol import APIError, ChatCompletionRequest, KvtierOptions, RequestModel
 from kvtier.server.reasoning import ReplyReader
 from kvtier.server.render import Renderer
 from kvtier.server.tool_parsers import ToolCall
+
+log = logging.getLogger("kvtier.server")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 499: "invalid_request_error",
@@ -68,23 +72,25 @@ class ThinkingBlock(ContentBlock):         # earlier turns' thinking: rendered a
     data: str | None = None
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+class HostedBlock(ContentBlock):
+    """A server tool's call or result (web search, code execution, MCP...): kvtier ran none, so the history's
+    are left out of the prompt."""
+    type: Literal["server_tool_use", "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
+                  "bash_code_execution_tool_result", "text_editor_code_execution_tool_result", "mcp_tool_use",
+                  "mcp_tool_result", "container_upload", "tool_search_tool_result"]
+    cache_control: dict | None = None
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | HostedBlock,
+                  Field(discriminator="type")]
 
 
 class Message(RequestModel):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]     # a system message may stand anywhere, as templates allow
     content: str | list[Block]
 
     def blocks(self) -> list[Block]:
         return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
-
-
-class Tool(RequestModel):
-    name: str
-    description: str | None = None
-    input_schema: dict
-    type: Literal["custom"] | None = None
-    cache_control: dict | None = None
 
 
 class ToolChoice(RequestModel):
@@ -100,20 +106,37 @@ class ThinkingConfig(RequestModel):
     display: str | None = None
 
 
+class OutputConfig(RequestModel):
+    effort: str | None = None              # a hint: kvtier does not budget the model's tokens
+    format: dict | None = None             # {"type": "json_schema", "schema": ...}: the reply matches the schema
+
+
 class CountTokensRequest(RequestModel):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
+    tools: list[dict] | None = None        # sorted by agent_tools.anthropic_functions
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    output_format: dict | None = None      # the older name of output_config.format
+    # hints, accepted and not used (see the README's table of request fields)
+    context_management: dict | None = None     # kvtier keeps the context as sent: it clears nothing
+    mcp_servers: list[dict] | None = None      # MCP connectors the server would run: left out, logged
+    container: str | dict | None = None
+    service_tier: str | None = None
+    inference_geo: str | None = None
 
     def to_chat(self, **sampling) -> tuple[ChatCompletionRequest, int]:
         """The same conversation as an OpenAI chat request (tool results become tool messages, tool uses
         assistant tool calls, thinking blocks are dropped), and how many of its messages reach through the
         last cache_control breakpoint (0 if none)."""
         messages = []
-        marked = int(any(t.cache_control for t in self.tools or []))   # tools are written before the messages
+        functions = anthropic_functions(self.tools or [])
+        hosted = functions.hosted + [f"mcp_servers[{i}]" for i in range(len(self.mcp_servers or []))]
+        if hosted:
+            log.info("hosted tools left out of the prompt (kvtier runs none): %s", ", ".join(hosted))
+        marked = int(any(t.get("cache_control") for t in self.tools or []))   # tools come before the messages
         if self.system:
             system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system)
             messages.append({"role": "system", "content": system})
@@ -121,7 +144,9 @@ class CountTokensRequest(RequestModel):
         for message in self.messages:
             blocks = message.blocks()
             texts = "\n".join(b.text for b in blocks if isinstance(b, TextBlock))
-            if message.role == "user":
+            if message.role == "system":
+                messages.append({"role": "system", "content": texts})
+            elif message.role == "user":
                 messages += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                              for b in blocks if isinstance(b, ToolResultBlock)]
                 if texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
@@ -135,17 +160,24 @@ class CountTokensRequest(RequestModel):
                                  **({"tool_calls": calls} if calls else {})})
             if any(b.cache_control for b in message.blocks() if not isinstance(b, ThinkingBlock)):
                 marked = len(messages)
-        tools = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
-                                                   **({"description": t.description} if t.description else {})}}
-                 for t in self.tools or []] or None
+        tools = [{"type": "function", "function": f} for f in functions.functions] or None
         switch = {} if self.thinking is None else \
             {"chat_template_kwargs": {"enable_thinking": self.thinking.type != "disabled"}}
         try:
             return ChatCompletionRequest(model=self.model, messages=messages, tools=tools, **self._tool_choice(),
-                                         **switch, **sampling), marked
+                                         **self._response_format(), **switch, **sampling), marked
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
             raise APIError(400, f"the conversation cannot be served: {problems}") from None
+
+    def _response_format(self) -> dict:
+        fmt = (self.output_config.format if self.output_config else None) or self.output_format
+        if fmt is None:
+            return {}
+        if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, "output_config.format must be {'type': 'json_schema', 'schema': {...}}",
+                           param="output_config")
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}}
 
     def _tool_choice(self) -> dict:
         choice = self.tool_choice

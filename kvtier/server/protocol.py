@@ -68,6 +68,7 @@ class RequestModel(BaseModel, extra="forbid"):
 
 class StreamOptions(RequestModel):
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None   # a hint: nothing is padded
 
 
 class ChatMessage(BaseModel, extra="allow"):   # extra keys (name, tool_calls, ...) reach the template
@@ -197,9 +198,10 @@ class JSONSchemaFormat(RequestModel, populate_by_name=True):
     strict: bool | None = None
 
 
-class ResponseFormat(RequestModel):
+class ResponseFormat(RequestModel, populate_by_name=True):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
+    schema_: dict | None = Field(None, alias="schema")    # llama.cpp's extension: the schema beside the type
 
 
 # what kvtier itself hands the chat template (or the call that renders it)
@@ -220,6 +222,15 @@ class ChatCompletionRequest(_GenerationRequest):
     response_format: ResponseFormat | None = None
     reasoning_effort: str | None = None       # "none" switches a reasoning model's thinking off, others on
     chat_template_kwargs: dict | None = None  # as in vLLM: more variables for the chat template
+    # hints and metadata, accepted and not used (see the README's table of request fields)
+    store: bool | None = None
+    metadata: dict | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None       # kvtier caches every prefix by content anyway
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    verbosity: str | None = None
+    modalities: list[Literal["text"]] | None = None
 
     def template_kwargs(self) -> dict:
         """The chat template's extra variables; reasoning_effort sets its thinking switch unless they do."""
@@ -263,6 +274,8 @@ class ChatCompletionRequest(_GenerationRequest):
         fmt = self.response_format
         if fmt is None or fmt.type == "text":
             return None
+        if fmt.schema_ is not None:
+            return fmt.schema_
         if fmt.type == "json_object":
             return {"type": "object"}
         if fmt.json_schema is None or fmt.json_schema.json_schema is None:
