@@ -103,6 +103,8 @@ def test_chat_defaults_max_tokens_to_remaining_context():
     req = ChatCompletionRequest(**chat_body())
     assert req.sampling_params(num_prompt_tokens=40, max_model_len=64).max_tokens == 24
     assert req.sampling_params(40, 64).temperature == 1.0
+    # more than the context has room for is capped to it (llama.cpp's behaviour; agents ask for 32K-64K)
+    assert ChatCompletionRequest(**chat_body(max_tokens=64000)).sampling_params(40, 64).max_tokens == 24
 
 
 def test_completion_default_max_tokens_is_16_capped_by_context():

@@ -21,6 +21,10 @@ from kvtier.server.tool_parsers import ToolCall
 
 log = logging.getLogger("kvtier.server")
 
+# Claude Code's first system block is billing metadata for Anthropic's servers, not words for the model, and
+# some versions change it in every request (a `cch=` hash): left out, so it never splits the cached prefix
+BILLING_HEADER = "x-anthropic-billing-header:"
+
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 499: "invalid_request_error",
                529: "overloaded_error"}
@@ -138,7 +142,8 @@ class CountTokensRequest(RequestModel):
             log.info("hosted tools left out of the prompt (kvtier runs none): %s", ", ".join(hosted))
         marked = int(any(t.get("cache_control") for t in self.tools or []))   # tools come before the messages
         if self.system:
-            system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system)
+            system = self.system if isinstance(self.system, str) else \
+                "\n".join(b.text for b in self.system if not b.text.startswith(BILLING_HEADER))
             messages.append({"role": "system", "content": system})
             marked = max(marked, int(not isinstance(self.system, str) and any(b.cache_control for b in self.system)))
         for message in self.messages:

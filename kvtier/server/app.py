@@ -63,6 +63,7 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/", routes.health, methods=["GET", "HEAD"])     # agents check that the server answers
     app.add_api_route("/metrics", routes.scrape, methods=["GET"])
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)

@@ -128,10 +128,14 @@ class _GenerationRequest(RequestModel):
         """Validated engine parameters; APIError(400) for anything out of range or unsupported.
         grammar: what the output must follow (a forced tool call, a JSON schema)."""
         self._check_supported()
+        room = max_model_len - num_prompt_tokens
         max_tokens = self._max_tokens()
+        # at least 1, so that a prompt filling the whole context gets the engine's clear rejection; more than the
+        # context has room for is capped to it, as llama.cpp does (agents ask for 32K-64K whatever the model)
         if max_tokens is None:
-            # at least 1, so that a prompt filling the whole context gets the engine's clear rejection
-            max_tokens = max(1, self._default_max_tokens(max_model_len - num_prompt_tokens))
+            max_tokens = max(1, self._default_max_tokens(room))
+        elif max_tokens > 1:
+            max_tokens = max(1, min(max_tokens, room))
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
