@@ -19,9 +19,16 @@ install: $(VENV)/.installed
 serve: $(VENV)/.installed
 	$(VENV)/bin/kvtier serve $(ARGS)
 
+# the coding agents the tests drive against a real server (pinned), and node 22, which Qwen Code needs
+AGENTS := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.169.0 opencode-ai@1.18.33 @qwen-code/qwen-code@0.24.4 node@22
+.agents/.installed: Makefile
+	@if command -v npm >/dev/null; then \
+		npm install --no-audit --no-fund --loglevel=error --prefix .agents $(AGENTS) && touch $@; \
+	else echo "npm is missing: the tests with real coding agents will be skipped"; fi
+
 # the tests also run the Triton kernels (on CPU in Triton's interpreter); CUDA builds of torch bring Triton.
 # KVTIER_DEVICE=cuda make test runs the whole suite on the GPU.
-test: $(VENV)/.installed
+test: $(VENV)/.installed .agents/.installed
 	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton
 	$(PY) -m pytest -q tests $(ARGS)
 
