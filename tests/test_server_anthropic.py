@@ -1,6 +1,8 @@
 """The Anthropic Messages API through the official anthropic client against `kvtier serve` (bundled model):
 text, streaming events, tool use (forced and streamed), a tool loop restored from the cache, count_tokens,
 and Anthropic-shaped errors."""
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -105,3 +107,48 @@ def test_errors_have_anthropics_shape(server, client, model):
     r = httpx.post(f"{server}/v1/messages", headers={"x-api-key": API_KEY},
                    json={"model": model, "max_tokens": 8, "messages": ASK, "not_a_field": 1})
     assert r.status_code == 400 and "not_a_field" in r.json()["error"]["message"]
+
+
+def claude_code_shaped(cch: str, **more) -> dict:
+    """What Claude Code sends: a billing-header system block that may change per request, cached system
+    blocks, a system message inside the conversation, adaptive thinking and its hints."""
+    system = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197; cch={cch};"},
+              {"type": "text", "text": "You are a coding agent. " * 40, "cache_control": {"type": "ephemeral"}}]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "List the files here.",
+                                              "cache_control": {"type": "ephemeral"}}]},
+                {"role": "system", "content": "Available agent types: none."}]
+    return {"system": system, "messages": messages, "max_tokens": 64000, "thinking": {"type": "adaptive"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "output_config": {"effort": "high"}, "metadata": {"user_id": "{}"}, **more}
+
+
+def test_claude_code_shaped_requests_share_their_prefix(server, model):
+    """Served, with max_tokens capped to the context's room; the billing header is left out of the prompt,
+    so a request with another cch= value reuses the whole prefix."""
+    tools = [WEATHER, {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]
+    headers = {"x-api-key": API_KEY, "anthropic-beta": "context-management-2025-06-27"}
+    usages = []
+    for cch in ("a1b2c", "f9e8d"):
+        body = claude_code_shaped(cch, model=model, tools=tools, temperature=0,
+                                  mcp_servers=[{"type": "url", "url": "http://127.0.0.1:9", "name": "x"}])
+        r = httpx.post(f"{server}/v1/messages", headers=headers, json={**body, "max_tokens": 4}, timeout=120)
+        assert r.status_code == 200, r.text
+        usages.append(r.json()["usage"])
+    assert usages[1]["input_tokens"] < 64 <= usages[1]["cache_read_input_tokens"]
+    r = httpx.post(f"{server}/v1/messages", headers=headers, json=claude_code_shaped("x", model=model), timeout=120)
+    assert r.status_code == 200 and r.json()["stop_reason"] in ("end_turn", "max_tokens")
+
+
+def test_output_config_format_is_a_json_schema(client, model):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    message = client.messages.create(model=model, max_tokens=48, messages=ASK, extra_body={
+        **GREEDY, "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert set(json.loads(message.content[0].text)) == {"city"}
+
+
+def test_an_image_is_a_400_naming_it(server, model):
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    r = httpx.post(f"{server}/v1/messages", headers={"x-api-key": API_KEY}, json={
+        "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": [image]}]})
+    assert r.status_code == 400 and "image" in r.json()["error"]["message"]

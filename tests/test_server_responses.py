@@ -58,3 +58,45 @@ def test_kept_responses_outlive_a_restart_and_damage_is_a_miss(tmp_path):
     assert again.get("../../etc/passwd") is None                   # ids never reach outside the directory
     (tmp_path / "resp_bad.json").write_text("{not json")
     assert again.get("resp_bad") is None
+
+
+PATCH = {"type": "custom", "name": "apply_patch", "description": "Apply a patch.",
+         "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}
+GROUP = {"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [
+    {"type": "function", "name": "spawn_agent", "parameters": {"type": "object", "properties": {}}}]}
+
+
+def test_codex_shaped_requests(agent_client, agent_model):
+    """What Codex CLI sends: a freeform tool (called, and answered as a custom tool call), a namespace of
+    functions, a hosted web search (left out), and its hints; then the call's output and a reasoning item."""
+    hints = dict(store=False, include=["reasoning.encrypted_content"], prompt_cache_key="thread-1",
+                 reasoning={"summary": "auto"}, text={"verbosity": "low"},
+                 client_metadata={"session_id": "thread-1"}, service_tier="auto", parallel_tool_calls=True)
+    tools = [WEATHER, PATCH, GROUP, {"type": "web_search", "external_web_access": True}]
+    first = agent_client.responses.create(model=agent_model, instructions=INSTRUCTIONS, input="Fix the bug.",
+                                          tools=tools, tool_choice={"type": "custom", "name": "apply_patch"},
+                                          max_output_tokens=48, temperature=0, extra_body=hints)
+    call, = first.output
+    assert call.type == "custom_tool_call" and call.name == "apply_patch" and isinstance(call.input, str)
+    history = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix the bug."}]},
+               {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "A patch."}],
+                "encrypted_content": "opaque"},
+               {"type": "custom_tool_call", "call_id": call.call_id, "name": "apply_patch", "input": call.input},
+               {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done!"},
+               {"type": "web_search_call", "id": "ws_1", "status": "completed"}]
+    second = agent_client.responses.create(model=agent_model, instructions=INSTRUCTIONS, input=history,
+                                           tools=tools, max_output_tokens=8, temperature=0, extra_body=hints)
+    assert second.status in ("completed", "incomplete")
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 64 * 64 - 64
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"tools": [{"type": "teleport"}]}, "tools[0]: tools of type 'teleport'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
+    ({"background": True}, "background"),
+])
+def test_what_kvtier_cannot_answer_is_a_400_naming_it(agent_client, agent_model, change, named):
+    with pytest.raises(openai.BadRequestError) as e:
+        agent_client.responses.create(**{"model": agent_model, "input": "hi", "max_output_tokens": 4, **change})
+    assert named in e.value.message
