@@ -80,13 +80,17 @@ def tiny_qwen3_dir(make_tiny_model, qwen3_tokenizer) -> str:
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2), tokenizer=qwen3_tokenizer)
 
 
+def tiny_llama(vocab_size: int, context: int = 2048) -> LlamaConfig:
+    """A tiny Llama's config (hidden 64, 2 layers, 4 heads, 2 KV heads, untied head)."""
+    return LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=128, vocab_size=vocab_size, max_position_embeddings=context,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(make_tiny_model, bundled_tokenizer) -> str:
-    """A tiny Llama (hidden 64, 2 layers, 4 heads, 2 KV heads, untied head) with fixed random weights."""
-    return make_tiny_model(LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=bundled_tokenizer.vocab_size, max_position_embeddings=2048, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2))
+    """A tiny Llama with fixed random weights."""
+    return make_tiny_model(tiny_llama(bundled_tokenizer.vocab_size))
 
 
 class GreedyRun:

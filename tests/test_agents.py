@@ -16,8 +16,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import ROOT, kvtier_server, scrape
-from transformers import LlamaConfig
+from conftest import ROOT, kvtier_server, scrape, tiny_llama
 
 AGENTS_BIN = os.path.join(ROOT, ".agents", "node_modules", ".bin")
 TURNS = ("Run the command.", "Run it again.", "Once more, please.")
@@ -44,10 +43,7 @@ def script() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def long_context_model(make_tiny_model, bundled_tokenizer) -> str:
-    return make_tiny_model(LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=bundled_tokenizer.vocab_size, max_position_embeddings=65536, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2))
+    return make_tiny_model(tiny_llama(bundled_tokenizer.vocab_size, context=65536))
 
 
 @pytest.fixture(scope="module")

@@ -213,7 +213,15 @@ TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "t
                                 "documents", "continue_final_message", "return_dict", "chat_template", "tokenizer"})
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class OpenAIHints(RequestModel):
+    """Hints both OpenAI APIs take: accepted and not used (see the README's table of request fields)."""
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None       # kvtier caches every prefix by content anyway
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest, OpenAIHints):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -229,10 +237,6 @@ class ChatCompletionRequest(_GenerationRequest):
     # hints and metadata, accepted and not used (see the README's table of request fields)
     store: bool | None = None
     metadata: dict | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None       # kvtier caches every prefix by content anyway
-    prompt_cache_retention: str | None = None
-    safety_identifier: str | None = None
     verbosity: str | None = None
     modalities: list[Literal["text"]] | None = None
 

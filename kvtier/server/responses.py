@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from kvtier.engine.outputs import RequestOutput
 from kvtier.kv.tiers.files import atomic_write, read_regular, regular_files, remove
-from kvtier.server.protocol import APIError, ChatCompletionRequest, KvtierOptions, RequestModel
+from kvtier.server.protocol import APIError, ChatCompletionRequest, KvtierOptions, OpenAIHints, RequestModel
 from kvtier.server.agent_tools import HOSTED_CALLS, FunctionSet, responses_functions
 from kvtier.server.reasoning import ReplyReader
 from kvtier.server.render import Renderer
@@ -76,7 +76,7 @@ class ReasoningOptions(RequestModel):
     generate_summary: str | None = None
 
 
-class ResponsesRequest(RequestModel):
+class ResponsesRequest(OpenAIHints):
     model: str
     input: str | list[InputItem]
     instructions: str | None = None
@@ -94,12 +94,8 @@ class ResponsesRequest(RequestModel):
     text: TextOptions | None = None
     reasoning: ReasoningOptions | None = None
     metadata: dict | None = None          # the caller's labels: echoed back, not used
-    # hints and metadata, accepted and not used (see the README's table of request fields)
+    # more hints and metadata, accepted and not used
     user: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None   # kvtier caches every prefix by content anyway
-    prompt_cache_retention: str | None = None
-    service_tier: str | None = None
     client_metadata: dict | None = None
     include: list[str] | None = None      # reasoning comes as text; nothing is encrypted
     truncation: Literal["disabled", "auto"] | None = None   # kvtier never drops input: too long is a 400
