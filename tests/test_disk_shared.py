@@ -13,6 +13,7 @@ import torch
 from kvtier.kv.keys import chain_keys
 from kvtier.kv.tiers.blockfile import file_size
 from kvtier.kv.tiers.disk import LOCK_NAME, DiskTier
+from kvtier.server.responses import ResponseStore
 
 SHAPE = (2, 2, 4, 2, 8)
 NS = b"namespace-shared"
@@ -100,10 +101,14 @@ def test_cache_command_shows_and_clears_under_a_live_tier(tmp_path):
     tier = DiskTier(str(tmp_path), 1 << 30, NS, SHAPE, torch.float32)
     for i in range(3):
         tier.put_run(*run_of(i))
+    ResponseStore(str(tmp_path / "responses")).put("resp_1", [{"role": "user", "content": "private words"}])
+    (tmp_path / "fingerprints.json").write_text("{}")
     info = kvtier_cache("--kv-disk-dir", str(tmp_path))
     assert f"namespace {NS.hex()[:16]} (float32, blocks of 2x2x4x2x8): 9 blocks in 3 files" in info
-    assert "deleted 3 files" in kvtier_cache("clear", "--kv-disk-dir", str(tmp_path))
+    assert "responses: 1 files" in info
+    assert "deleted 5 files" in kvtier_cache("clear", "--kv-disk-dir", str(tmp_path))
     assert on_disk(str(tmp_path)) == 0
+    assert not (tmp_path / "responses" / "resp_1.json").exists() and not (tmp_path / "fingerprints.json").exists()
     keys, payloads = run_of(0)
     assert tier.get_run(keys) is None and tier.stats["errors"] == 0    # cleared under it: a plain miss
     tier.put_run(keys, payloads)

@@ -1,6 +1,7 @@
 """Host RAM tier: saves in the background, restores after device eviction, warm equals cold."""
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -23,10 +24,13 @@ def make_engine(tiny_model_dir, **kw):
     return LLMEngine(Config(**{**args, **kw}))
 
 
-def settle(engine):
-    """Wait until background saves have landed and their blocks are unpinned."""
+def settle(engine, timeout: float = 30.0):
+    """Wait until background saves have landed and their blocks are unpinned (fails after timeout)."""
+    deadline = time.monotonic() + timeout
     while not engine.kv.idle():
-        pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"background transfers did not land within {timeout} s")
+        time.sleep(0.001)
     engine.step()
 
 
@@ -119,14 +123,18 @@ def test_cancel_during_load_frees_blocks_after_the_copy(tiny_model_dir):
     p = prompt(120, salt=13)
     run(eng, p)
     settle(eng)
+    gate, read = threading.Event(), eng.kv.mover._read
+    eng.kv.mover._read = lambda *args, **kw: gate.wait(30) and read(*args, **kw)    # the copy stays in flight
     eng.add_request("c", p, SamplingParams(max_tokens=4))
     eng.step()
     assert "c" in eng.kv.loading
     reserved = list(eng.kv.loading["c"].block_table)
     eng.abort_request("c")
-    assert all(eng.pool.ref_counts[b] > 0 for b in reserved)   # not freed while the copy may run
-    outs = []
-    while eng.has_unfinished():
+    outs = eng.step()                 # the abort is taken while the copy is still in flight
+    assert all(eng.pool.ref_counts[b] > 0 for b in reserved)   # so its blocks are not freed yet
+    gate.set()
+    deadline = time.monotonic() + 30
+    while eng.has_unfinished() and time.monotonic() < deadline:
         outs += eng.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("c", "abort")]
     settle(eng)

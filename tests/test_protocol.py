@@ -293,8 +293,12 @@ def test_errors_have_openai_shape(client):
     assert err["code"] == "model_not_found"
     error_of(client.post("/v1/chat/completions", json=chat_body(temperature=5)), 400)
     error_of(client.post("/v1/chat/completions", json=chat_body(n=0)), 400)
-    err = error_of(client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 60, "max_tokens": 10}), 400)
+    err = error_of(client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 64, "max_tokens": 10}), 400)
     assert "too long" in err["message"]
+    # a prompt that fits gets max_tokens capped to the context's room, and ends with "length"
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 60, "max_tokens": 10})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == 4
     error_of(client.post("/v1/completions", json={"model": MODEL, "prompt": [5000]}), 400)
     error_of(client.get("/v1/nope"), 404)
     error_of(client.get("/v1/chat/completions"), 405)

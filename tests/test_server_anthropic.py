@@ -110,10 +110,10 @@ def test_errors_have_anthropics_shape(server, client, model):
 
 
 def claude_code_shaped(cch: str, **more) -> dict:
-    """What Claude Code sends: a billing-header system block that may change per request, cached system
-    blocks, a system message inside the conversation, adaptive thinking and its hints."""
+    """What Claude Code sends: a billing-header system block that may change per request, a long cached
+    system prompt, a system message inside the conversation, max_tokens of 64000, adaptive thinking and hints."""
     system = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197; cch={cch};"},
-              {"type": "text", "text": "You are a coding agent. " * 40, "cache_control": {"type": "ephemeral"}}]
+              {"type": "text", "text": "You are a coding agent. " * 600, "cache_control": {"type": "ephemeral"}}]
     messages = [{"role": "user", "content": [{"type": "text", "text": "List the files here.",
                                               "cache_control": {"type": "ephemeral"}}]},
                 {"role": "system", "content": "Available agent types: none."}]
@@ -123,20 +123,21 @@ def claude_code_shaped(cch: str, **more) -> dict:
 
 
 def test_claude_code_shaped_requests_share_their_prefix(server, model):
-    """Served, with max_tokens capped to the context's room; the billing header is left out of the prompt,
-    so a request with another cch= value reuses the whole prefix."""
+    """Served, with max_tokens capped to what the 4096-token context has room for; the billing header is
+    left out of the prompt, so a request with another cch= value reuses the whole prefix."""
     tools = [WEATHER, {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]
     headers = {"x-api-key": API_KEY, "anthropic-beta": "context-management-2025-06-27"}
     usages = []
     for cch in ("a1b2c", "f9e8d"):
         body = claude_code_shaped(cch, model=model, tools=tools, temperature=0,
                                   mcp_servers=[{"type": "url", "url": "http://127.0.0.1:9", "name": "x"}])
-        r = httpx.post(f"{server}/v1/messages", headers=headers, json={**body, "max_tokens": 4}, timeout=120)
+        r = httpx.post(f"{server}/v1/messages", headers=headers, json=body, timeout=300)
         assert r.status_code == 200, r.text
-        usages.append(r.json()["usage"])
+        assert r.json()["stop_reason"] in ("end_turn", "max_tokens")
+        usage = r.json()["usage"]
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["output_tokens"] <= 4096
+        usages.append(usage)
     assert usages[1]["input_tokens"] < 64 <= usages[1]["cache_read_input_tokens"]
-    r = httpx.post(f"{server}/v1/messages", headers=headers, json=claude_code_shaped("x", model=model), timeout=120)
-    assert r.status_code == 200 and r.json()["stop_reason"] in ("end_turn", "max_tokens")
 
 
 def test_output_config_format_is_a_json_schema(client, model):

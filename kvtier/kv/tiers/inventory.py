@@ -14,8 +14,10 @@ from kvtier.kv.tiers.blockfile import BlockFileError, read_header
 from kvtier.kv.tiers.disk import LOCK_NAME, SUFFIX, regular_subdirs
 from kvtier.kv.tiers.files import TMP_SUFFIX, regular_files, remove
 
-# beside the block files: subdirectory → suffix (rates: what loading and computing cost, kv/rates.py)
-SIDE_STORES = {"manifests": ".kvm", "partials": ".kvp", "rates": ".json"}
+# beside the block files: subdirectory → suffix (rates: what loading and computing cost, kv/rates.py;
+# responses: the Responses API's kept conversations, whose text a clear must not leave behind)
+SIDE_STORES = {"manifests": ".kvm", "partials": ".kvp", "rates": ".json", "responses": ".json"}
+FINGERPRINTS = "fingerprints.json"      # the weights' digests by path, size and time (models/digest.py)
 
 
 def survey(directory: str) -> dict:
@@ -46,15 +48,19 @@ def survey(directory: str) -> dict:
 
 
 def clear(directory: str) -> dict:
-    """Delete every block file, manifest, partial-block entry and saved rate (and leftover temp files), holding
-    the writers' lock; what else is in the directory stays. Returns what was deleted."""
+    """Delete every block file, manifest, partial-block entry, saved rate, kept conversation and the weights'
+    fingerprints (and leftover temp files), holding the writers' lock; what else is in the directory stays.
+    Returns what was deleted."""
     removed = {"files": 0, "bytes": 0}
     with _writers_lock(directory):
         victims = list(_block_files(directory))
+        fingerprints = os.path.join(directory, FINGERPRINTS)
+        if os.path.isfile(fingerprints) and not os.path.islink(fingerprints):
+            victims.append((fingerprints, os.stat(fingerprints).st_size))
         for name, suffix in SIDE_STORES.items():
             victims += [(p, s) for p, s in _side_files(directory, name) if p.endswith((suffix, TMP_SUFFIX))]
         for path, size in victims:
-            if path.endswith((SUFFIX, TMP_SUFFIX, *SIDE_STORES.values())):
+            if path.endswith((SUFFIX, TMP_SUFFIX, *SIDE_STORES.values())):   # .json: rates, responses, fingerprints
                 remove(path)
                 removed["files"] += 1
                 removed["bytes"] += size
