@@ -100,6 +100,36 @@ def test_pure_tier_mode_never_reuses_device_blocks(tiny_model_dir):
     assert cached == 99 and eng.tiers.host.stats["hit_blocks"] == 7     # 6 blocks and the partial one
 
 
+def steps_until_finished(eng, request_id: str, timeout: float = 60.0) -> list:
+    outs, deadline = [], time.monotonic() + timeout
+    while not any(o.request_id == request_id and o.finished for o in outs):
+        assert time.monotonic() < deadline, f"{request_id} did not finish"
+        outs += eng.step()
+    return outs
+
+
+def test_a_prefix_still_being_saved_is_loaded_not_computed(tiny_model_dir):
+    """Pure host-tier mode, the next turn sent the moment the last one answered (an agent's tool loop): the
+    blocks the first request sealed are still being saved, and the next request waits for them to land
+    instead of computing them again."""
+    eng = make_engine(tiny_model_dir, prefix_cache=False)
+    p = prompt(150, salt=23)
+    host, gate = eng.tiers.host, threading.Event()
+    put_run = host.put_run
+    host.put_run = lambda *args: gate.wait(30) and put_run(*args)      # every save stays in flight
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    eng.add_request("first", p, params)
+    steps_until_finished(eng, "first")
+    assert len(host) == 0                                              # nothing has landed yet
+    eng.add_request("next", p + prompt(40, salt=5), params)
+    eng.step()
+    gate.set()
+    last = [o for o in steps_until_finished(eng, "next") if o.request_id == "next"][-1]
+    assert last.num_cached_tokens >= 150 // BS * BS
+    settle(eng)
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks
+
+
 def test_engine_keeps_stepping_while_a_prefix_loads(tiny_model_dir):
     eng = make_engine(tiny_model_dir, prefix_cache=False)
     p = prompt(120, salt=11)

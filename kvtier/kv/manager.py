@@ -48,7 +48,8 @@ class KVManager:
         self.loading: dict[str, KVState] = {}     # loads in flight, by request id
         self.partials = PartialBlocks(pool.namespace, partials_dir)
         self.rates = Rates(pool.block_bytes // pool.block_size, rates_file)
-        self.planner = LoadPlanner(pool, stack, self.rates, self.partials, pager, manifests)
+        saving_run = self.mover.saving_run if self.mover else (lambda keys: 0)
+        self.planner = LoadPlanner(pool, stack, self.rates, self.partials, pager, manifests, saving_run)
         self.num_saving = 0                       # block runs pinned for a copy that has not landed
         self.num_paging = 0                       # page-outs and page-ins in flight
         self.paging_out: dict[bytes, int] = {}    # key → device block whose copy to the host tier is in flight

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.kv.manifest import ManifestStore
@@ -41,8 +42,10 @@ class LoadPlan:
 
 class LoadPlanner:
     def __init__(self, pool: KVPool, stack: TierStack, rates: Rates, partials: PartialBlocks,
-                 pager: Pager | None = None, manifests: ManifestStore | None = None):
+                 pager: Pager | None = None, manifests: ManifestStore | None = None,
+                 saving_run: Callable[[list[bytes]], int] = lambda keys: 0):
         self.pool, self.stack, self.rates, self.partials = pool, stack, rates, partials
+        self.saving_run = saving_run     # how many keys in a row are being saved (the mover's): soon in a tier
         self.pager, self.manifests = pager, manifests
         self.block_size = pool.block_size
 
@@ -57,6 +60,8 @@ class LoadPlanner:
         bs, limit = self.block_size, self.shared_limit
         keys = exact[on_device:limit]
         tiers = [tier for tier, n in self.stack.lookup(keys).items() for _ in range(n)]     # each block's tier
+        # blocks still being saved after those: the first tier's once the save lands, which the load waits for
+        tiers += [self.stack.tiers[0].name] * self.saving_run(keys[len(tiers):])
         count, front = len(tiers), self.rates.blocks_to_compute(tiers, bs)
         if limit is not None and front:      # a bounded sequence's restore is all or nothing
             front = count

@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,7 @@ from kvtier.kv.tiers.disk import Staging
 from kvtier.kv.tiers.stack import TierStack
 
 STAGING_MAX_BYTES = 1 << 30
+SAVE_WAIT_S = 30          # the longest a load waits for the saves of its blocks
 
 log = logging.getLogger("kvtier.kv.mover")
 
@@ -94,6 +96,9 @@ class Mover:
         self._pages: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._landed = threading.Event()          # set whenever something is put on _done
+        # keys whose save is queued or running: the next request's lookup counts them, and its load waits
+        self._saving: Counter[bytes] = Counter()
+        self._saving_changed = threading.Condition()
         self._staging = Staging(STAGING_MAX_BYTES, pin_memory=cuda)
         self._threads = [threading.Thread(target=self._save_loop, name="kvtier-saver", daemon=True),
                          threading.Thread(target=self._load_loop, name="kvtier-loader", daemon=True),
@@ -105,7 +110,14 @@ class Mover:
 
     def save(self, keys: list[bytes], blocks: list[int]) -> None:
         """Copy these sealed, pinned blocks out; `poll` reports when they may be unpinned."""
+        with self._saving_changed:
+            self._saving.update(keys)
         self._saves.put(("blocks", keys, blocks, self._compute_event()))
+
+    def saving_run(self, keys: list[bytes]) -> int:
+        """How many of the keys, in a row from the first, are being saved: a tier holds them once it lands."""
+        with self._saving_changed:
+            return next((i for i, key in enumerate(keys) if not self._saving[key]), len(keys))
 
     def after_saves(self, write) -> None:
         """Call write() on the saver once the blocks queued before it are saved (a manifest, say)."""
@@ -212,7 +224,23 @@ class Mover:
             finally:
                 if leased:
                     self.stack.host.release(keys)
+                self._saved(keys)
                 self._saves.task_done()
+
+    def _saved(self, keys: list[bytes]) -> None:
+        with self._saving_changed:
+            self._saving.subtract(keys)
+            for key in keys:
+                if self._saving[key] <= 0:
+                    del self._saving[key]
+            self._saving_changed.notify_all()
+
+    def _wait_for_saves(self, keys: list[bytes]) -> None:
+        """Until none of the keys is being saved (a request that found its prefix still in flight)."""
+        with self._saving_changed:
+            if not self._saving_changed.wait_for(lambda: not any(self._saving[key] for key in keys),
+                                                 timeout=SAVE_WAIT_S):
+                log.warning("saves of %d blocks took over %d s; loading what has landed", len(keys), SAVE_WAIT_S)
 
     def _copy_out_run(self, keys: list[bytes], blocks: list[int], ready) -> tuple[list[torch.Tensor], bool]:
         """Device → host memory: into the host tier's slab if there is one (its slots leased to the caller),
@@ -306,6 +334,7 @@ class Mover:
         """Copy the job's resident blocks into the pool; False on a miss. Without a manifest, a bounded
         sequence's blocks are all read once, to summarize their keys. The reads it made are appended to
         `reads`, for the caller to promote (once the job has landed) and release."""
+        self._wait_for_saves(job.keys)
         resident = [True] * len(job.keys) if job.resident is None else job.resident
         if job.manifest_key is not None:
             job.manifest = self.manifests.get(job.manifest_key)
