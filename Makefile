@@ -21,9 +21,13 @@ serve: $(VENV)/.installed
 
 # the coding agents the tests drive against a real server (pinned), and node 22, which Qwen Code needs
 AGENTS := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.169.0 opencode-ai@1.18.33 @qwen-code/qwen-code@0.24.4 node@22
+# node trusts only its own CA list: give it the system's (where a proxy's CA lives) when none is set
+CA_BUNDLE := /etc/ssl/certs/ca-certificates.crt
 .agents/.installed: Makefile
 	@if command -v npm >/dev/null; then \
-		npm install --no-audit --no-fund --loglevel=error --prefix .agents $(AGENTS) && touch $@; \
+		if [ -z "$$NODE_EXTRA_CA_CERTS" ] && [ -f $(CA_BUNDLE) ]; then export NODE_EXTRA_CA_CERTS=$(CA_BUNDLE); fi; \
+		npm install --no-audit --no-fund --loglevel=error --fetch-retries=2 --fetch-timeout=60000 \
+			--prefix .agents $(AGENTS) && touch $@; \
 	else echo "npm is missing: the tests with real coding agents will be skipped"; fi
 
 # the tests also run the Triton kernels (on CPU in Triton's interpreter); CUDA builds of torch bring Triton.
