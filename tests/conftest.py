@@ -4,9 +4,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -20,11 +17,11 @@ if os.environ.get("KVTIER_DEVICE", "cpu").startswith("cuda"):
 else:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from kvtier.bench.server import ServerFailed, free_port, running_server  # noqa: F401 (free_port: for tests)
 from kvtier.models.loader import BUNDLED_MODEL
 from kvtier.models.tokenizer import Tokenizer
 
@@ -139,44 +136,15 @@ def max_logit_diff(a: GreedyRun, b: GreedyRun) -> float:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def kvtier_server(args: list[str], log_path, env: dict[str, str] | None = None, on_start=None):
     """A real `kvtier serve` subprocess on a free port (bundled model unless --model is given); yields its URL.
     env: more environment variables; on_start(proc) is called once it is healthy."""
-    port = free_port()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), *args],
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"kvtier serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"kvtier serve did not become healthy:\n{log_path.read_text()[-3000:]}")
-            try:   # healthy, and the ready line logged (it follows uvicorn's start by a moment)
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200 and \
-                        "kvtier is ready" in log_path.read_text():
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        if on_start is not None:
-            on_start(proc)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        with running_server(args, log_path, env, on_start) as url:
+            yield url
+    except ServerFailed as e:
+        pytest.fail(str(e))
 
 
 def scrape(http) -> dict[str, float]:
