@@ -377,3 +377,37 @@ def test_a_page_in_that_finds_its_block_in_no_tier_is_a_miss(tiny_model_dir, mon
         kv.poll()
     assert seq.kv.block_table[i] == NOT_RESIDENT and pool.ref_counts[block] == 0
     assert len(got + step_all(engine)["p"]) == 8        # it finished, not failed
+
+
+def test_failed_page_outs_and_page_ins_leave_every_count_true(tiny_model_dir, exact, monkeypatch, caplog):
+    """Four bounded sequences at once while every third pin or copy into the host tier and every third page-in
+    copy fail: a failed page-out pins nothing and its blocks stay on the device, a failed page-in frees its block;
+    every request finishes, and at the end no host pin, host promise or device block is left."""
+    engine = LLMEngine(Config(model=tiny_model_dir, kv_resident_tokens=BUDGET * BS, kv_reselect_every=4,
+                              kv_host_gib=(48 + 0.5) * exact.pool.block_bytes / 2**30, **BASE))
+    host, kv, pool = engine.tiers.host, engine.kv, engine.pool
+    calls = {"pin": 0, "put": 0, "blocks_in": 0}
+
+    def failing(name, real):
+        def call(*args, **kw):
+            calls[name] += 1
+            if calls[name] % 3 == 0:
+                raise RuntimeError(f"injected {name} failure")
+            return real(*args, **kw)
+        return call
+    monkeypatch.setattr(host, "pin", failing("pin", host.pin))
+    real_put = host.put
+    monkeypatch.setattr(host, "put", lambda key, payload, pin=False: (
+        failing("put", real_put)(key, payload, pin=True) if pin else real_put(key, payload)))
+    monkeypatch.setattr(pool, "blocks_in", failing("blocks_in", pool.blocks_in))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"q{i}", prompt(236, salt=20 + i), params)
+    with caplog.at_level("WARNING", logger="kvtier"):
+        tokens = step_all(engine)
+    assert sorted(tokens) == [f"q{i}" for i in range(4)] and all(len(t) == 24 for t in tokens.values())
+    assert calls["pin"] >= 3 and calls["blocks_in"] >= 3                 # failures were injected
+    assert "could not be paged out" in caplog.text and "could not be paged in" in caplog.text
+    assert "unpinning" not in caplog.text                                  # no unpin of what was never pinned
+    assert host.pinned_bytes == 0 and engine.pager.host_reserved == 0
+    assert pool.num_free_blocks == pool.num_blocks and not kv.paging_out

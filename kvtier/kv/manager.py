@@ -232,13 +232,13 @@ class KVManager:
             res.paging_in.pop(i, None)
         resident = [i for i in blocks if state.block_table[i] != NOT_RESIDENT]
         copied = [i for i in resident if i not in res.offloaded]
-        if copied:
-            job = PageOut([state.block_keys[i] for i in copied], [state.block_table[i] for i in copied])
+        if copied:      # they count as offloaded once their pins land (`_land_page_out`)
+            job = PageOut((state, res, copied), [state.block_keys[i] for i in copied],
+                          [state.block_table[i] for i in copied])
             self.pool.pin(job.blocks)
             self.paging_out.update(zip(job.keys, job.blocks))
             self.num_paging += 1
             self.mover.page_out(job)
-        res.offloaded.update(copied)
         self.pool.free([state.block_table[i] for i in resident])
         for i in resident:
             state.block_table[i] = NOT_RESIDENT
@@ -376,11 +376,7 @@ class KVManager:
             self.num_saving -= 1
         for job in events.paged_out:
             self.num_paging -= 1
-            self.pool.free(job.blocks)
-            for key in job.keys:
-                self.paging_out.pop(key, None)
-            if not job.ok:       # its host reservation failed: decode goes on without the blocks
-                log.error("the host tier had no room for %d paged-out blocks; they are lost to decode", len(job.keys))
+            self._land_page_out(job)
         for job in events.paged_in:
             self.num_paging -= 1
             self._land_page_in(job)
@@ -417,6 +413,30 @@ class KVManager:
         if (record := self.rates.pending()) is not None:     # written off this thread, now and then while serving
             self.mover.after_saves(lambda: self.rates.write(record))
         return aborted
+
+    def _land_page_out(self, job: PageOut) -> None:
+        """Pinned in the host tier, the blocks count as offloaded (their pins go with the sequence) and their
+        device blocks are freed. A failed page-out pinned nothing: its blocks go back into the table, as they
+        were before it (over the budget until the pager pages them out again)."""
+        state, res, indices = job.owner
+        live = state.residency is res
+        for key in job.keys:
+            self.paging_out.pop(key, None)
+        if job.ok and live:
+            res.offloaded.update(indices)
+        elif job.ok:        # the sequence ended while the pins were landing
+            self.mover.unpin(job.keys)
+        if job.ok or not live:
+            self.pool.free(job.blocks)
+            return
+        log.warning("%d blocks of %s could not be paged out; they stay on the device", len(job.keys),
+                    state.request_id)
+        for i, block in zip(indices, job.blocks):
+            if state.block_table[i] == NOT_RESIDENT and i not in res.paging_in:
+                state.block_table[i] = block           # the job's hold on it becomes the table's
+                self.pager.placed(state, i)
+            else:
+                self.pool.free([block])
 
     def _land_page_in(self, job: PageIn) -> None:
         """Paged-in blocks join the table, unless the sequence gave them up or was released meanwhile."""

@@ -62,6 +62,7 @@ class LoadJob:
 
 @dataclass
 class PageOut:
+    owner: object                       # whose blocks these are, for the engine when it lands
     keys: list[bytes]
     blocks: list[int]                   # device blocks, held by the engine until the copy lands
     ok: bool = False                    # every payload is pinned in the host tier
@@ -260,7 +261,7 @@ class Mover:
             if kind == "unpin":
                 try:
                     self.stack.host.release(job)
-                except Exception:    # e.g. a page-out that failed pinned less than its sequence counts
+                except Exception:    # a count gone wrong: logged, the worker goes on
                     log.exception("unpinning %d host blocks failed", len(job))
                 self._pages.task_done()
                 continue
@@ -276,14 +277,28 @@ class Mover:
 
     def _paged_out(self, job: PageOut) -> bool:
         """Pin the payloads in the host tier; those it does not hold (a save may have put them there) are
-        copied in one batch. False if it had no room."""
-        host = self.stack.host
-        missing = [(key, block) for key, block in zip(job.keys, job.blocks) if not host.pin(key)]
-        if not missing:
-            return True
-        with self._on_copy_stream(job.ready):
-            payloads = self.pool.blocks_out([block for _, block in missing])
-            return all([host.put(key, payload, pin=True) for (key, _), payload in zip(missing, payloads)])
+        copied in one batch. All or nothing: False (or an error) if it had no room, with nothing left pinned."""
+        host, pinned, missing = self.stack.host, [], []
+        try:
+            for key, block in zip(job.keys, job.blocks):
+                if host.pin(key):
+                    pinned.append(key)
+                else:
+                    missing.append((key, block))
+            if missing:
+                with self._on_copy_stream(job.ready):
+                    payloads = self.pool.blocks_out([block for _, block in missing])
+                    for (key, _), payload in zip(missing, payloads):
+                        if not host.put(key, payload, pin=True):
+                            break
+                        pinned.append(key)
+        except BaseException:
+            host.release(pinned)
+            raise
+        if len(pinned) < len(job.keys):
+            host.release(pinned)
+            return False
+        return True
 
     def _paged_in(self, job: PageIn) -> bool:
         """Copy the payloads into the reserved blocks in one batch: from the host tier, or for a block left below
