@@ -113,7 +113,7 @@ def claude_code_shaped(cch: str, **more) -> dict:
     """What Claude Code sends: a billing-header system block that may change per request, a long cached
     system prompt, a system message inside the conversation, max_tokens of 64000, adaptive thinking and hints."""
     system = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197; cch={cch};"},
-              {"type": "text", "text": "You are a coding agent. " * 600, "cache_control": {"type": "ephemeral"}}]
+              {"type": "text", "text": "You are a coding agent. " * 640, "cache_control": {"type": "ephemeral"}}]
     messages = [{"role": "user", "content": [{"type": "text", "text": "List the files here.",
                                               "cache_control": {"type": "ephemeral"}}]},
                 {"role": "system", "content": "Available agent types: none."}]
