@@ -171,7 +171,7 @@ def _generate(args) -> int:
         _fail(str(e))
     from kvtier.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine(config)
+    engine = AsyncEngine(config, warm=False)      # one answer: nothing to warm up for
     try:
         return asyncio.run(_print_answer(engine, args.prompt, params))
     finally:

@@ -30,6 +30,7 @@ def test_ttft_bench_measures_every_tier(tiny_model_dir, tmp_path, one_thread):
         assert abs(row["history"] - length) <= 64
         assert min(row["expected"]) >= length - 128
         assert all(row["hit"].values()), row["cached"]     # each warm run found the history, cold found nothing
+        assert set(row["best"]) == set(ttft.MODES)      # back to back too: its turn found the blocks still saving
         assert all(0 < s < 30 for s in row["best"].values())
     assert results["layout"]["blocks"] == max(rows[1900]["expected"]) // 64
     assert results["layout"]["write-through"] > 0 and results["layout"]["write-back"] > 0

@@ -288,3 +288,23 @@ def test_saved_rates_belong_to_the_device_they_were_measured_on(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert len(paths) == 2
+
+
+def test_warm_up_leaves_nothing_behind_and_changes_no_answer(tiny_model_dir, tmp_path):
+    """A restarted engine that warms up (as `kvtier serve` does before it is ready): no block is sealed, cached,
+    held or written to a tier, the disk staging buffer is faulted in for a whole-context restore, and the first
+    request restores and answers exactly as on an engine that did not warm up."""
+    from kvtier.engine.warmup import warm_up
+    eng = make_engine(tiny_model_dir, tmp_path)
+    p = prompt(150)
+    cold = run(eng, p)
+    eng = restart(eng, tiny_model_dir, tmp_path)
+    written = eng.tiers.disk.stats["bytes_written"]
+    assert warm_up(eng) > 0
+    pool = eng.pool
+    assert pool.num_free_blocks == pool.num_blocks and pool.num_cached_blocks == 0 and not eng.has_unfinished()
+    assert eng.tiers.disk.stats["bytes_written"] == written
+    assert eng.kv.mover._staging.buffer.numel() >= pool.blocks_for(eng.max_model_len) * pool.block_bytes
+    warm = run(eng, p)
+    assert warm.cached == 149 and warm.tokens == cold.tokens
+    assert max_logit_diff(cold, warm) < 1e-4

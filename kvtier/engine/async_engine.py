@@ -11,13 +11,17 @@ from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.outputs import RequestFailed, RequestOutput
 from kvtier.engine.sampling_params import SamplingParams
+from kvtier.engine.warmup import warm_up
 
 log = logging.getLogger("kvtier.engine")
 
 
 class AsyncEngine:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, warm: bool = True):
+        """warm: pay the process's one-time costs now (warmup.py), before the first request; a server does."""
         self.engine = LLMEngine(config)
+        if warm:
+            warm_up(self.engine)
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len

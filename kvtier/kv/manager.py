@@ -57,6 +57,14 @@ class KVManager:
         self.load_counts = [0] * (len(LOAD_BUCKETS) + 1)   # per bucket, the last one is +Inf
         self.load_seconds_sum = 0.0
 
+    def reserve_buffers(self, max_tokens: int) -> None:
+        """Fault in now the buffers a sequence of max_tokens may need (a restore from disk, a bounded prompt's
+        paged-out blocks), so that the first request that needs them does not pay for it."""
+        if self.mover:
+            self.mover.reserve_buffers(max_tokens)
+        if self.pager:
+            self._gather.reserve(self.pager.host_bytes_for(max_tokens))
+
     def new_state(self, request_id: str, token_ids: list[int], max_tokens: int, root_key: bytes | None,
                   pins: list[tuple[int, int]] | None = None) -> KVState:
         """Raises PinRefused for pins the pager cannot honour."""

@@ -97,6 +97,10 @@ class Staging:
             self.grow_seconds += time.perf_counter() - start
         return list(self.buffer[:total].split(sizes))
 
+    def reserve(self, size: int) -> None:
+        """Grow to size (at most max_bytes) now, at start-up, so that no request pays for the page faults."""
+        self.split([min(size, self.max_bytes)])
+
     def _grow(self, size: int) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)      # the old one goes first
         self.buffer = torch.zeros(size, dtype=torch.uint8, pin_memory=self.pin_memory)  # zeros: fault pages in now

@@ -109,6 +109,11 @@ class Mover:
 
     # --- the engine's side -----------------------------------------------------------------------
 
+    def reserve_buffers(self, max_tokens: int) -> None:
+        """Fault in now the staging buffer a restore of max_tokens reads from disk into."""
+        if self.stack.disk is not None:
+            self._staging.reserve(self.pool.blocks_for(max_tokens) * self.pool.block_bytes)
+
     def save(self, keys: list[bytes], blocks: list[int]) -> None:
         """Copy these sealed, pinned blocks out; `poll` reports when they may be unpinned."""
         with self._saving_changed:

@@ -1,0 +1,55 @@
+"""Warm-up before serving: a process's one-time costs (the CPU product choice, the first call of each kernel and
+product shape, buffers faulted in, the chat template compiled) paid before the server says it is ready, not by the
+first request."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.engine.sampler import sample
+from kvtier.engine.sampling_params import SamplingParams
+from kvtier.engine.scheduler import ScheduledBatch
+from kvtier.kv.state import KVState
+
+log = logging.getLogger("kvtier.engine")
+
+PROMPT_BLOCKS = 2      # a prompt chunk this long, then a chunk after it (as after a cached prefix), then a decode
+
+
+@dataclass
+class Throwaway:
+    """What the runner reads of a sequence, for forwards whose K/V no one keeps (its blocks are never sealed)."""
+    token_ids: list[int]
+    kv: KVState
+    num_computed_tokens: int = 0
+
+
+def warm_up(engine) -> float:
+    """Run each shape class of forward once on throwaway blocks: a prompt chunk, a chunk that attends to a prefix
+    in the pool, a decode step; sample once; render a chat; fault in the restore buffers. Returns the seconds it
+    took."""
+    start = time.perf_counter()
+    bs = engine.pool.block_size
+    first = max(1, min(PROMPT_BLOCKS * bs, engine.config.max_batched_tokens, engine.max_model_len - bs - 1))
+    chunks = [first, bs - 1, 1]
+    tokens = [i % engine.model_config.vocab_size for i in range(sum(chunks))]
+    blocks = engine.pool.allocate(engine.pool.blocks_for(len(tokens)))
+    seq = Throwaway(tokens, KVState("warm-up", tokens, len(tokens), block_table=blocks))
+    try:
+        with torch.inference_mode():
+            for n in chunks:
+                batch = ScheduledBatch()
+                batch.add(seq, n)
+                logits, _ = engine.runner.run(batch)
+                seq.num_computed_tokens += n
+            sample(logits.float(), [SamplingParams(temperature=0.7, top_p=0.9)], [None])
+    finally:
+        engine.pool.free(blocks)
+    engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hello."}])
+    engine.kv.reserve_buffers(engine.max_model_len)
+    seconds = time.perf_counter() - start
+    log.info("warmed up in %.2f s", seconds)
+    return seconds
