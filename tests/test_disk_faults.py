@@ -6,6 +6,7 @@ import contextlib
 import errno
 import os
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -85,21 +86,33 @@ def test_a_directory_unusable_at_startup_is_tried_again(tmp_path):
     assert tier.enabled and tier.match_prefix(runs[0]) == 4
 
 
-def dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
+def held_by_another_process(path) -> subprocess.Popen:
+    """A process that creates path and holds its lock, as a writer does while it writes; stop it to let go."""
+    proc = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys; f = open(sys.argv[1], 'wb'); f.write(b'half a file'); f.flush(); "
+        "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()"), str(path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "locked\n"
+    return proc
 
 
-def test_startup_removes_only_temp_files_of_dead_writers(tmp_path):
+def test_startup_removes_only_temp_files_no_writer_holds(tmp_path):
+    """Liveness is the writer's lock, not a process id: a temp file named after this very process (as one from a
+    crashed server in another PID namespace may be) but held by no one is a leftover; one held by a live writer
+    stays, whatever its name says."""
     keys = put_runs(make_tier(tmp_path), 1)[0]
     shard = next(p for p in tmp_path.iterdir() if p.is_dir())
-    live = shard / f"{keys[0].hex()}.kvb.{os.getpid()}.abc123.tmp"      # another server, writing right now
-    dead = shard / f"{keys[0].hex()}.kvb.{dead_pid()}.def456.tmp"       # a server killed mid-write
-    live.write_bytes(b"half a file")
-    dead.write_bytes(b"half a file")
-    tier = make_tier(tmp_path)
-    assert live.exists() and not dead.exists() and tier.match_prefix(keys) == 4
+    live = shard / f"{keys[0].hex()}.kvb.999999.abc123.tmp"           # another server, writing right now
+    dead = shard / f"{keys[0].hex()}.kvb.{os.getpid()}.def456.tmp"    # a server killed mid-write, its pid reused
+    writer = held_by_another_process(live)
+    try:
+        dead.write_bytes(b"half a file")
+        tier = make_tier(tmp_path)
+        assert live.exists() and not dead.exists() and tier.match_prefix(keys) == 4
+    finally:
+        writer.communicate("")
+    make_tier(tmp_path)          # its writer gone, the next start-up takes it for a leftover
+    assert not live.exists()
 
 
 def test_entries_that_are_not_regular_files_are_skipped_one_by_one(tmp_path, caplog):
@@ -138,7 +151,7 @@ def test_manifests_are_written_like_block_files_and_fifos_never_hang_startup(tmp
     assert oct(path.stat().st_mode & 0o777) == "0o600"
     assert [p.name for p in directory.iterdir()] == [path.name]     # no temp file left
     os.mkfifo(directory / ("e" * 32 + manifest_module.SUFFIX))
-    stale = directory / f"{path.name}.{dead_pid()}.x1y2z3.tmp"
+    stale = directory / f"{path.name}.x1y2z3.tmp"
     stale.write_bytes(b"cut short")
     done = threading.Event()
     result = {}

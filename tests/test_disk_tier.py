@@ -139,6 +139,29 @@ def test_budget_evicts_the_least_recently_used_file(tmp_path):
     assert tier.stats["evictions"] == 1
 
 
+def test_the_budget_covers_everything_kvtier_keeps_in_the_directory(tmp_path):
+    """Side stores (manifests, partial blocks, rates, kept conversations) and the fingerprints count against
+    --kv-disk-gib too: block files yield to them, at start-up and at each write."""
+    size = file_size(2, len(SHAPE), BLOCK_BYTES)
+    tier = make_tier(tmp_path, budget=4 * size)
+    runs = [keys_for(2, seed=s) for s in range(4)]
+    for keys in runs[:3]:
+        tier.put_run(keys, payloads_for(2))
+    assert tier.bytes_used == 3 * size
+    (tmp_path / "responses").mkdir()
+    (tmp_path / "responses" / "resp_1.json").write_bytes(b"x" * (size + 1))   # a kept conversation
+    (tmp_path / "fingerprints.json").write_bytes(b"{}")
+
+    def on_disk() -> int:
+        return sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock")
+    tier.put_run(runs[3], payloads_for(2))        # room for it and the conversation: the two oldest runs go
+    assert on_disk() <= tier.budget_bytes and tier.bytes_used == 2 * size
+    assert [tier.match_prefix(keys) for keys in runs] == [0, 0, 2, 2]
+    (tmp_path / "responses" / "resp_2.json").write_bytes(b"x" * size)         # another, written by a peer
+    tier = make_tier(tmp_path, budget=4 * size)   # a restart takes it into account
+    assert on_disk() <= tier.budget_bytes and [tier.match_prefix(keys) for keys in runs] == [0, 0, 0, 2]
+
+
 def test_restart_keeps_the_lru_order_by_mtime(tmp_path):
     size = file_size(2, len(SHAPE), BLOCK_BYTES)
     a, b = keys_for(2, seed=0), keys_for(2, seed=1)

@@ -25,6 +25,7 @@ from kvtier.kv.manifest import ManifestStore
 from kvtier.kv.pager import CAPTURE_ROWS, Pager, PinRefused
 from kvtier.kv.pool import KVPool, default_pool_tokens
 from kvtier.kv.rates import rates_path
+from kvtier.kv.tiers.disk import FINGERPRINTS
 from kvtier.kv.tiers.host import HostTier
 from kvtier.kv.tiers.stack import TierStack
 from kvtier.models.attention import triton_supports
@@ -41,7 +42,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
         # weight digests are remembered beside the disk cache, whose namespace they name
-        digests = os.path.join(os.path.expanduser(config.kv_disk_dir), "fingerprints.json") if config.kv_disk else None
+        digests = os.path.join(os.path.expanduser(config.kv_disk_dir), FINGERPRINTS) if config.kv_disk else None
         loaded = load_model(resolve_model_path(config.model), config.torch_dtype, digests)
         self.model_config = loaded.config
         self.model_name = loaded.name

@@ -124,7 +124,7 @@ class ManifestStore:
                 log.warning("manifests stay in memory only: %s", e)
                 self.directory, entries = None, []
             for entry in entries:
-                if entry.name.endswith(TMP_SUFFIX) and is_stale_temp(entry.name):
+                if entry.name.endswith(TMP_SUFFIX) and is_stale_temp(entry.path):
                     remove(entry.path)
             names = [e.name for e in entries if e.name.endswith(SUFFIX) and len(e.name) == 32 + len(SUFFIX)]
             damaged = []

@@ -78,7 +78,7 @@ class PartialBlocks:
             return
         mine = []
         for entry in entries:
-            if entry.name.endswith(TMP_SUFFIX) and is_stale_temp(entry.name):
+            if entry.name.endswith(TMP_SUFFIX) and is_stale_temp(entry.path):
                 remove(entry.path)
             elif entry.name.startswith(self.namespace.hex()[:16]) and entry.name.endswith(SUFFIX):
                 mine.append(entry)

@@ -10,7 +10,7 @@ start-up too. Room is made before a file is written; a full disk (ENOSPC, EDQUOT
 error makes more room and tries once more. A directory that cannot be used turns the tier
 off with one warning, and it tries again by itself after a back-off (doubling up to
 MAX_BACKOFF_S). Only regular files are read: links, FIFOs and other entries are skipped one
-by one. Temp files name their writer's pid; start-up removes only those of dead processes.
+by one. Temp files are locked by their writer; start-up removes only those no process holds.
 Files of another namespace, block shape, dtype or format version are left alone: not
 indexed, not counted against the budget, never evicted. Thread-safe; file I/O runs outside
 the lock.
@@ -58,6 +58,11 @@ log = logging.getLogger("kvtier.kv.disk")
 
 SUFFIX = ".kvb"
 LOCK_NAME = ".lock"
+# what else kvtier keeps under the directory, which the budget covers too: subdirectory → file suffix (manifests,
+# kv/manifest.py; partial blocks, kv/partials.py; what loading and computing cost, kv/rates.py; the Responses API's
+# kept conversations, server/responses.py), and the weights' digests (models/digest.py)
+SIDE_STORES = {"manifests": ".kvm", "partials": ".kvp", "rates": ".json", "responses": ".json"}
+FINGERPRINTS = "fingerprints.json"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EIO)   # worth making room and trying once more
 FIRST_BACKOFF_S = 5.0
 MAX_BACKOFF_S = 300.0
@@ -129,6 +134,7 @@ class DiskTier:
                                     "retries", "damaged_removed"), 0)
         self._lock = threading.Lock()
         self._lock_fd: int | None = None    # DIR/.lock, held by put_run while it evicts and writes
+        self._side: dict[str, tuple[int, int]] = {}     # side store → (its directory's mtime, bytes) when summed
         with self._lock:
             self._open()
 
@@ -174,13 +180,14 @@ class DiskTier:
         if not new:
             return
         size = file_size(len(new), len(self.block_shape), self.block_bytes)
-        if size > self.budget_bytes:   # could never fit
+        budget = self.budget_bytes - self._side_bytes()     # what the block files may use
+        if size > budget:   # could never fit
             return
         keys = [keys[i] for i in new]
         path = os.path.join(self.directory, keys[0].hex()[:2], keys[0].hex() + SUFFIX)
         for attempt in range(2):
             with self._lock:
-                self._evict(self.budget_bytes - size)    # room first: a budget near the free space must fit
+                self._evict(budget - size)    # room first: a budget near the free space must fit
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 header = write_block_file(path, self.namespace, self.block_shape, self.dtype, keys,
@@ -195,7 +202,7 @@ class DiskTier:
         with self._lock:
             self._add(BlockFile(path, size, header, written.st_ino, time.time_ns()))
             self.stats["bytes_written"] += size
-            self._evict(self.budget_bytes)
+            self._evict(budget)
 
     @contextlib.contextmanager
     def _directory_locked(self):
@@ -279,7 +286,25 @@ class DiskTier:
             self._disable_locked(f"cannot use {self.directory}: {e}")
             return
         self.loaded = True
-        self._evict(self.budget_bytes)
+        self._evict(self.budget_bytes - self._side_bytes())
+
+    def _side_bytes(self) -> int:
+        """Bytes of the side stores and the fingerprints. A side store's directory is summed again only when its
+        mtime moved: its files are written by rename and removed, each of which touches the directory."""
+        total = 0
+        for name in SIDE_STORES:
+            path = os.path.join(self.directory, name)
+            try:
+                mtime = os.stat(path, follow_symlinks=False).st_mtime_ns
+                if self._side.get(name, (None,))[0] != mtime:
+                    entries, _ = regular_files(path)
+                    self._side[name] = (mtime, sum(e.stat(follow_symlinks=False).st_size for e in entries))
+                total += self._side[name][1]
+            except OSError:      # none yet, or not a directory we can read
+                continue
+        with contextlib.suppress(OSError):
+            total += os.stat(os.path.join(self.directory, FINGERPRINTS), follow_symlinks=False).st_size
+        return total
 
     def _usable(self) -> bool:
         """(Under the lock.) Whether the tier serves now. A disabled tier tries again once its back-off ends."""
@@ -318,7 +343,7 @@ class DiskTier:
             skipped += [f"{shard.name}/{name}" for name in other]
             for entry in entries:
                 if entry.name.endswith(TMP_SUFFIX):
-                    if is_stale_temp(entry.name):     # a write cut short by a crash
+                    if is_stale_temp(entry.path):     # a write cut short by a crash
                         remove(entry.path)
                 elif entry.name.endswith(SUFFIX):
                     try:

@@ -1,8 +1,9 @@
-"""The file handling the disk tier and the manifest store share: atomic writes whose temp files name
-their writer, leftovers of writers that are gone, and directory scans that see regular files only."""
+"""The file handling the disk tier and the stores beside it share: atomic writes whose temp files their writer
+holds locked, leftovers of writers that are gone, and directory scans that see regular files only."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import stat
 import tempfile
@@ -12,35 +13,36 @@ IOV_MAX = 1024                     # buffers per writev call (the Linux limit)
 
 
 def atomic_write(path: str, buffers: list) -> None:
-    """Write buffers to path atomically: a temp file beside it (mode 0600, named after this process so that
-    another process never takes it for a leftover), fsync, rename."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f"{os.path.basename(path)}.{os.getpid()}.",
-                               suffix=TMP_SUFFIX)
+    """Write buffers to path atomically: a temp file beside it (mode 0600), locked (flock) by its writer until it
+    is renamed, so that no other process takes it for a leftover; fsync, rename."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f"{os.path.basename(path)}.", suffix=TMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
             _write_all(f.fileno(), buffers)
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
 
 
-def is_stale_temp(name: str) -> bool:
-    """A temp file whose writer is gone: a write cut short by a crash (name: BASE.PID.RANDOM.tmp)."""
-    parts = name.split(".")
+def is_stale_temp(path: str) -> bool:
+    """A temp file whose writer is gone (a write cut short by a crash): no process holds its lock. Decided by the
+    lock, not by a process id, which means nothing to another PID namespace sharing the directory (a container).
+    A writer locks its file just after creating it: taken in between, its write fails and the block is a miss."""
     try:
-        pid = int(parts[-3])
-    except (IndexError, ValueError):
-        return True       # not one of ours, or from before temp files named their writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return False          # gone already
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    except PermissionError:   # alive, another user's
+    except BlockingIOError:
         return False
-    return False
+    finally:
+        os.close(fd)
 
 
 def regular_files(directory: str) -> tuple[list[os.DirEntry], list[str]]:

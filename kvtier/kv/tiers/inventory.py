@@ -11,13 +11,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 from kvtier.kv.tiers.blockfile import BlockFileError, read_header
-from kvtier.kv.tiers.disk import LOCK_NAME, SUFFIX, regular_subdirs
+from kvtier.kv.tiers.disk import FINGERPRINTS, LOCK_NAME, SIDE_STORES, SUFFIX, regular_subdirs
 from kvtier.kv.tiers.files import TMP_SUFFIX, regular_files, remove
-
-# beside the block files: subdirectory → suffix (rates: what loading and computing cost, kv/rates.py;
-# responses: the Responses API's kept conversations, whose text a clear must not leave behind)
-SIDE_STORES = {"manifests": ".kvm", "partials": ".kvp", "rates": ".json", "responses": ".json"}
-FINGERPRINTS = "fingerprints.json"      # the weights' digests by path, size and time (models/digest.py)
 
 
 def survey(directory: str) -> dict:
