@@ -36,4 +36,21 @@ test: $(VENV)/.installed .agents/.installed
 	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton
 	$(PY) -m pytest -q tests $(ARGS)
 
-.PHONY: install serve test
+# On a GPU machine, with its own CUDA torch and no network: the suite on CUDA and the GPU benchmarks, into one
+# report (kvtier/bench/gpu_check.py), run from the checkout without installing it. `make gpu-wheels`, run here with
+# a network, fetches what a CUDA image usually lacks (../shared/GPU.md) as wheels for that machine's Python into
+# .wheels/ (about 20 MB), to carry there; the check installs them when the server's modules are missing.
+GPU_PYTHON ?= 3.12
+GPU_WHEELS := gguf fastapi starlette uvicorn h11 click pydantic pydantic-core annotated-types typing-inspection \
+	typing-extensions llguidance prometheus-client xxhash openai distro jiter anthropic docstring-parser httpx \
+	httpcore anyio sniffio certifi idna hypothesis sortedcontainers attrs
+gpu-check:
+	python3 -c "import fastapi, gguf, llguidance, openai, anthropic, uvicorn, hypothesis" 2>/dev/null || \
+		python3 -m pip install -q --no-index --no-deps .wheels/*.whl
+	python3 -m kvtier.bench.gpu_check $(ARGS)
+
+gpu-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
+		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .wheels $(GPU_WHEELS)
+
+.PHONY: install serve test gpu-check gpu-wheels
