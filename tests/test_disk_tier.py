@@ -162,6 +162,40 @@ def test_the_budget_covers_everything_kvtier_keeps_in_the_directory(tmp_path):
     assert on_disk() <= tier.budget_bytes and [tier.match_prefix(keys) for keys in runs] == [0, 0, 0, 2]
 
 
+def test_lookups_never_wait_on_an_eviction_s_unlink(tmp_path, monkeypatch):
+    """The engine thread's lookups take the tier's lock: an unlink stalled in the saver's eviction must not hold
+    it (a slow or remote file system would stall every step)."""
+    import threading
+
+    from kvtier.kv.tiers import disk
+    size = file_size(2, len(SHAPE), BLOCK_BYTES)
+    tier = make_tier(tmp_path, budget=2 * size)
+    a, b, c = (keys_for(2, seed=s) for s in range(3))
+    tier.put_run(a, payloads_for(2))
+    tier.put_run(b, payloads_for(2))
+    unlinking, release = threading.Event(), threading.Event()
+    real = disk.remove_unless_read
+
+    def stalled(path):
+        unlinking.set()
+        release.wait(30)
+        return real(path)
+    monkeypatch.setattr(disk, "remove_unless_read", stalled)
+    saver = threading.Thread(target=tier.put_run, args=(c, payloads_for(2)))
+    saver.start()
+    try:
+        assert unlinking.wait(10)
+        looked = []
+        lookup = threading.Thread(target=lambda: looked.append((tier.match_prefix(b), tier.contains(a[0]))))
+        lookup.start()
+        lookup.join(10)
+        assert looked == [(2, True)] and saver.is_alive()     # answered while the unlink is still stalled
+    finally:
+        release.set()
+        saver.join(10)
+    assert tier.match_prefix(c) == 2 and tier.match_prefix(a) == 0 and tier.bytes_used == 2 * size
+
+
 def test_restart_keeps_the_lru_order_by_mtime(tmp_path):
     size = file_size(2, len(SHAPE), BLOCK_BYTES)
     a, b = keys_for(2, seed=0), keys_for(2, seed=1)

@@ -137,6 +137,8 @@ class DiskTier:
         self._side: dict[str, tuple[int, int]] = {}     # side store → (its directory's mtime, bytes) when summed
         with self._lock:
             self._open()
+        if self.loaded:
+            self._evict(self.budget_bytes - self._side_bytes())
 
     @property
     def enabled(self) -> bool:
@@ -186,8 +188,7 @@ class DiskTier:
         keys = [keys[i] for i in new]
         path = os.path.join(self.directory, keys[0].hex()[:2], keys[0].hex() + SUFFIX)
         for attempt in range(2):
-            with self._lock:
-                self._evict(budget - size)    # room first: a budget near the free space must fit
+            self._evict(budget - size)    # room first: a budget near the free space must fit
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 header = write_block_file(path, self.namespace, self.block_shape, self.dtype, keys,
@@ -202,7 +203,7 @@ class DiskTier:
         with self._lock:
             self._add(BlockFile(path, size, header, written.st_ino, time.time_ns()))
             self.stats["bytes_written"] += size
-            self._evict(budget)
+        self._evict(budget)
 
     @contextlib.contextmanager
     def _directory_locked(self):
@@ -286,7 +287,6 @@ class DiskTier:
             self._disable_locked(f"cannot use {self.directory}: {e}")
             return
         self.loaded = True
-        self._evict(self.budget_bytes - self._side_bytes())
 
     def _side_bytes(self) -> int:
         """Bytes of the side stores and the fingerprints. A side store's directory is summed again only when its
@@ -401,23 +401,32 @@ class DiskTier:
         self.bytes_used -= file.size
 
     def _evict(self, limit: int) -> None:
-        """(Under the lock.) Delete least recently used files until at most `limit` bytes are used, skipping those
-        a peer is reading."""
-        for file in list(self.files.values()):
-            if self.bytes_used <= limit:
-                return
+        """Delete least recently used files until at most `limit` bytes are used, skipping those a peer is reading.
+        The lock is taken only to pick and to drop a file, never across an unlink: lookups do not wait on the disk.
+        A reader that finds a file gone meanwhile takes the miss."""
+        with self._lock:
+            oldest_first = list(self.files.values())
+        for file in oldest_first:
+            with self._lock:
+                if self.bytes_used <= limit:
+                    return
+                if self.files.get(file.path) is not file:     # dropped meanwhile
+                    continue
             if remove_unless_read(file.path):
-                self._drop(file)
-                self.stats["evictions"] += 1
+                with self._lock:
+                    if self.files.get(file.path) is file:
+                        self._drop(file)
+                        self.stats["evictions"] += 1
 
     def _make_room(self, size: int) -> bool:
         """After a full disk: evict at least `size` bytes more of our files; False if there were none."""
         with self._lock:
             if not self.files:
                 return False
-            self._evict(max(0, self.bytes_used - size))
+            limit = max(0, self.bytes_used - size)
             self.stats["retries"] += 1
-            return True
+        self._evict(limit)
+        return True
 
     def _discard(self, file: BlockFile, error: Exception) -> None:
         """Drop a file that failed to read (unless eviction already did), and delete it."""
