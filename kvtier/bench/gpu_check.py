@@ -1,0 +1,121 @@
+"""The GPU check: the whole test suite on CUDA, then the GPU benchmarks on random-weight models of real shapes
+(Llama-3.2-1B, Llama-3.1-8B), into one report file. Whoever next has a GPU at hand runs it first:
+
+    make gpu-check                                   # python3 -m kvtier.bench.gpu_check --report gpu-check.md
+
+Each step runs in its own process under a time limit (all of them within 10 minutes on one H100); one that
+fails or runs out of time is reported and the next one runs. The benchmarks write their sections into the
+report, as they do into docs/BENCHMARKS.md. --dry runs the same steps on CPU at toy sizes (the suite only
+collected, the benchmarks on a tiny shape), so that CI keeps the check working.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+from kvtier.bench.report import cpu_model, write_section
+
+SECTION = "## GPU check"
+
+
+@dataclasses.dataclass
+class Step:
+    name: str
+    argv: list[str]           # after `python -m`
+    timeout_s: int
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def steps(report: str, dry: bool) -> list[Step]:
+    """What the check runs, in order: on CUDA at the sizes that tell, or (dry) on CPU at toy sizes."""
+    out = ["--output", report]
+    if dry:
+        bench = ["--device", "cpu", "--shape", "tiny-llama3"]
+        return [Step("test suite (collected only)", ["pytest", "-q", "--collect-only", "tests"], 300),
+                Step("throughput, tiny shape", ["kvtier.bench.throughput", *bench, "--prefill-lengths", "128",
+                                                "--decode-batch", "1,4", "--decode-tokens", "8", "--repeats", "1",
+                                                *out], 300),
+                Step("multi-turn TTFT, tiny shape", ["kvtier.bench.ttft", *bench, "--lengths", "256",
+                                                     "--repeats", "1", "--probe-mib", "8", *out], 300),
+                Step("inter-token latency, tiny shape", ["kvtier.bench.itl", *bench, "--streams", "2",
+                                                         "--long-prompt", "512", *out], 300)]
+    cuda = ["--device", "cuda"]
+    # a test module whose client library is not on the GPU machine is reported, the rest runs
+    return [Step("test suite on CUDA", ["pytest", "-q", "--durations=10", "--continue-on-collection-errors", "tests"],
+                 330, {"KVTIER_DEVICE": "cuda"}),
+            Step("throughput, Llama-3.2-1B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.2-1b",
+                                                    "--prefill-lengths", "512,2048,8192", "--decode-batch", "1,8,64",
+                                                    *out], 60),
+            Step("throughput, Llama-3.1-8B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.1-8b",
+                                                    "--prefill-lengths", "2048,8192", "--decode-batch", "1,16",
+                                                    *out], 90),
+            Step("multi-turn TTFT, Llama-3.2-1B shape", ["kvtier.bench.ttft", *cuda, "--shape", "llama-3.2-1b",
+                                                         "--lengths", "1800,4096,16384", *out], 60),
+            Step("inter-token latency, Llama-3.2-1B shape", ["kvtier.bench.itl", *cuda, "--shape", "llama-3.2-1b",
+                                                             "--streams", "8", "--long-prompt", "16000", *out], 45)]
+
+
+def run_step(step: Step) -> dict:
+    """Run one step; its status (passed, failed or timed out), seconds and the tail of its output."""
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", *step.argv], env={**os.environ, **step.env},
+                              capture_output=True, text=True, timeout=step.timeout_s)
+        status, output = ("passed" if proc.returncode == 0 else f"failed ({proc.returncode})"), proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        status = f"timed out after {step.timeout_s} s"
+        output = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+                         for part in (e.stdout, e.stderr))
+    seconds = time.monotonic() - start
+    print(f"{step.name}: {status} in {seconds:.0f} s", flush=True)
+    return {"step": step, "status": status, "seconds": seconds, "tail": output[-4000:]}
+
+
+def device_line(dry: bool) -> str:
+    import torch
+    if dry or not torch.cuda.is_available():
+        return f"{cpu_model()} (dry run on CPU), torch {torch.__version__}"
+    props = torch.cuda.get_device_properties(0)
+    return (f"{props.name} ({props.total_memory / 2**30:.0f} GiB), {cpu_model()}, torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}")
+
+
+def render(results: list[dict], machine: str, command: str) -> str:
+    lines = [SECTION, "", f"Machine: {machine}.", "", f"Command: `{command}`", "",
+             "| step | command | status | seconds |", "| --- | --- | --- | ---: |"]
+    for r in results:
+        lines.append(f"| {r['step'].name} | `python -m {' '.join(r['step'].argv)}` | {r['status']} | "
+                     f"{r['seconds']:.0f} |")
+    for r in results:
+        if r["status"] != "passed":
+            lines += ["", f"### {r['step'].name}: the end of its output", "", "```", r["tail"].rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--report", default="gpu-check.md", help="the report file (default: %(default)s)")
+    p.add_argument("--dry", action="store_true", help="on CPU at toy sizes: checks that the check works")
+    args = p.parse_args(argv)
+    if not args.dry:
+        import torch
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --dry on a machine without one", file=sys.stderr)
+            return 2
+    report = os.path.abspath(args.report)
+    if os.path.exists(report):        # no section of an earlier run may pass for this one's
+        os.remove(report)
+    write_section(report, SECTION + "\n\nrunning\n")     # first in the file, the benchmarks' sections after it
+    results = [run_step(step) for step in steps(report, args.dry)]
+    command = "python3 -m kvtier.bench.gpu_check" + (" --dry" if args.dry else "")
+    write_section(report, render(results, device_line(args.dry), command))
+    print(f"wrote {report}")
+    return 0 if all(r["status"] == "passed" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""The GPU check (`make gpu-check`) cannot rot: its steps' arguments are what the benchmarks take, and its dry run
+on CPU runs every step and writes the one report."""
+from __future__ import annotations
+
+import importlib
+
+from kvtier.bench import gpu_check
+
+
+def test_every_benchmark_step_parses_its_arguments(tmp_path):
+    for dry in (False, True):
+        for step in gpu_check.steps(str(tmp_path / "report.md"), dry):
+            module, *argv = step.argv
+            if module == "pytest":
+                continue
+            args = importlib.import_module(module).parse_args(argv)
+            assert args.output == str(tmp_path / "report.md") and args.device == ("cpu" if dry else "cuda")
+
+
+def test_the_dry_run_writes_one_report_with_every_step(tmp_path):
+    report = tmp_path / "gpu-check.md"
+    report.write_text("## GPU check\n\nfrom an earlier run\n")
+    assert gpu_check.main(["--dry", "--report", str(report)]) == 0
+    text = report.read_text()
+    assert "from an earlier run" not in text
+    for step in gpu_check.steps(str(report), dry=True):
+        assert f"| {step.name} |" in text and "| passed |" in text
+    for section in ("## GPU check", "## Throughput", "## Multi-turn TTFT", "## Inter-token latency"):
+        assert text.count(section) == 1, section
+    assert text.index("## GPU check") < text.index("## Throughput")
