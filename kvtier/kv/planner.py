@@ -122,9 +122,8 @@ class LoadPlanner:
         need = min(count, pager.budget_blocks)
         if not self.pool.can_allocate(need):
             return None
-        on_host = sum(self.stack.host.contains(key) for key in keys)
-        return LoadPlan(keys, need, {"host": on_host * self.block_size, "disk": (count - on_host) * self.block_size},
-                        manifest_key=pager.manifest_key(exact[count - 1]))
+        tiers = {name: n * self.block_size for name, n in self.stack.holders(keys).items()}
+        return LoadPlan(keys, need, tiers, manifest_key=pager.manifest_key(exact[count - 1]))
 
     def _long_prefix(self, keys: list[bytes]) -> LoadPlan | None:
         """An exact prefix in the tiers longer than the budget: restored with the sink and tail blocks resident

@@ -28,6 +28,15 @@ class TierStack:
     def holds(self, key: bytes) -> bool:
         return any(tier.contains(key) for tier in self.tiers)
 
+    def holders(self, keys: list[bytes]) -> dict[str, int]:
+        """Per tier, how many of the keys it is the fastest to hold (keys that none holds are left out)."""
+        counts = dict.fromkeys((tier.name for tier in self.tiers), 0)
+        for key in keys:
+            tier = next((tier for tier in self.tiers if tier.contains(key)), None)
+            if tier is not None:
+                counts[tier.name] += 1
+        return counts
+
     def stats(self) -> dict[str, dict]:
         return {tier.name: {**tier.stats, "bytes_used": tier.bytes_used, "budget_bytes": tier.budget_bytes,
                             **tier.extra_stats()} for tier in self.tiers}
