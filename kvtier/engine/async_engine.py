@@ -8,6 +8,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from kvtier.config import Config
+from kvtier.devices import on_device
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.outputs import RequestFailed, RequestOutput
 from kvtier.engine.sampling_params import SamplingParams
@@ -29,7 +30,8 @@ class AsyncEngine:
         # ("add", id, prompt, params, pins, cache_salt) | ("abort", id) | None to stop
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
+        self._thread = threading.Thread(target=on_device(self.engine.device, self._run), name="kvtier-engine",
+                                        daemon=True)
         self._thread.start()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

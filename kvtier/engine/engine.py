@@ -9,6 +9,7 @@ import time
 import torch
 
 from kvtier.config import Config
+from kvtier.devices import bind_thread
 from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.graphs import DecodeGraphs
 from kvtier.engine.outputs import RequestOutput, RequestRejected
@@ -41,6 +42,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
+        bind_thread(self.device)      # the thread that builds the engine captures its graphs and warms it up
         # weight digests are remembered beside the disk cache, whose namespace they name
         digests = os.path.join(os.path.expanduser(config.kv_disk_dir), FINGERPRINTS) if config.kv_disk else None
         loaded = load_model(resolve_model_path(config.model), config.torch_dtype, digests)

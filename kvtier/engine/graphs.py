@@ -81,7 +81,7 @@ class DecodeGraphs:
         if not self.capture:
             return self._forward(b)[:n]
         self.graphs[b].replay()
-        return self.logits[b][:n]
+        return self.logits[b][:n].clone()      # the graphs share one memory pool: the next replay overwrites it
 
     def _forward(self, b: int) -> torch.Tensor:
         """One decode step of the first b rows of the buffers: logits [b, vocab]."""

@@ -33,6 +33,7 @@ import torch
 from kvtier.kv.manifest import Manifest, ManifestStore
 from kvtier.kv.pool import KVPool
 from kvtier.kv.scorer import SUMMARIES, BlockSummaries
+from kvtier.devices import on_device
 from kvtier.kv.tiers.disk import Staging
 from kvtier.kv.tiers.stack import TierStack
 
@@ -101,9 +102,10 @@ class Mover:
         self._saving: Counter[bytes] = Counter()
         self._saving_changed = threading.Condition()
         self._staging = Staging(STAGING_MAX_BYTES, pin_memory=cuda)
-        self._threads = [threading.Thread(target=self._save_loop, name="kvtier-saver", daemon=True),
-                         threading.Thread(target=self._load_loop, name="kvtier-loader", daemon=True),
-                         threading.Thread(target=self._page_loop, name="kvtier-pager", daemon=True)]
+        device = pool.kv_cache.device
+        self._threads = [threading.Thread(target=on_device(device, loop), name=name, daemon=True) for loop, name in
+                         ((self._save_loop, "kvtier-saver"), (self._load_loop, "kvtier-loader"),
+                          (self._page_loop, "kvtier-pager"))]
         for t in self._threads:
             t.start()
 
