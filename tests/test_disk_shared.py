@@ -101,7 +101,9 @@ def test_cache_command_shows_and_clears_under_a_live_tier(tmp_path):
     tier = DiskTier(str(tmp_path), 1 << 30, NS, SHAPE, torch.float32)
     for i in range(3):
         tier.put_run(*run_of(i))
-    ResponseStore(str(tmp_path / "responses")).put("resp_1", [{"role": "user", "content": "private words"}])
+    store = ResponseStore(str(tmp_path / "responses"))
+    store.put("resp_1", [{"role": "user", "content": "private words"}])
+    store.flush()
     (tmp_path / "fingerprints.json").write_text("{}")
     info = kvtier_cache("--kv-disk-dir", str(tmp_path))
     assert f"namespace {NS.hex()[:16]} (float32, blocks of 2x2x4x2x8): 9 blocks in 3 files" in info

@@ -51,7 +51,9 @@ def test_kept_responses_outlive_a_restart_and_damage_is_a_miss(tmp_path):
     """What a restarted server reads: the files the store wrote (the KV itself comes back from the disk tier,
     as tests/test_server_cache.py shows)."""
     conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
-    ResponseStore(str(tmp_path)).put("resp_abc", conversation)
+    store = ResponseStore(str(tmp_path))
+    store.put("resp_abc", conversation)
+    store.flush()
     assert oct((tmp_path / "resp_abc.json").stat().st_mode & 0o777) == "0o600"
     again = ResponseStore(str(tmp_path))
     assert again.get("resp_abc") == conversation and again.get("resp_other") is None

@@ -11,6 +11,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError
@@ -351,32 +352,44 @@ def _as_messages(items: list[dict]) -> list[dict]:
 class ResponseStore:
     """Recent responses' conversations (chat messages, instructions left out), by response id: the newest
     MAX_IN_MEMORY in memory, and with a directory the newest MAX_FILES as JSON files (mode 0600) that
-    outlive a restart. Thread-safe."""
+    outlive a restart, written by a worker thread of their own. Thread-safe."""
 
     def __init__(self, directory: str | None):
         self.directory = directory
         self._memory: OrderedDict[str, list[dict]] = OrderedDict()
         self._lock = threading.Lock()
+        self._writer: ThreadPoolExecutor | None = None
         if directory is not None:
             try:
                 os.makedirs(directory, exist_ok=True)
             except OSError as e:
                 log.warning("responses are kept in memory only: %s", e)
                 self.directory = None
+        if self.directory is not None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-responses")
 
     def put(self, response_id: str, messages: list[dict]) -> None:
+        """Keep a conversation: in memory at once, on disk from the writer thread (the caller is the server's
+        event loop, which a write and its fsync must not stall)."""
         with self._lock:
             self._memory[response_id] = messages
             self._memory.move_to_end(response_id)
             while len(self._memory) > MAX_IN_MEMORY:
                 self._memory.popitem(last=False)
-        if self.directory is None:
-            return
+        if self._writer is not None:
+            self._writer.submit(self._write, response_id, messages)
+
+    def flush(self) -> None:
+        """Wait until what was put so far is on disk."""
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result()
+
+    def _write(self, response_id: str, messages: list[dict]) -> None:
         try:
             atomic_write(self._path(response_id), [json.dumps(messages).encode()])
+            self._trim()
         except OSError as e:
             log.warning("could not keep response %s on disk: %s", response_id, e)
-        self._trim()
 
     def get(self, response_id: str) -> list[dict] | None:
         with self._lock:
