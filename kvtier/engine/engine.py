@@ -28,7 +28,7 @@ from kvtier.kv.pool import KVPool, default_pool_tokens
 from kvtier.kv.rates import rates_path
 from kvtier.kv.tiers.disk import FINGERPRINTS
 from kvtier.kv.tiers.host import HostTier
-from kvtier.kv.tiers.stack import TierStack
+from kvtier.kv.tiers.stack import TierStack, extra_tiers
 from kvtier.models.attention import triton_supports
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import load_model, resolve_model_path
@@ -334,4 +334,4 @@ def build_tier_stack(config: Config, pool: KVPool) -> TierStack:
         from kvtier.kv.tiers.disk import DiskTier
         tiers.append(DiskTier(os.path.expanduser(config.kv_disk_dir), int(config.kv_disk_gib * 2**30),
                               pool.namespace, pool.block_shape, pool.kv_cache.dtype))
-    return TierStack(tiers)
+    return TierStack(tiers + extra_tiers(config, pool))

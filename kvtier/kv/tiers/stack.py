@@ -2,7 +2,17 @@
 it). A prefix is looked up as consecutive runs, one per tier; every tier's metrics come from here."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvtier.kv.tiers.base import Tier
+
+# tiers below host and disk (a shared remote store, say), in this order: each a factory of (config, pool) that
+# returns the tier, or None where the config leaves it out. A new tier is a file with its class and one entry here.
+EXTRA_TIERS: list[Callable[[object, object], Tier | None]] = []
+
+
+def extra_tiers(config, pool) -> list[Tier]:
+    return [tier for factory in EXTRA_TIERS if (tier := factory(config, pool)) is not None]
 
 
 class TierStack:

@@ -1,0 +1,114 @@
+"""A tier kvtier does not know, defined here (an in-memory store with a delay and failures, standing in for a
+remote one), slots in below disk with one registration: saves reach it, a restarted engine restores from it,
+its hits, bytes and bandwidth show in the engine's stats and /metrics, and a failing one is a miss."""
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+from conftest import run_greedy as run
+
+from kvtier.config import Config
+from kvtier.engine.engine import LLMEngine
+from kvtier.kv.tiers import stack
+from kvtier.server.metrics import _EngineCollector
+
+BS = 16
+
+
+class MemoryTier:
+    """Block payloads by key in a dict that outlives the engines (as a remote store outlives a server)."""
+    name = "memory"
+
+    def __init__(self, store: dict, delay_s: float = 0.0, failing: bool = False):
+        self.store, self.delay_s, self.failing = store, delay_s, failing
+        self.budget_bytes = 1 << 30
+        self.stats = dict.fromkeys(("lookups", "hit_blocks", "bytes_read", "bytes_written", "evictions"), 0)
+
+    @property
+    def bytes_used(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.store.values())
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.store
+
+    def match_prefix(self, keys: list[bytes]) -> int:
+        self.stats["lookups"] += 1
+        n = 0
+        while n < len(keys) and keys[n] in self.store:
+            n += 1
+        return n
+
+    def read_run(self, keys: list[bytes], staging=None) -> list[torch.Tensor] | None:
+        time.sleep(self.delay_s)
+        if self.failing or not all(key in self.store for key in keys):
+            return None
+        payloads = [self.store[key] for key in keys]
+        self.stats["hit_blocks"] += len(keys)
+        self.stats["bytes_read"] += sum(p.numel() * p.element_size() for p in payloads)
+        return payloads
+
+    def release(self, keys: list[bytes]) -> None:
+        pass
+
+    def get_run(self, keys: list[bytes], staging=None) -> list[torch.Tensor] | None:
+        got = self.read_run(keys)
+        return None if got is None else [p.clone() for p in got]
+
+    def put_run(self, keys: list[bytes], payloads: list[torch.Tensor]) -> None:
+        time.sleep(self.delay_s)
+        for key, payload in zip(keys, payloads):
+            if key not in self.store:
+                self.store[key] = payload.clone()
+                self.stats["bytes_written"] += payload.numel() * payload.element_size()
+
+    def extra_stats(self) -> dict:
+        return {}
+
+
+def engine(model_dir, disk_dir, tier: MemoryTier, monkeypatch) -> LLMEngine:
+    monkeypatch.setattr(stack, "EXTRA_TIERS", [lambda config, pool: tier])     # the one registration
+    return LLMEngine(Config(model=model_dir, block_size=BS, kv_pool_tokens=64 * BS, max_batched_tokens=64,
+                            prefix_cache=False, kv_host_gib=0.01, kv_disk_dir=str(disk_dir)))
+
+
+def prompt(n: int) -> list[int]:
+    return [(7 * i) % 900 + 20 for i in range(n)]
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.05])
+def test_a_tier_defined_outside_kvtier_serves_a_restart(tiny_model_dir, tmp_path, monkeypatch, caplog, delay_s):
+    store, p = {}, prompt(200)
+    first = engine(tiny_model_dir, tmp_path / "a", MemoryTier(store, delay_s), monkeypatch)
+    cold = run(first, p)
+    first.shutdown()
+    blocks = 200 // BS + 1                    # every sealed block was saved to it, and the kept partial one
+    assert len(store) == blocks
+    tier = MemoryTier(store, delay_s)
+    second = engine(tiny_model_dir, tmp_path / "b", tier, monkeypatch)     # a new host tier, an empty disk
+    assert [t.name for t in second.tiers.tiers] == ["host", "disk", "memory"]
+    with caplog.at_level(logging.INFO, logger="kvtier.engine"):
+        warm = run(second, p)
+    # the whole blocks (the kept partial block's index lives beside the disk tier, which is new here)
+    assert warm.cached == 200 // BS * BS and warm.tokens == cold.tokens
+    assert tier.stats["hit_blocks"] == 200 // BS
+    assert f"{200 // BS * BS} from memory" in caplog.text                  # the per-request log line
+    samples = {(family.name, tuple(sample.labels.values())): sample.value
+               for family in _EngineCollector(second).collect() for sample in family.samples}
+    assert samples[("kvtier_kv_tier_hit_blocks", ("memory",))] == 200 // BS
+    assert samples[("kvtier_kv_tier_bytes_read", ("memory",))] > 0
+    assert samples[("kvtier_kv_tier_bandwidth_bytes_per_second", ("memory",))] > 0
+    second.shutdown()
+
+
+def test_a_failing_tier_is_a_miss(tiny_model_dir, tmp_path, monkeypatch):
+    store, p = {}, prompt(200)
+    first = engine(tiny_model_dir, tmp_path / "a", MemoryTier(store), monkeypatch)
+    cold = run(first, p)
+    first.shutdown()
+    second = engine(tiny_model_dir, tmp_path / "b", MemoryTier(store, failing=True), monkeypatch)
+    warm = run(second, p)
+    assert warm.cached == 0 and warm.tokens == cold.tokens
+    second.shutdown()
