@@ -1,9 +1,11 @@
 """A tier kvtier does not know, defined here (an in-memory store with a delay and failures, standing in for a
 remote one), slots in below disk with one registration: saves reach it, a restarted engine restores from it,
-its hits, bytes and bandwidth show in the engine's stats and /metrics, and a failing one is a miss."""
+its hits, bytes and bandwidth show in the engine's stats and /metrics, a failing one is a miss, and a stalled one
+stalls no engine step."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -12,6 +14,7 @@ from conftest import run_greedy as run
 
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
+from kvtier.engine.sampling_params import SamplingParams
 from kvtier.kv.tiers import stack
 from kvtier.server.metrics import _EngineCollector
 
@@ -112,3 +115,49 @@ def test_a_failing_tier_is_a_miss(tiny_model_dir, tmp_path, monkeypatch):
     warm = run(second, p)
     assert warm.cached == 0 and warm.tokens == cold.tokens
     second.shutdown()
+
+
+class StalledTier(MemoryTier):
+    """Reads and writes wait until the gate opens (at most 30 s: a test that fails does not hang)."""
+
+    def __init__(self, store: dict):
+        super().__init__(store)
+        self.gate = threading.Event()
+        self.stalled = 0         # calls waiting at the gate now
+
+    def _wait(self) -> None:
+        self.stalled += 1
+        self.gate.wait(30)
+        self.stalled -= 1
+
+    def read_run(self, keys, staging=None):
+        self._wait()
+        return super().read_run(keys, staging)
+
+    def put_run(self, keys, payloads):
+        self._wait()
+        super().put_run(keys, payloads)
+
+
+def test_a_stalled_tier_stalls_no_engine_step(tiny_model_dir, tmp_path, monkeypatch):
+    """While the tier's reads and writes hang, the engine thread goes on: a decoding request finishes while a save
+    to the tier and a restore from it are both still waiting; once the tier answers, the restore lands."""
+    store = {}
+    history = prompt(200)
+    first = engine(tiny_model_dir, tmp_path / "a", MemoryTier(store), monkeypatch)
+    run(first, history)
+    first.shutdown()
+    tier = StalledTier(store)
+    eng = engine(tiny_model_dir, tmp_path / "b", tier, monkeypatch)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    eng.add_request("decoding", prompt(40)[::-1], params)
+    eng.add_request("restoring", history + [5, 6, 7], params)
+    done, start = {}, time.monotonic()
+    while "decoding" not in done and time.monotonic() - start < 60:
+        done.update((out.request_id, out) for out in eng.step() if out.finished)
+    assert "decoding" in done and tier.stalled >= 2 and "restoring" not in done   # a save and a restore wait
+    tier.gate.set()
+    while eng.has_unfinished():
+        done.update((out.request_id, out) for out in eng.step() if out.finished)
+    assert done["restoring"].num_cached_tokens == 200 // BS * BS
+    eng.shutdown()
