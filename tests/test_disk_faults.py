@@ -82,7 +82,8 @@ def test_a_directory_unusable_at_startup_is_tried_again(tmp_path):
     assert not tier.enabled
     blocker.unlink()
     tier.disabled_until -= disk_module.FIRST_BACKOFF_S
-    runs = put_runs(tier, 1)
+    assert tier.match_prefix(keys_for(1)) == 0 and not tier.enabled    # a lookup never scans the directory
+    runs = put_runs(tier, 1)                                            # the next write does
     assert tier.enabled and tier.match_prefix(runs[0]) == 4
 
 

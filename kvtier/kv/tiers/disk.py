@@ -169,7 +169,7 @@ class DiskTier:
             raise ValueError(f"put_run got {len(keys)} keys, {len(payloads)} payloads, "
                              f"{len(token_counts)} token counts")
         with self._lock:
-            usable = self._usable()
+            usable = self._usable(reopen=True)
         if usable:
             with self._directory_locked():
                 self._put_run(keys, payloads, token_counts)
@@ -306,11 +306,13 @@ class DiskTier:
             total += os.stat(os.path.join(self.directory, FINGERPRINTS), follow_symlinks=False).st_size
         return total
 
-    def _usable(self) -> bool:
-        """(Under the lock.) Whether the tier serves now. A disabled tier tries again once its back-off ends."""
+    def _usable(self, reopen: bool = False) -> bool:
+        """(Under the lock.) Whether the tier serves now. A disabled tier tries again once its back-off ends; one
+        whose index must be built again first does so at the next write (reopen: the saver's thread), since that
+        scans the directory: never on a lookup."""
         if self.disabled_until is None:
             return True
-        if time.monotonic() < self.disabled_until:
+        if time.monotonic() < self.disabled_until or not (reopen or self.loaded):
             return False
         self.disabled_until = None
         if not self.loaded:
