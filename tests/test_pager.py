@@ -322,6 +322,31 @@ def test_a_long_exact_prefix_restores_with_only_sink_and_tail_resident(tiny_mode
     assert bounded.stats()["residency"]["max_resident_blocks"] == BUDGET
 
 
+def test_a_restore_that_cannot_pin_its_off_device_blocks_is_a_miss(tiny_model_dir, tmp_path, monkeypatch):
+    """The engine thread reads paged-out blocks from host memory only: a restore whose blocks left off the device
+    cannot all be pinned there pins none and is computed instead, with the same first token."""
+    p = prompt(390, salt=18)
+    exact = LLMEngine(Config(model=tiny_model_dir, **{**BASE, "kv_disk": True}, kv_disk_dir=str(tmp_path)))
+    cold = run(exact, p, max_tokens=2)
+    exact.shutdown()
+    bounded = manifest_engine(tiny_model_dir, tmp_path)
+    host, jobs, load = bounded.tiers.host, [], bounded.kv.mover.load
+    put, pins = host.put, {"refused": 0}
+
+    def no_room_for_a_fifth(key, payload, pin=False):
+        if pin and pins["refused"] == 0 and host.pinned_bytes >= 4 * host.block_bytes:
+            pins["refused"] += 1
+            return False
+        return put(key, payload, pin)
+    monkeypatch.setattr(host, "put", no_room_for_a_fifth)
+    bounded.kv.mover.load = lambda job: (jobs.append(job), load(job))
+    engine_reads = reads_below_on_this_thread(bounded)
+    warm = run(bounded, p, max_tokens=2)
+    assert pins["refused"] == 1 and not jobs[0].ok and jobs[0].pinned == []
+    assert warm.tokens[0] == cold.tokens[0] and engine_reads == []
+    assert host.pinned_bytes == 0 and bounded.pager.host_reserved == 0
+
+
 def test_concurrent_bounded_requests_keep_the_host_budget(tiny_model_dir, exact):
     """Six bounded requests at once, each able to pin 11 blocks in the host tier (all but the sink and the
     tail), with room for 24: the pinned blocks never pass the budget (later requests wait), and each answers

@@ -282,9 +282,8 @@ class KVManager:
     def _gathered(self, state: KVState, blocks: list[int], buffer: torch.Tensor | None) -> torch.Tensor:
         """The blocks' payloads side by side in `buffer` (a fresh tensor if None): from the device while a
         block's copy to the host tier is in flight (a step's page-outs run beside it), else from the host tier's
-        slot. A restore pins the blocks it leaves off the device there (the loader reads them from below); one
-        it found no room for is read from a lower tier here, on the engine thread, and pinned if there is room
-        now."""
+        slot, where each is pinned (a restore pins all it leaves off the device, or is a miss): no tier below the
+        host is read on this thread."""
         keys, host = [state.block_keys[i] for i in blocks], self.stack.host
         flying = [key for key in keys if key in self.paging_out]
         parts = dict(zip(flying, self.pool.blocks_out([self.paging_out[key] for key in flying])))
@@ -294,16 +293,10 @@ class KVManager:
                 if key in parts:
                     continue
                 view = host.lease([key])
-                if view is not None:
-                    leased.append(key)
-                    parts[key] = view[0]
-                    continue
-                payload, pinned = self.mover.from_below(key)
-                if payload is None:
-                    raise RuntimeError(f"block {i} of {state.request_id} is in no tier any more")
-                if pinned:
-                    state.residency.offloaded.add(i)
-                parts[key] = payload
+                if view is None:
+                    raise RuntimeError(f"block {i} of {state.request_id} is not in the host tier")
+                leased.append(key)
+                parts[key] = view[0]
             two, layers, block, heads, dim = self.pool.block_shape
             shape, dtype = (two, layers, block * len(keys), heads, dim), self.pool.kv_cache.dtype
             out = torch.empty(shape, dtype=dtype) if buffer is None else buffer.view(dtype).view(shape)

@@ -383,13 +383,17 @@ class Mover:
         if job.resident is not None:
             job.manifest = self._summarized(job.keys, job.resident, payloads)
         if job.manifest is not None:
-            job.pinned = self._pin_offloaded(job.keys, job.manifest.resident, payloads)
+            pinned = self._pin_offloaded(job.keys, job.manifest.resident, payloads)
+            if pinned is None:
+                return False
+            job.pinned = pinned
         return True
 
-    def _pin_offloaded(self, keys: list[bytes], resident: list[bool], payloads: dict) -> list[int]:
+    def _pin_offloaded(self, keys: list[bytes], resident: list[bool], payloads: dict) -> list[int] | None:
         """Pin a restored bounded sequence's blocks left off the device in the host tier, reading those it lacks
-        from below: its next prompt chunk attends to them all, and the engine reads them from host memory (pager.py).
-        Returns their indices; one without room in the host tier is fetched from below when a chunk needs it."""
+        from below: its next prompt chunk attends to them all, and the engine thread reads them from host memory
+        only (pager.py). Returns their indices; all or none: None, with nothing pinned, if one found no room or is
+        in no tier (the restore is then a miss)."""
         host, pinned, below = self.stack.host, [], []
         for i, key in enumerate(keys):
             if resident[i]:
@@ -401,14 +405,16 @@ class Mover:
                 pinned.append(i)
             else:
                 below.append(i)
-        reads = self._read([keys[i] for i in below], fresh=True) if below else None   # the staging buffer
-        if reads is not None:                                     # holds `payloads` until they are promoted
-            try:
-                got = {key: payload for _, run, _ in reads for key, payload in run.items()}
-                pinned += [i for i in below if host.put(keys[i], got[keys[i]], pin=True)]
-            finally:
-                for tier, run, _ in reads:
-                    tier.release(list(run))
+        reads = self._read([keys[i] for i in below], fresh=True) if below else []   # the staging buffer holds
+        try:                                                                          # `payloads` until promoted
+            got = {key: payload for _, run, _ in reads or [] for key, payload in run.items()}
+            pinned += [i for i in below if keys[i] in got and host.put(keys[i], got[keys[i]], pin=True)]
+        finally:
+            for tier, run, _ in reads or []:
+                tier.release(list(run))
+        if len(pinned) < resident.count(False):
+            host.release([keys[i] for i in pinned])
+            return None
         return sorted(pinned)
 
     def _read(self, keys: list[bytes], fresh: bool = False) -> list[tuple[object, dict, float]] | None:
