@@ -53,6 +53,19 @@ def test_a_run_saved_and_restored_through_the_mover_is_byte_exact(device, staged
     mover.shutdown()
 
 
+def test_staged_payloads_leave_the_device_contiguous(monkeypatch):
+    """CUDA's staged copy-out, here on CPU: each block's payload is one contiguous piece (one DMA to host memory),
+    equal to the block's strided slots."""
+    pool = KVPool(3, 2, 8, BS, 16 * BS, torch.float32, torch.device("cpu"))
+    pool.staged_copies = True
+    monkeypatch.setattr("kvtier.kv.pool.STAGE_BYTES", 2 * pool.block_bytes)
+    pool.kv_cache.normal_()
+    blocks = [4, 1, 9]
+    payloads = list(pool.blocks_out(blocks))
+    assert all(p.is_contiguous() for p in payloads)
+    assert all(torch.equal(p, pool.block_view(b)) for p, b in zip(payloads, blocks))
+
+
 def stall(engine: LLMEngine, seconds: float) -> None:
     """Slow every read of the host tier down: a stalled tier."""
     host = engine.tiers.host

@@ -149,15 +149,15 @@ class KVPool:
 
     def blocks_out(self, blocks: list[int]) -> Iterator[torch.Tensor]:
         """The blocks' payloads, in order, to copy to a tier. A block's slots are 2 x num_layers strided pieces
-        of the cache: on CUDA a gather puts them in a contiguous buffer (STAGE_BYTES at a time), so each copy
-        to host memory is one DMA at full rate, where a strided one goes through a temporary and a kernel. On
-        CPU, views of the blocks themselves: a gather would be one more copy."""
+        of the cache: on CUDA one gather (STAGE_BYTES at a time) lays the blocks out one after another, each
+        contiguous, so each copy to host memory is one DMA at full rate, where a strided one goes through a
+        temporary and a kernel. On CPU, views of the blocks themselves: a gather would be one more copy."""
         if not self.staged_copies:
             yield from (self.block_view(b) for b in blocks)
             return
         for part in self._stage_parts(len(blocks)):
             index = torch.tensor(blocks[part], dtype=torch.long).to(self.kv_cache.device, non_blocking=True)
-            yield from self._blocked().index_select(2, index).movedim(2, 0)
+            yield from self._blocked().movedim(2, 0)[index]      # one gather, each block contiguous
 
     def blocks_in(self, blocks: list[int], payloads: list[torch.Tensor]) -> None:
         """Copy payloads (host memory, contiguous) into the blocks, without waiting on CUDA. There they land by
