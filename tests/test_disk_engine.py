@@ -14,7 +14,7 @@ from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.kv.rates import rates_path
-from kvtier.kv.tiers.disk import Staging
+from kvtier.kv.tiers.staging import Staging
 
 BS = 16
 

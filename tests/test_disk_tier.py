@@ -12,7 +12,8 @@ import torch
 from kvtier.kv.keys import chain_keys
 from kvtier.kv.tiers import blockfile
 from kvtier.kv.tiers.blockfile import file_size, read_header
-from kvtier.kv.tiers.disk import DiskTier, Staging
+from kvtier.kv.tiers.disk import DiskTier
+from kvtier.kv.tiers.staging import Staging
 
 SHAPE = (2, 2, 4, 2, 8)      # kv, layers, block_size, kv heads, head dim
 NS = b"namespace-0123ab"

@@ -229,7 +229,8 @@ def restore_by_layout(directory: str, block_shape: tuple[int, ...], dtype: torch
     as runs of run_blocks per file, as write-through does, and one file per block, as write-back on
     host eviction would (the host tier evicts one block at a time)."""
     from kvtier.kv.keys import chain_keys
-    from kvtier.kv.tiers.disk import DiskTier, Staging
+    from kvtier.kv.tiers.disk import DiskTier
+    from kvtier.kv.tiers.staging import Staging
     keys = chain_keys(list(range(num_blocks * block_shape[2])), block_shape[2], b"layout-probe-ns!")
     payload = torch.randn(block_shape).to(dtype)
     best = {}

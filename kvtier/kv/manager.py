@@ -28,7 +28,7 @@ from kvtier.kv.planner import LoadPlan, LoadPlanner
 from kvtier.kv.pool import KVPool
 from kvtier.kv.rates import Rates
 from kvtier.kv.state import NOT_RESIDENT, KVState
-from kvtier.kv.tiers.disk import Staging
+from kvtier.kv.tiers.staging import Staging
 from kvtier.kv.tiers.mover import STAGING_MAX_BYTES, LoadJob, Mover, PageIn, PageOut
 from kvtier.kv.tiers.stack import TierStack
 

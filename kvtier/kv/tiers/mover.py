@@ -34,7 +34,7 @@ from kvtier.kv.manifest import Manifest, ManifestStore
 from kvtier.kv.pool import KVPool
 from kvtier.kv.scorer import SUMMARIES, BlockSummaries
 from kvtier.devices import on_device
-from kvtier.kv.tiers.disk import Staging
+from kvtier.kv.tiers.staging import Staging
 from kvtier.kv.tiers.stack import TierStack
 
 STAGING_MAX_BYTES = 1 << 30
