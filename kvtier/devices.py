@@ -8,8 +8,9 @@ import torch
 
 
 def bind_thread(device: torch.device) -> None:
-    """Make device the calling thread's current CUDA device (nothing on CPU)."""
-    if device.type == "cuda":
+    """Make device the calling thread's current CUDA device (nothing on CPU, nor for a plain "cuda", which means
+    the current device)."""
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
 
 

@@ -161,3 +161,24 @@ def test_a_stalled_tier_stalls_no_engine_step(tiny_model_dir, tmp_path, monkeypa
         done.update((out.request_id, out) for out in eng.step() if out.finished)
     assert done["restoring"].num_cached_tokens == 200 // BS * BS
     eng.shutdown()
+
+
+def test_a_tier_that_raises_on_save_loses_the_run_not_the_saver(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """A lower tier whose write raises (a remote store gone away): the saves still land, the pool empties, and
+    the next request's saves land too."""
+    tier = MemoryTier({})
+
+    def gone(keys, payloads):
+        raise ConnectionError("the store went away")
+    tier.put_run = gone
+    eng = engine(tiny_model_dir, tmp_path, tier, monkeypatch)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i, salt in enumerate((1, 2)):
+        eng.add_request(f"r{i}", [t + salt for t in prompt(100)], params)
+        deadline = time.monotonic() + 60
+        while eng.has_unfinished() and time.monotonic() < deadline:
+            eng.step()
+        assert not eng.has_unfinished() and eng.kv.num_saving == 0
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks
+    assert "the memory tier failed to save" in caplog.text
+    eng.shutdown()

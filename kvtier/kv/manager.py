@@ -433,11 +433,12 @@ class KVManager:
         log.warning("%d blocks of %s could not be paged out; they stay on the device", len(job.keys),
                     state.request_id)
         for i, block in zip(indices, job.blocks):
-            if state.block_table[i] == NOT_RESIDENT and i not in res.paging_in:
-                state.block_table[i] = block           # the job's hold on it becomes the table's
-                self.pager.placed(state, i)
-            else:
+            if state.block_table[i] != NOT_RESIDENT:
                 self.pool.free([block])
+                continue
+            res.paging_in.pop(i, None)      # a page-in since, which may have nothing to read: lands as a stray
+            state.block_table[i] = block    # the job's hold on it becomes the table's
+            self.pager.placed(state, i)
 
     def _land_page_in(self, job: PageIn) -> None:
         """Paged-in blocks join the table, unless the sequence gave them up or was released meanwhile."""

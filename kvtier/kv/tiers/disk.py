@@ -102,9 +102,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._lock_fd: int | None = None    # DIR/.lock, held by put_run while it evicts and writes
         self._side: dict[str, tuple[int, int]] = {}     # side store → (its directory's mtime, bytes) when summed
-        with self._lock:
-            self._open()
-        if self.loaded:
+        if self._open():
             self._evict(self.budget_bytes - self._side_bytes())
 
     @property
@@ -136,7 +134,12 @@ class DiskTier:
             raise ValueError(f"put_run got {len(keys)} keys, {len(payloads)} payloads, "
                              f"{len(token_counts)} token counts")
         with self._lock:
-            usable = self._usable(reopen=True)
+            usable = self._usable()
+            reopen = not usable and self._reopen_due()
+        if reopen:
+            usable = self._open()
+            if usable:
+                log.warning("disk tier enabled again: %s", self.directory)
         if usable:
             with self._directory_locked():
                 self._put_run(keys, payloads, token_counts)
@@ -164,6 +167,8 @@ class DiskTier:
             except OSError as e:
                 if attempt == 0 and e.errno in DISK_FULL and self._make_room(size):
                     continue      # the disk filled up under us: our least recently used files made room
+                if isinstance(e, FileNotFoundError):
+                    return        # a peer starting up took the temp file for a leftover: this run is not saved
                 self._disable(f"cannot write {path}: {e}")
                 return
         written = os.stat(path)
@@ -243,17 +248,23 @@ class DiskTier:
         except OSError:
             return False
 
-    def _open(self) -> None:
-        """(Under the lock.) Make the directory and index what it holds; on failure, disable the tier."""
+    def _open(self) -> bool:
+        """Make the directory and index what it holds, the scan outside the lock (lookups never wait on it); on
+        failure, disable the tier. Whether it serves now."""
         try:
             os.makedirs(self.directory, exist_ok=True)
             if not os.access(self.directory, os.W_OK | os.X_OK):
                 raise PermissionError(f"{self.directory} is not writable")
-            self._take(self._scan(dict(self.files)))
+            with self._lock:
+                known = dict(self.files)
+            found = self._scan(known)
         except OSError as e:
-            self._disable_locked(f"cannot use {self.directory}: {e}")
-            return
-        self.loaded = True
+            self._disable(f"cannot use {self.directory}: {e}")
+            return False
+        with self._lock:
+            self._take(found)
+            self.loaded = True
+        return True
 
     def _side_bytes(self) -> int:
         """Bytes of the side stores and the fingerprints. A side store's directory is summed again only when its
@@ -273,20 +284,24 @@ class DiskTier:
             total += os.stat(os.path.join(self.directory, FINGERPRINTS), follow_symlinks=False).st_size
         return total
 
-    def _usable(self, reopen: bool = False) -> bool:
-        """(Under the lock.) Whether the tier serves now. A disabled tier tries again once its back-off ends; one
-        whose index must be built again first does so at the next write (reopen: the saver's thread), since that
-        scans the directory: never on a lookup."""
+    def _usable(self) -> bool:
+        """(Under the lock.) Whether the tier serves now. A disabled tier serves again once its back-off ends;
+        one whose index must be built again first (`_reopen_due`) waits for the next write to build it."""
         if self.disabled_until is None:
             return True
-        if time.monotonic() < self.disabled_until or not (reopen or self.loaded):
+        if time.monotonic() < self.disabled_until or not self.loaded:
             return False
         self.disabled_until = None
-        if not self.loaded:
-            self._open()
-        if self.disabled_until is None:
-            log.warning("disk tier enabled again: %s", self.directory)
-        return self.disabled_until is None
+        log.warning("disk tier enabled again: %s", self.directory)
+        return True
+
+    def _reopen_due(self) -> bool:
+        """(Under the lock.) Whether the back-off of a tier without an index has ended: the writer (the saver's
+        thread) then scans the directory again, never a lookup. Claims the attempt."""
+        if self.loaded or time.monotonic() < self.disabled_until:
+            return False
+        self.disabled_until = None
+        return True
 
     def _sync(self) -> None:
         """Make the index what the directory holds now; the scan runs outside the lock."""

@@ -228,12 +228,20 @@ class Mover:
             try:
                 for tier in self.stack.tiers:
                     if tier is not self.stack.host:
-                        tier.put_run(keys, payloads)
+                        self._put_below(tier, keys, payloads)
             finally:
                 if leased:
                     self.stack.host.release(keys)
                 self._saved(keys)
                 self._saves.task_done()
+
+    @staticmethod
+    def _put_below(tier, keys: list[bytes], payloads: list[torch.Tensor]) -> None:
+        """One tier's write: a tier that fails (a remote store's network, say) loses the run, not the saver."""
+        try:
+            tier.put_run(keys, payloads)
+        except Exception:
+            log.exception("the %s tier failed to save %d blocks", tier.name, len(keys))
 
     def _saved(self, keys: list[bytes]) -> None:
         with self._saving_changed:
