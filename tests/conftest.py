@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from kvtier.bench.server import ServerFailed, free_port, running_server  # noqa: F401 (free_port: for tests)
+from kvtier.bench.server import ServerFailed, running_server
 from kvtier.models.loader import BUNDLED_MODEL
 from kvtier.models.tokenizer import Tokenizer
 

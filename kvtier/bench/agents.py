@@ -23,11 +23,10 @@ import time
 from pathlib import Path
 
 from kvtier.bench.report import add_output_args, cpu_model, header, parse_command, publish, verdict
-from kvtier.bench.server import running_server
+from kvtier.bench.server import ROOT, running_server
 from kvtier.bench.shapes import add_model_args, resolve_model
 
 SECTION = "## Agent sessions (cache reuse through real coding agents)"
-ROOT = Path(__file__).resolve().parents[2]
 AGENTS_BIN = ROOT / ".agents" / "node_modules" / ".bin"
 TURNS = ("Run the command.", "Run it again.", "Once more, please.")
 MARK = "echo ran >> tool-ran.txt"       # the command every scripted call runs: one line per turn

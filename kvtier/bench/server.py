@@ -10,8 +10,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 READY_LINE = "kvtier is ready"
+ROOT = Path(__file__).resolve().parents[2]      # the checkout: where `python -m kvtier.cli` runs
 
 
 class ServerFailed(RuntimeError):
@@ -38,10 +40,9 @@ def running_server(args: list[str], log_path, env: dict[str, str] | None = None,
     """`kvtier serve` with args (the bundled model unless --model is given); yields its URL once it is healthy and
     has logged that it is ready. env: more environment variables; on_start(proc) is called once it is ready."""
     port = free_port()
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), *args],
-                                cwd=root, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout_s
