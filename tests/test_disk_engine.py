@@ -14,7 +14,6 @@ from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.kv.rates import rates_path
-from kvtier.kv.tiers.staging import Staging
 
 BS = 16
 
@@ -235,25 +234,24 @@ def test_a_server_killed_while_serving_keeps_the_rates_it_measured(tiny_model_di
     assert make_engine(tiny_model_dir, tmp_path).stats()["rates"]["tier_bytes_per_s"] == measured
 
 
-def test_a_new_staging_buffer_is_not_counted_as_disk_read_time(tiny_model_dir, tmp_path, monkeypatch):
-    """The first restore after a start faults its read buffer in (~0.2 s per 250 MB on a 2-core VM): a one-time
-    cost the restore waits for, but not the disk's speed, which would otherwise look slow enough to compute
-    prefixes it should load."""
-    eng = make_engine(tiny_model_dir, tmp_path)
+def test_the_read_buffer_is_carved_once_from_the_host_budget(tiny_model_dir, tmp_path):
+    """The buffer a restore from disk reads into is carved from the host tier's slab at start-up (so --kv-host-gib
+    covers it, pinned on CUDA, faulted in before serving) and never grown: a restore after a restart reads into it."""
+    eng = make_engine(tiny_model_dir, tmp_path, kv_host_gib=0.01)
     p = prompt(150, salt=28)
     run(eng, p)
-    eng = restart(eng, tiny_model_dir, tmp_path)
-    grow = Staging._grow
-
-    def slow_grow(self, size):       # a buffer whose page faults take half a second
-        time.sleep(0.5)
-        grow(self, size)
-
-    monkeypatch.setattr(Staging, "_grow", slow_grow)
+    eng = restart(eng, tiny_model_dir, tmp_path, kv_host_gib=0.01)
+    host, buffer = eng.tiers.host, eng.tiers.staging.buffer
+    assert buffer.numel() >= eng.pool.blocks_for(eng.max_model_len) * eng.pool.block_bytes    # a whole context
+    assert host.block_budget_bytes + buffer.numel() == host.budget_bytes
+    assert buffer.untyped_storage().data_ptr() == host.slab.untyped_storage().data_ptr()
+    disk, landed = eng.tiers.disk, []
+    read = disk.read_run
+    disk.read_run = lambda keys, staging=None: (landed.append(got := read(keys, staging)), got)[1]
     assert run(eng, p).cached == 149
-    assert eng.kv.load_seconds_sum >= 0.5                     # the restore did wait for the buffer
-    disk_bytes = eng.tiers.disk.stats["bytes_read"]
-    assert disk_bytes / eng.stats()["rates"]["tier_bytes_per_s"]["disk"] < 0.5    # the measured rate did not
+    assert landed and all(block.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+                          for block in landed[0])
+    assert eng.tiers.staging.buffer is buffer
 
 
 @pytest.mark.parametrize("damage", ["garbage", "negative", "other model"])
@@ -295,16 +293,17 @@ def test_warm_up_leaves_nothing_behind_and_changes_no_answer(tiny_model_dir, tmp
     held or written to a tier, the disk staging buffer is faulted in for a whole-context restore, and the first
     request restores and answers exactly as on an engine that did not warm up."""
     from kvtier.engine.warmup import warm_up
-    eng = make_engine(tiny_model_dir, tmp_path)
+    eng = make_engine(tiny_model_dir, tmp_path, kv_host_gib=0.01)
     p = prompt(150)
     cold = run(eng, p)
-    eng = restart(eng, tiny_model_dir, tmp_path)
+    eng = restart(eng, tiny_model_dir, tmp_path, kv_host_gib=0.01)
     written = eng.tiers.disk.stats["bytes_written"]
+    eng.tiers.staging.buffer.fill_(255)
     assert warm_up(eng) > 0
     pool = eng.pool
     assert pool.num_free_blocks == pool.num_blocks and pool.num_cached_blocks == 0 and not eng.has_unfinished()
     assert eng.tiers.disk.stats["bytes_written"] == written
-    assert eng.kv.mover._staging.buffer.numel() >= pool.blocks_for(eng.max_model_len) * pool.block_bytes
+    assert not eng.tiers.staging.buffer.any()         # every page written: faulted in
     warm = run(eng, p)
     assert warm.cached == 149 and warm.tokens == cold.tokens
     assert max_logit_diff(cold, warm) < 1e-4

@@ -230,9 +230,15 @@ def test_config_checks(tiny_model_dir):
 
 def reads_below_on_this_thread(engine) -> list[bytes]:
     """The keys the engine's thread (this one) reads from below the host tier from here on."""
-    reads, from_below, me = [], engine.kv.mover.from_below, threading.current_thread()
-    engine.kv.mover.from_below = lambda key: (reads.append(key) if threading.current_thread() is me else None,
-                                              from_below(key))[1]
+    reads, me = [], threading.current_thread()
+    for tier in engine.tiers.tiers:
+        if tier is not engine.tiers.host:
+            for name in ("read_run", "get_run"):
+                def recording(keys, *args, real=getattr(tier, name), **kw):
+                    if threading.current_thread() is me:
+                        reads.extend(keys)
+                    return real(keys, *args, **kw)
+                setattr(tier, name, recording)
     return reads
 
 
@@ -354,7 +360,8 @@ def test_concurrent_bounded_requests_keep_the_host_budget(tiny_model_dir, exact)
     def small_host_engine():
         # a step budget that never cuts a prefill chunk: the pager alone sizes them, as when running alone
         return LLMEngine(Config(model=tiny_model_dir, kv_resident_tokens=BUDGET * BS, kv_reselect_every=4,
-                                kv_host_gib=(24 + 0.5) * block_bytes / 2**30,     # room for 24 blocks
+                                # room for 24 blocks beside the gather buffer, carved from an eighth (3 slots)
+                                kv_host_gib=(27 + 0.5) * block_bytes / 2**30,
                                 **{**BASE, "max_batched_tokens": 1024}))
     block_bytes = exact.pool.block_bytes
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -371,7 +378,7 @@ def test_concurrent_bounded_requests_keep_the_host_budget(tiny_model_dir, exact)
         peak["running"] = max(peak["running"], len(engine.scheduler.running))
     tokens = step_all(engine, check)
     assert [tokens[f"q{i}"] for i in range(6)] == alone
-    assert 0 < peak["pinned"] <= host.budget_bytes
+    assert host.block_budget_bytes == 24 * block_bytes and 0 < peak["pinned"] <= host.block_budget_bytes
     assert peak["running"] == 2                   # 2 × 11 blocks fit 24, a third would not
     assert engine.pager.host_reserved == 0 and host.pinned_bytes == 0
     with pytest.raises(RequestRejected, match="host tier"):       # one that could never fit is refused

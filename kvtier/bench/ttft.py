@@ -239,7 +239,7 @@ def restore_by_layout(directory: str, block_shape: tuple[int, ...], dtype: torch
         tier = DiskTier(path, 1 << 40, b"layout-probe-ns!", block_shape, dtype)
         for i in range(0, num_blocks, size):
             tier.put_run(keys[i:i + size], [payload] * len(keys[i:i + size]))
-        staging, times = Staging(1 << 40), []
+        staging, times = Staging(torch.zeros(num_blocks * tier.block_bytes, dtype=torch.uint8)), []
         for _ in range(2):
             drop_page_cache(path)
             start = time.perf_counter()

@@ -29,11 +29,14 @@ from kvtier.kv.rates import rates_path
 from kvtier.kv.tiers.disk import FINGERPRINTS
 from kvtier.kv.tiers.host import HostTier
 from kvtier.kv.tiers.stack import TierStack, extra_tiers
+from kvtier.kv.tiers.staging import Staging
 from kvtier.models.attention import triton_supports
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import load_model, resolve_model_path
 
 log = logging.getLogger("kvtier.engine")
+
+BUFFER_MAX_BYTES = 1 << 30      # the most host memory each of the mover's read buffers takes
 
 
 class LLMEngine:
@@ -64,9 +67,10 @@ class LLMEngine:
                            pool_tokens, config.torch_dtype, self.device, ns, config.prefix_cache)
         log.info("KV pool: %d blocks of %d tokens (%.2f GiB)", self.pool.num_blocks, config.block_size,
                  self.pool.kv_cache.numel() * self.pool.kv_cache.element_size() / 2**30)
-        self.tiers = build_tier_stack(config, self.pool)
+        self.tiers = build_tier_stack(config, self.pool, self.max_model_len)
         self.pager = self._build_pager(config, loaded.fingerprint) if config.resident_blocks else None
-        beside_disk = (lambda name: os.path.join(self.tiers.disk.directory, name)) if self.tiers.disk else None
+        disk_dir = os.path.expanduser(config.kv_disk_dir) if config.kv_disk and config.kv_disk_gib > 0 else None
+        beside_disk = (lambda name: os.path.join(disk_dir, name)) if disk_dir else None
         manifests = None
         if self.pager:
             manifests = ManifestStore(self.pager.bounded_namespace, beside_disk and beside_disk("manifests"))
@@ -97,7 +101,7 @@ class LLMEngine:
     def _build_pager(self, config: Config, fingerprint: str) -> Pager:
         mode = (f"bounded(blocks={config.resident_blocks},sink={config.kv_sink_blocks},tail={config.kv_tail_blocks},"
                 f"policy={config.kv_policy},every={config.kv_reselect_every})")
-        return Pager(self.pool, self.tiers.host.budget_bytes, config.resident_blocks, config.kv_sink_blocks,
+        return Pager(self.pool, self.tiers.pinnable_bytes, config.resident_blocks, config.kv_sink_blocks,
                      config.kv_tail_blocks, config.kv_policy, config.kv_reselect_every,
                      self.model_config.head_dim ** -0.5, self.pool.namespace,
                      namespace(fingerprint, config.dtype, config.block_size, KVPool.LAYOUT, mode))
@@ -125,11 +129,11 @@ class LLMEngine:
                 f"{self.pool.num_blocks * self.pool.block_size}; raise --kv-pool-tokens or shorten the request")
 
     def _check_paged_out_room(self, need: int) -> None:
-        host = self.tiers.host
-        if need > host.budget_bytes:
+        room = self.tiers.pinnable_bytes
+        if need > room:
             raise RequestRejected(
-                f"the request would page {need / 2**30:.2f} GiB of KV out to the host tier, whose budget is "
-                f"{host.budget_bytes / 2**30:.2f} GiB; raise --kv-host-gib or shorten the request")
+                f"the request would page {need / 2**30:.2f} GiB of KV out to the host tier, whose blocks may take "
+                f"{room / 2**30:.2f} GiB; raise --kv-host-gib or shorten the request")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     pins: list[tuple[int, int]] | None = None, cache_salt: str | None = None) -> None:
@@ -324,14 +328,23 @@ class LLMEngine:
         return stats
 
 
-def build_tier_stack(config: Config, pool: KVPool) -> TierStack:
-    """The tiers below the device that the config asks for, fastest first."""
+def build_tier_stack(config: Config, pool: KVPool, max_model_len: int) -> TierStack:
+    """The tiers below the device that the config asks for, fastest first, and the mover's read buffers."""
     tiers = []
+    host = None
     if config.kv_host_gib > 0:
-        tiers.append(HostTier(int(config.kv_host_gib * 2**30), pool.block_shape, pool.kv_cache.dtype,
-                              pin_memory=pool.kv_cache.device.type == "cuda"))
+        host = HostTier(int(config.kv_host_gib * 2**30), pool.block_shape, pool.kv_cache.dtype,
+                        pin_memory=pool.kv_cache.device.type == "cuda")
+        tiers.append(host)
     if config.kv_disk and config.kv_disk_gib > 0:
         from kvtier.kv.tiers.disk import DiskTier
         tiers.append(DiskTier(os.path.expanduser(config.kv_disk_dir), int(config.kv_disk_gib * 2**30),
                               pool.namespace, pool.block_shape, pool.kv_cache.dtype))
-    return TierStack(tiers + extra_tiers(config, pool))
+    tiers += extra_tiers(config, pool)
+    # each buffer holds a whole context's blocks, within an eighth of the host budget (a longer read goes to fresh
+    # memory); without a host tier there is none
+    size = min(BUFFER_MAX_BYTES, pool.blocks_for(max_model_len) * pool.block_bytes,
+               host.budget_bytes // 8 // pool.block_bytes * pool.block_bytes) if host is not None else 0
+    staging = Staging(host.carve(size)) if size and len(tiers) > 1 else None
+    gather = Staging(host.carve(size)) if size and config.resident_blocks else None
+    return TierStack(tiers, staging, gather)

@@ -92,6 +92,8 @@ class ModelRunner:
             return self.graphs.run(*self._decode_inputs(batch)), [None] * len(batch.seqs)
         token_ids, meta, last_rows = self.prepare(batch, capture)
         hidden = self.model(token_ids, self.pool.kv_cache, meta)
+        if any(seq.paged_out is not None for seq in meta.prefills):
+            self.kv.forward_done()      # the gathered paged-out K/V it read may be overwritten after it
         queries = [None] * len(batch.seqs)
         if meta.capture_rows is not None:
             stacked = torch.stack(meta.captured, 1)          # [rows, layers, heads, head_dim]

@@ -49,7 +49,7 @@ def warm_up(engine) -> float:
     finally:
         engine.pool.free(blocks)
     engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hello."}])
-    engine.kv.reserve_buffers(engine.max_model_len)
+    engine.kv.fault_in_buffers()
     seconds = time.perf_counter() - start
     log.info("warmed up in %.2f s", seconds)
     return seconds

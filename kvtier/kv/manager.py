@@ -28,8 +28,7 @@ from kvtier.kv.planner import LoadPlan, LoadPlanner
 from kvtier.kv.pool import KVPool
 from kvtier.kv.rates import Rates
 from kvtier.kv.state import NOT_RESIDENT, KVState
-from kvtier.kv.tiers.staging import Staging
-from kvtier.kv.tiers.mover import STAGING_MAX_BYTES, LoadJob, Mover, PageIn, PageOut
+from kvtier.kv.tiers.mover import LoadJob, Mover, PageIn, PageOut
 from kvtier.kv.tiers.stack import TierStack
 
 log = logging.getLogger("kvtier.kv.manager")
@@ -44,7 +43,6 @@ class KVManager:
         self.pool, self.stack, self.pager, self.manifests = pool, stack, pager, manifests
         self.block_size = pool.block_size
         self.mover = Mover(pool, stack, manifests) if stack else None
-        self._gather = Staging(STAGING_MAX_BYTES, pin_memory=pool.kv_cache.device.type == "cuda")   # paged_out_kv
         self.loading: dict[str, KVState] = {}     # loads in flight, by request id
         self.partials = PartialBlocks(pool.namespace, partials_dir)
         self.rates = Rates(pool.block_bytes // pool.block_size, rates_file)
@@ -57,13 +55,11 @@ class KVManager:
         self.load_counts = [0] * (len(LOAD_BUCKETS) + 1)   # per bucket, the last one is +Inf
         self.load_seconds_sum = 0.0
 
-    def reserve_buffers(self, max_tokens: int) -> None:
-        """Fault in now the buffers a sequence of max_tokens may need (a restore from disk, a bounded prompt's
-        paged-out blocks), so that the first request that needs them does not pay for it."""
+    def fault_in_buffers(self) -> None:
+        """Fault in now the read buffers (a restore from below the host tier, a bounded prompt's paged-out blocks),
+        so that the first request that needs them does not pay for it."""
         if self.mover:
-            self.mover.reserve_buffers(max_tokens)
-        if self.pager:
-            self._gather.reserve(self.pager.host_bytes_for(max_tokens))
+            self.mover.fault_in_buffers()
 
     def new_state(self, request_id: str, token_ids: list[int], max_tokens: int, root_key: bytes | None,
                   pins: list[tuple[int, int]] | None = None) -> KVState:
@@ -267,44 +263,15 @@ class KVManager:
     def paged_out_kv(self, chunks: list[tuple[KVState, int]]) -> list[torch.Tensor | None]:
         """Per prompt chunk (a bounded sequence and the token it starts at): K/V [2, layers, tokens, kv_heads,
         head_dim] of its paged-out blocks before that token, in block order (exact prefill attends to them too),
-        or None. Gathered in one copy into a buffer reused step after step (a fresh one faulted in 260 MB per
-        chunk of a long prompt here), pinned on CUDA so that the copies to the device do not wait."""
-        wanted = [[i for i, b in enumerate(state.block_table[:end // self.block_size]) if b == NOT_RESIDENT]
-                  for state, end in chunks]
-        if any(wanted) and self.pool.kv_cache.device.type == "cuda":
-            torch.cuda.current_stream(self.pool.kv_cache.device).synchronize()   # the last step's copies out of it
-        # room for all a prompt may page out: its next chunks gather more, and growing faults a new buffer in
-        room = sum(self.pager.host_bytes_for(len(state.token_ids)) for state, _ in chunks)
-        buffers = self._gather.split([len(blocks) * self.pool.block_bytes for blocks in wanted], room)
-        return [self._gathered(state, blocks, buffer) if blocks else None
-                for (state, _), blocks, buffer in zip(chunks, wanted, buffers)]
+        or None: gathered by the mover from host memory (`Mover.gather`). Call `forward_done` after the forward
+        that reads them."""
+        runs = [[state.block_keys[i] for i, b in enumerate(state.block_table[:end // self.block_size])
+                 if b == NOT_RESIDENT] for state, end in chunks]
+        return self.mover.gather(runs, self.paging_out)
 
-    def _gathered(self, state: KVState, blocks: list[int], buffer: torch.Tensor | None) -> torch.Tensor:
-        """The blocks' payloads side by side in `buffer` (a fresh tensor if None): from the device while a
-        block's copy to the host tier is in flight (a step's page-outs run beside it), else from the host tier's
-        slot, where each is pinned (a restore pins all it leaves off the device, or is a miss): no tier below the
-        host is read on this thread."""
-        keys, host = [state.block_keys[i] for i in blocks], self.stack.host
-        flying = [key for key in keys if key in self.paging_out]
-        parts = dict(zip(flying, self.pool.blocks_out([self.paging_out[key] for key in flying])))
-        leased = []
-        try:
-            for i, key in zip(blocks, keys):
-                if key in parts:
-                    continue
-                view = host.lease([key])
-                if view is None:
-                    raise RuntimeError(f"block {i} of {state.request_id} is not in the host tier")
-                leased.append(key)
-                parts[key] = view[0]
-            two, layers, block, heads, dim = self.pool.block_shape
-            shape, dtype = (two, layers, block * len(keys), heads, dim), self.pool.kv_cache.dtype
-            out = torch.empty(shape, dtype=dtype) if buffer is None else buffer.view(dtype).view(shape)
-            for j, key in enumerate(keys):
-                out[:, :, j * block:(j + 1) * block].copy_(parts[key])
-            return out
-        finally:
-            host.release(leased)
+    def forward_done(self) -> None:
+        """The step's forward, which read what `paged_out_kv` gave, is queued: its buffer may be reused after it."""
+        self.mover.gather_read()
 
     # --- the end of a request --------------------------------------------------------------------
 
@@ -455,11 +422,7 @@ class KVManager:
                 self.pager.stats["page_ins"] += 1
             else:
                 self.pool.free([block])
-        if live:
-            res.offloaded.update(i for i, key in zip(indices, job.keys) if key in job.pinned)
-        elif job.pinned:
-            self.mover.unpin(job.pinned)
-        if not job.ok:       # evicted or damaged below the host tier: the sequence goes on without it
+        if not job.ok:       # its page-out failed: the sequence goes on without it
             log.warning("%d paged-out blocks of %s could not be paged in", len(job.keys), state.request_id)
 
     def _warn_missed(self) -> None:

@@ -2,6 +2,9 @@
 the budget (pinned memory when the pool is on CUDA, so copies to and from the device are DMA), LRU.
 Thread-safe.
 
+At start-up the mover's read buffers are carved from the slab's top slots (`carve`), so that the budget covers
+every byte of host memory kvtier keeps.
+
 A block can be pinned (counted): the pager pins the blocks a live bounded sequence paged out, and a
 reader leases the blocks it copies from (`lease` or `read_run`, then `release`), so a slot is never reused while
 someone may still read it."""
@@ -29,6 +32,22 @@ class HostTier:
         self._pins: dict[bytes, int] = {}
         self._lock = threading.Lock()
         self.stats = {"lookups": 0, "hit_blocks": 0, "bytes_read": 0, "bytes_written": 0, "evictions": 0}
+
+    def carve(self, nbytes: int) -> torch.Tensor:
+        """Take whole slots from the top of the slab, for good, as a buffer of at least nbytes bytes (uint8). Only
+        at start-up, before any block is stored."""
+        taken = -(-nbytes // self.block_bytes)
+        first = self.num_slots - taken
+        if first < 0 or any(slot >= first for slot in self._slots.values()):
+            raise ValueError(f"the host tier has no {taken} free slots left for a {nbytes}-byte buffer")
+        self.num_slots = first
+        self._free_slots = [slot for slot in self._free_slots if slot < first]
+        return self.slab[first:first + taken].view(-1).view(torch.uint8)
+
+    @property
+    def block_budget_bytes(self) -> int:
+        """What its slots for blocks hold (the budget less the carved buffers): the most that may be pinned."""
+        return self.num_slots * self.block_bytes
 
     def __len__(self) -> int:
         return len(self._slots)

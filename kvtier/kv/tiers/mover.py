@@ -7,20 +7,22 @@ Three worker threads keep tier I/O off the engine loop:
 - the loader copies a restored prefix from the fastest tier holding each block into device
   blocks reserved for it, then promotes what came from below into the host tier;
 - the pager carries bounded residency's page-outs (device → pinned in the host tier) and page-ins
-  (host tier, or below it, → device blocks reserved for them), a step's worth in one batch each,
-  and the unpins of a finished sequence's host copies after the page-outs that made them.
+  (host tier → device blocks reserved for them), a step's worth in one batch each, and the unpins
+  of a finished sequence's host copies after the page-outs that made them.
+On the engine's thread it only gathers a bounded prompt chunk's paged-out blocks from host memory
+(`gather`), where each is pinned.
 
-On CUDA every copy runs on a dedicated copy stream, after an event recorded on the compute stream
-when the job was handed over, and the worker waits for its stream before reporting: compute never
-shares a stream with a transfer, and the engine frees or reuses a device block only once `poll`
-has said its copy landed (invariant 1). Host memory on that path is pinned: the host tier's slab
-and the disk staging buffer. On CPU the same code runs with plain memory and no streams.
-The pool is not thread-safe, so workers never touch its bookkeeping: the engine pins blocks
-before handing them over and releases them when `poll` reports the copy done.
+Every copy runs through the copier (copier.py): on CUDA on a stream of its own, after a mark taken
+on the compute stream when the job was handed over, and the worker waits for it to land before
+reporting; the engine frees or reuses a device block only once `poll` has said its copy landed
+(invariant 1). Host memory on that path is pinned and allocated once: the host tier's slab and the
+two read buffers carved from it (the stack's `staging` and `gather`). On CPU the same code runs
+with plain memory and no streams. The pool is not thread-safe, so workers never touch its
+bookkeeping: the engine pins blocks before handing them over and releases them when `poll`
+reports the copy done.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -34,10 +36,9 @@ from kvtier.kv.manifest import Manifest, ManifestStore
 from kvtier.kv.pool import KVPool
 from kvtier.kv.scorer import SUMMARIES, BlockSummaries
 from kvtier.devices import on_device
-from kvtier.kv.tiers.staging import Staging
+from kvtier.kv.tiers.copier import copier_for
 from kvtier.kv.tiers.stack import TierStack
 
-STAGING_MAX_BYTES = 1 << 30
 SAVE_WAIT_S = 30          # the longest a load waits for the saves of its blocks
 
 log = logging.getLogger("kvtier.kv.mover")
@@ -58,7 +59,7 @@ class LoadJob:
     ok: bool = False
     seconds: float = 0.0
     bytes: int = 0
-    ready: object = None                # CUDA: the compute stream's event the copy waits for
+    ready: object = None                # the compute stream's mark the copy runs after (copier.py)
 
 
 @dataclass
@@ -75,7 +76,6 @@ class PageIn:
     owner: object                       # whose blocks these are, for the engine when it lands
     keys: list[bytes]
     blocks: list[int]                   # device blocks reserved for them
-    pinned: list[bytes] = field(default_factory=list)   # came from below the host tier and are pinned there now
     ok: bool = False
     ready: object = None
 
@@ -91,8 +91,7 @@ class TransferEvents:
 class Mover:
     def __init__(self, pool: KVPool, stack: TierStack, manifests: ManifestStore | None = None):
         self.pool, self.stack, self.manifests = pool, stack, manifests
-        cuda = pool.kv_cache.device.type == "cuda"
-        self.stream = torch.cuda.Stream(pool.kv_cache.device) if cuda else None
+        self.copier = copier_for(pool.kv_cache.device)
         self._saves: queue.Queue = queue.Queue()
         self._loads: queue.Queue = queue.Queue()
         self._pages: queue.Queue = queue.Queue()
@@ -101,7 +100,7 @@ class Mover:
         # keys whose save is queued or running: the next request's lookup counts them, and its load waits
         self._saving: Counter[bytes] = Counter()
         self._saving_changed = threading.Condition()
-        self._staging = Staging(STAGING_MAX_BYTES, pin_memory=cuda)
+        self._gather_read = None     # the mark after the forward that last read the gather buffer
         device = pool.kv_cache.device
         self._threads = [threading.Thread(target=on_device(device, loop), name=name, daemon=True) for loop, name in
                          ((self._save_loop, "kvtier-saver"), (self._load_loop, "kvtier-loader"),
@@ -111,16 +110,16 @@ class Mover:
 
     # --- the engine's side -----------------------------------------------------------------------
 
-    def reserve_buffers(self, max_tokens: int) -> None:
-        """Fault in now the staging buffer a restore of max_tokens reads from disk into."""
-        if self.stack.disk is not None:
-            self._staging.reserve(self.pool.blocks_for(max_tokens) * self.pool.block_bytes)
+    def fault_in_buffers(self) -> None:
+        """Fault in now the read buffers (a restore from below the host tier, a bounded prompt's gather)."""
+        self.stack.staging.fault_in()
+        self.stack.gather.fault_in()
 
     def save(self, keys: list[bytes], blocks: list[int]) -> None:
         """Copy these sealed, pinned blocks out; `poll` reports when they may be unpinned."""
         with self._saving_changed:
             self._saving.update(keys)
-        self._saves.put(("blocks", keys, blocks, self._compute_event()))
+        self._saves.put(("blocks", keys, blocks, self.copier.ready()))
 
     def saving_run(self, keys: list[bytes]) -> int:
         """How many of the keys, in a row from the first, are being saved: a tier holds them once it lands."""
@@ -132,7 +131,7 @@ class Mover:
         self._saves.put(("call", write, None, None))
 
     def load(self, job: LoadJob) -> None:
-        job.ready = self._compute_event()
+        job.ready = self.copier.ready()
         self._loads.put(job)
 
     def wait(self, timeout: float) -> None:
@@ -171,44 +170,54 @@ class Mover:
     def page_out(self, job: PageOut) -> None:
         """Pin the blocks' payloads in the host tier, copying those it does not hold yet; `poll` reports when
         the device blocks may go."""
-        job.ready = self._compute_event()
+        job.ready = self.copier.ready()
         self._pages.put(("paged_out", job))
 
     def page_in(self, job: PageIn) -> None:
-        job.ready = self._compute_event()
+        job.ready = self.copier.ready()
         self._pages.put(("paged_in", job))
-
-    def from_below(self, key: bytes) -> tuple[torch.Tensor | None, bool]:
-        """A paged-out block the host tier does not hold (a restored sequence's, left below it): its payload from
-        the fastest lower tier, pinned in the host tier on the way. (payload or None, whether it got pinned)."""
-        host = self.stack.host
-        payload = next((got[0] for tier in self.stack.tiers if tier is not host
-                        for got in [tier.get_run([key])] if got), None)
-        return payload, payload is not None and host.put(key, payload, pin=True)
 
     def unpin(self, keys: list[bytes]) -> None:
         """Unpin these host copies once the page-outs queued before have pinned them."""
         self._pages.put(("unpin", keys))
 
+    def gather(self, runs: list[list[bytes]], flying: dict[bytes, int]) -> list[torch.Tensor | None]:
+        """(The engine's thread.) Per run of a bounded prompt chunk's paged-out keys: their K/V [2, layers, tokens,
+        kv_heads, head_dim] side by side, or None for an empty run. Read from the device block while its copy to the
+        host tier is in flight (`flying`: key → block; a step's page-outs run beside it), else from the host tier's
+        slot, where each is pinned (a restore pins all it leaves off the device, or is a miss): no tier below the
+        host is read here. Into the gather buffer, reused step after step, or fresh memory where it is too small."""
+        self.copier.wait(self._gather_read)     # the last forward's copies out of it are done
+        buffers = self.stack.gather.split([len(keys) * self.pool.block_bytes for keys in runs])
+        return [self._gathered(keys, flying, buffer) if keys else None for keys, buffer in zip(runs, buffers)]
+
+    def gather_read(self) -> None:
+        """(The engine's thread, after a forward that read what `gather` gave.) Its buffer may be reused after this."""
+        self._gather_read = self.copier.ready()
+
+    def _gathered(self, keys: list[bytes], flying: dict[bytes, int], buffer: torch.Tensor | None) -> torch.Tensor:
+        host, on_device = self.stack.host, [key for key in keys if key in flying]
+        parts = dict(zip(on_device, self.pool.blocks_out([flying[key] for key in on_device])))
+        leased = []
+        try:
+            for key in keys:
+                if key in parts:
+                    continue
+                view = host.lease([key])
+                if view is None:
+                    raise RuntimeError(f"paged-out block {key.hex()} is not in the host tier")
+                leased.append(key)
+                parts[key] = view[0]
+            two, layers, block, heads, dim = self.pool.block_shape
+            shape, dtype = (two, layers, block * len(keys), heads, dim), self.pool.kv_cache.dtype
+            out = torch.empty(shape, dtype=dtype) if buffer is None else buffer.view(dtype).view(shape)
+            for j, key in enumerate(keys):
+                out[:, :, j * block:(j + 1) * block].copy_(parts[key])
+            return out
+        finally:
+            host.release(leased)
+
     # --- workers ---------------------------------------------------------------------------------
-
-    def _compute_event(self):
-        if self.stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record()         # on the compute (current) stream
-        return event
-
-    @contextlib.contextmanager
-    def _on_copy_stream(self, ready):
-        """Run copies on the copy stream after `ready`; on leaving, wait until they have landed."""
-        if self.stream is None:
-            yield
-            return
-        self.stream.wait_event(ready)
-        with torch.cuda.stream(self.stream):
-            yield
-        self.stream.synchronize()
 
     def _save_loop(self) -> None:
         while (item := self._saves.get()) is not None:
@@ -262,7 +271,7 @@ class Mover:
         """Device → host memory: into the host tier's slab if there is one (its slots leased to the caller),
         else into a fresh CPU tensor. Returns the payloads and whether they are leased."""
         host = self.stack.host
-        with self._on_copy_stream(ready):
+        with self.copier.copying(ready, reads=blocks):
             if host is not None:
                 host.put_run(keys, self.pool.blocks_out(blocks))
                 leased = host.lease(keys)
@@ -301,7 +310,7 @@ class Mover:
                 else:
                     missing.append((key, block))
             if missing:
-                with self._on_copy_stream(job.ready):
+                with self.copier.copying(job.ready, reads=[block for _, block in missing]):
                     payloads = self.pool.blocks_out([block for _, block in missing])
                     for (key, _), payload in zip(missing, payloads):
                         if not host.put(key, payload, pin=True):
@@ -316,28 +325,18 @@ class Mover:
         return True
 
     def _paged_in(self, job: PageIn) -> bool:
-        """Copy the payloads into the reserved blocks in one batch: from the host tier, or for a block left below
-        it (a restored sequence's), from the fastest lower tier, pinned in the host tier on the way. False if
-        some block is in no tier."""
-        host, payloads, leased = self.stack.host, [], []
+        """Copy the payloads from the host tier, where a live sequence's paged-out blocks are pinned, into the
+        reserved blocks in one batch. False if one is not there (its page-out failed)."""
+        host = self.stack.host
+        payloads = host.lease(job.keys)
+        if payloads is None:
+            return False
         try:
-            for key in job.keys:
-                view = host.lease([key])
-                if view is not None:
-                    leased.append(key)
-                    payloads.append(view[0])
-                    continue
-                payload, pinned = self.from_below(key)
-                if payload is None:
-                    return False
-                if pinned:
-                    job.pinned.append(key)
-                payloads.append(payload)
-            with self._on_copy_stream(job.ready):
+            with self.copier.copying(job.ready, writes=job.blocks):
                 self.pool.blocks_in(job.blocks, payloads)
             return True
         finally:
-            host.release(leased)
+            host.release(job.keys)
 
     def _load_loop(self) -> None:
         while (job := self._loads.get()) is not None:
@@ -382,7 +381,7 @@ class Mover:
         reads += got_reads
         payloads = {key: payload for tier, got, _ in reads for key, payload in got.items()}
         start = time.perf_counter()
-        with self._on_copy_stream(job.ready):
+        with self.copier.copying(job.ready, writes=job.blocks[:len(wanted)]):
             self.pool.blocks_in(job.blocks[:len(wanted)], [payloads[key] for key in wanted])
         copy_s = (time.perf_counter() - start) / max(1, len(wanted))
         job.bytes = len(wanted) * self.pool.block_bytes
@@ -430,14 +429,13 @@ class Mover:
         to be released; None (everything released) if some key is in no tier. Reads from disk land in the
         staging buffer (valid until its next use), or with `fresh` in new buffers."""
         reads, missing = [], list(keys)
-        staging = None if fresh else self._staging
+        staging = None if fresh else self.stack.staging
         for tier in self.stack.tiers:
             here = [key for key in missing if tier.contains(key)]
-            start, grown = time.perf_counter(), self._staging.grow_seconds
+            start = time.perf_counter()
             got = tier.read_run(here, staging) if here else None
-            if got is not None:      # a new staging buffer's page faults do not count against the tier's speed
-                seconds = time.perf_counter() - start - (self._staging.grow_seconds - grown)
-                reads.append((tier, dict(zip(here, got)), seconds))
+            if got is not None:
+                reads.append((tier, dict(zip(here, got)), time.perf_counter() - start))
                 missing = [key for key in missing if key not in reads[-1][1]]
         if missing:
             for tier, got, _ in reads:

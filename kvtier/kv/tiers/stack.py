@@ -1,10 +1,12 @@
 """The tiers below the device, fastest first: host RAM, then local disk (a remote tier slots in after
-it). A prefix is looked up as consecutive runs, one per tier; every tier's metrics come from here."""
+it). A prefix is looked up as consecutive runs, one per tier; every tier's metrics come from here.
+Beside them, the mover's two read buffers, carved from the host tier at start-up (staging.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from kvtier.kv.tiers.base import Tier
+from kvtier.kv.tiers.staging import Staging
 
 # tiers below host and disk (a shared remote store, say), in this order: each a factory of (config, pool) that
 # returns the tier, or None where the config leaves it out. A new tier is a file with its class and one entry here.
@@ -16,10 +18,17 @@ def extra_tiers(config, pool) -> list[Tier]:
 
 
 class TierStack:
-    def __init__(self, tiers: list[Tier]):
+    def __init__(self, tiers: list[Tier], staging: Staging | None = None, gather: Staging | None = None):
         self.tiers = tiers
         self.host = self.find("host")
         self.disk = self.find("disk")
+        self.staging = staging or Staging()     # restores from below the host tier read into it
+        self.gather = gather or Staging()       # a bounded prompt chunk's paged-out blocks are gathered into it
+
+    @property
+    def pinnable_bytes(self) -> int:
+        """What the host tier's slots for blocks hold: the most a bounded sequence's paged-out blocks may pin."""
+        return self.host.block_budget_bytes if self.host is not None else 0
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
