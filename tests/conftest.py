@@ -158,7 +158,7 @@ def scrape(http) -> dict[str, float]:
 
 
 IDLE_GAUGES = ("kvtier_requests_running", "kvtier_requests_waiting", "kvtier_requests_loading",
-               "kvtier_kv_pool_blocks_used", "kvtier_kv_host_pinned_bytes", "kvtier_kv_host_reserved_bytes")
+               "kvtier_kv_pool_blocks_used", 'kvtier_kv_tier_pinned_bytes{tier="host"}', "kvtier_kv_host_reserved_bytes")
 
 
 def sse_events(text: str) -> list[dict]:

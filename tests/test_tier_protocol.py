@@ -29,6 +29,7 @@ class MemoryTier:
         self.store, self.delay_s, self.failing = store, delay_s, failing
         self.budget_bytes = 1 << 30
         self.stats = dict.fromkeys(("lookups", "hit_blocks", "bytes_read", "bytes_written", "evictions"), 0)
+        self.misses, self.read_seconds = 0, 0.0      # its own gauges (extra_stats), which /metrics shows too
 
     @property
     def bytes_used(self) -> int:
@@ -45,8 +46,11 @@ class MemoryTier:
         return n
 
     def read_run(self, keys: list[bytes], staging=None) -> list[torch.Tensor] | None:
+        start = time.perf_counter()
         time.sleep(self.delay_s)
+        self.read_seconds = time.perf_counter() - start
         if self.failing or not all(key in self.store for key in keys):
+            self.misses += 1
             return None
         payloads = [self.store[key] for key in keys]
         self.stats["hit_blocks"] += len(keys)
@@ -68,7 +72,7 @@ class MemoryTier:
                 self.stats["bytes_written"] += payload.numel() * payload.element_size()
 
     def extra_stats(self) -> dict:
-        return {}
+        return {"misses": self.misses, "read_seconds": self.read_seconds}
 
 
 def engine(model_dir, disk_dir, tier: MemoryTier, monkeypatch) -> LLMEngine:
@@ -103,6 +107,8 @@ def test_a_tier_defined_outside_kvtier_serves_a_restart(tiny_model_dir, tmp_path
     assert samples[("kvtier_kv_tier_hit_blocks", ("memory",))] == 200 // BS
     assert samples[("kvtier_kv_tier_bytes_read", ("memory",))] > 0
     assert samples[("kvtier_kv_tier_bandwidth_bytes_per_second", ("memory",))] > 0
+    assert samples[("kvtier_kv_tier_read_seconds", ("memory",))] >= delay_s           # the tier's own gauges
+    assert samples[("kvtier_kv_tier_misses", ("memory",))] == 0
     second.shutdown()
 
 
@@ -114,6 +120,9 @@ def test_a_failing_tier_is_a_miss(tiny_model_dir, tmp_path, monkeypatch):
     second = engine(tiny_model_dir, tmp_path / "b", MemoryTier(store, failing=True), monkeypatch)
     warm = run(second, p)
     assert warm.cached == 0 and warm.tokens == cold.tokens
+    samples = {(family.name, tuple(sample.labels.values())): sample.value
+               for family in _EngineCollector(second).collect() for sample in family.samples}
+    assert samples[("kvtier_kv_tier_misses", ("memory",))] >= 1
     second.shutdown()
 
 

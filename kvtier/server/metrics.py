@@ -8,6 +8,10 @@ from kvtier.engine.outputs import RequestOutput
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+# what the tiers' own gauges (Tier.extra_stats) mean; one a tier adds without a line here gets a generic text
+TIER_GAUGES = {"pinned_bytes": "Bytes the tier keeps pinned for live bounded sequences",
+               "buffer_bytes": "Bytes of the tier's budget given to the mover's read buffers",
+               "enabled": "1 while the tier serves, 0 while it is disabled (it tries again after a back-off)"}
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
@@ -107,12 +111,13 @@ class _EngineCollector:
         for tier, st in tiers.items():
             hit_tokens.add_metric([tier], st.get("hit_blocks", 0) * s["block_size"])
         yield hit_tokens
-        if "host" in tiers:
-            yield GaugeMetricFamily("kvtier_kv_host_pinned_bytes", "Host-tier bytes pinned for live sequences",
-                                    value=tiers["host"]["pinned_bytes"])
-        if "disk" in tiers:
-            yield GaugeMetricFamily("kvtier_kv_disk_enabled", "1 while the disk tier serves, 0 while it is "
-                                    "disabled (it tries again after a back-off)", value=tiers["disk"]["enabled"])
+        for gauge in sorted({name for st in tiers.values() for name in st["gauges"]}):     # each tier's own
+            family = GaugeMetricFamily(f"kvtier_kv_tier_{gauge}", TIER_GAUGES.get(gauge, "A tier's own gauge"),
+                                       labels=["tier"])
+            for tier, st in tiers.items():
+                if gauge in st["gauges"]:
+                    family.add_metric([tier], st["gauges"][gauge])
+            yield family
         rates = s["rates"]
         bandwidth = GaugeMetricFamily("kvtier_kv_tier_bandwidth_bytes_per_second", "Measured restore bandwidth of "
                                       "the tier (read and copy to the device), which compute-or-load weighs",

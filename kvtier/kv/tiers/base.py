@@ -1,4 +1,11 @@
-"""What every tier below the device is: a store of block payloads by content key, with a budget."""
+"""What every tier below the device is: a store of block payloads by content key, with a budget.
+
+A new tier is one file with a class of this shape and one entry in `stack.EXTRA_TIERS`; nothing else in kvtier
+names it. The engine's thread calls only `contains` and `match_prefix`, which answer from memory (an index the tier
+keeps: a tier whose store is remote refreshes its own from a thread of its own, and may answer a key late, never
+slowly); the mover's workers make every other call. Eviction is each tier's own business: `put_run` evicts least
+recently used blocks to stay within the budget. Pinning and leasing slots (host.py) belong to the host tier, and
+only the mover calls them."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -31,4 +38,5 @@ class Tier(Protocol):
         """Store a run of blocks, evicting least recently used ones to stay within the budget."""
 
     def extra_stats(self) -> dict:
-        """Gauges beyond the common ones (pinned bytes, enabled, ...)."""
+        """Gauges beyond the common ones, by name (pinned_bytes, enabled, ...): /metrics shows each as
+        kvtier_kv_tier_<name>{tier=...}."""

@@ -118,7 +118,7 @@ class HostTier:
             return len(self._pins) * self.block_bytes
 
     def extra_stats(self) -> dict:
-        return {"pinned_bytes": self.pinned_bytes}
+        return {"pinned_bytes": self.pinned_bytes, "buffer_bytes": self.budget_bytes - self.block_budget_bytes}
 
     def lease(self, keys: list[bytes]) -> list[torch.Tensor] | None:
         """Views of the slots of all keys, pinned until `release(keys)`; None if any is absent."""

@@ -58,4 +58,4 @@ class TierStack:
 
     def stats(self) -> dict[str, dict]:
         return {tier.name: {**tier.stats, "bytes_used": tier.bytes_used, "budget_bytes": tier.budget_bytes,
-                            **tier.extra_stats()} for tier in self.tiers}
+                            "gauges": tier.extra_stats()} for tier in self.tiers}
