@@ -73,3 +73,26 @@ def test_captured_decode_graphs_equal_eager(tiny_model_dir):
     assert sorted(graphed.runner.graphs.graphs) == [1, 2, 4, 6]
     assert_same(generate(graphed), generate(eager))
     assert graphed.runner.graphs.steps >= 8
+
+
+def test_a_graph_splits_a_long_context_and_not_a_short_one(tiny_model_dir):
+    """A step replays the graph split for its longest context's length bucket: one part for a 100-token context,
+    two for a 600-token one (on CPU a 16-multiprocessor GPU stands in), both equal to eager decode."""
+    from conftest import run_greedy
+    eager = engine(tiny_model_dir, DEVICE, enforce_eager=True)
+    graphed = engine(tiny_model_dir, DEVICE, enforce_eager=True)
+    graphs = DecodeGraphs(graphed.model, graphed.pool, 6, graphed.max_model_len, capture=False,
+                          num_multiprocessors=None if DEVICE == "cuda" else 16)
+    graphed.runner.graphs = graphs
+    assert graphs.lengths == [512, 1024, 2048]
+    if DEVICE == "cpu":
+        assert [graphs.split_count(1, n) for n in (100, 512, 600, 2000)] == [1, 1, 2, 4]
+    used, forward = [], graphs._forward
+    graphs._forward = lambda b, splits: (used.append(splits), forward(b, splits))[1]
+    for length in (100, 600):
+        prompt = [(31 * i) % 900 + 20 for i in range(length)]
+        want, got = run_greedy(eager, prompt, max_tokens=4), run_greedy(graphed, prompt, max_tokens=4)
+        assert got.tokens == want.tokens
+        assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+    splits = {graphs.split_count(1, 103), graphs.split_count(1, 603)}
+    assert set(used) == splits and len(used) == 6          # 3 decode steps of each; on CPU {1, 2}

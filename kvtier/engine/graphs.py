@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs, one per batch-size bucket, captured at start-up.
+"""Decode steps replayed from CUDA graphs, one per batch-size bucket and split count, captured at start-up.
 
 An eager decode step launches hundreds of small kernels (per layer: norms, projections,
 RoPE, the K/V write, attention, the MLP), so at small batches the CPU, not the GPU, sets
@@ -7,7 +7,11 @@ buffers: each step writes its token ids, positions, K/V slots, block tables and 
 lengths into one pinned buffer, copies that to the device in one transfer, and replays the
 smallest bucket that holds the batch. Padding rows decode token 0 at position 0 into the
 pool's pad slot, which no sequence owns. Attention is the Triton decode kernel: its grid is
-the bucket and context lengths are numbers in a buffer, so one graph serves every length.
+the bucket and context lengths are numbers in a buffer, so one graph serves every length up to
+its bucket of context length. What a graph fixes is how many parts the kernel splits each
+context into (flash-decoding), so a step replays the graph split for the smallest length bucket
+(512, 1K, 2K, ... tokens) that holds its longest context: a short context does not run the many
+mostly empty parts a long one needs. Buckets that split alike share one graph.
 `--enforce-eager` turns graphs off, as in vLLM.
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from kvtier.kv.pool import KVPool
 from kvtier.models.attention import AttentionMetadata, DecodeGroup
 from kvtier.models.decoder import Decoder
+from kvtier.models.triton_attention import MIN_SPLIT_TOKENS, decode_splits, multiprocessors
 
 log = logging.getLogger("kvtier.engine")
 
@@ -30,14 +35,21 @@ class DecodeGraphs:
     """run(token_ids, positions, slots, tables, lens) → logits [batch, vocab] of one decode step.
 
     capture=False runs the same forward over the same buffers without capturing it: how the tests check, on CPU
-    and through Triton's interpreter, the inputs a graph replays."""
+    and through Triton's interpreter, the inputs a graph replays (num_multiprocessors stands in for a GPU's there)."""
 
-    def __init__(self, model: Decoder, pool: KVPool, max_num_seqs: int, max_model_len: int, capture: bool = True):
+    def __init__(self, model: Decoder, pool: KVPool, max_num_seqs: int, max_model_len: int, capture: bool = True,
+                 num_multiprocessors: int | None = None):
         self.model, self.kv_cache, self.block_size = model, pool.kv_cache, pool.block_size
         self.pad_slot = pool.pad_slot
         self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
         self.most = most = self.buckets[-1]
         self.width = min(pool.blocks_for(max_model_len), pool.num_blocks)   # the longest block table
+        longest = self.width * self.block_size
+        self.lengths = [n for n in (MIN_SPLIT_TOKENS << i for i in range(32)) if n < longest] + [longest]
+        sms = multiprocessors(pool.kv_cache.device) if num_multiprocessors is None else num_multiprocessors
+        kv_heads = pool.kv_cache.shape[3]
+        # (batch bucket, length bucket) → the kernel's parts per context
+        self.splits = {(b, n): decode_splits(b, kv_heads, n, sms) for b in self.buckets for n in self.lengths}
         device = pool.kv_cache.device
         # [token ids | positions | slots | context lengths] of `most` rows each, then block tables [most, width]
         size = 4 * most + most * self.width
@@ -48,8 +60,8 @@ class DecodeGraphs:
         self.rows = torch.arange(most, device=device)
         self.copied = torch.cuda.Event() if device.type == "cuda" else None   # the last step's inputs landed
         self.capture = capture
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}     # by (batch bucket, split count)
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.steps = 0     # decode steps run from the buffers
         if capture:
             self._capture_all()
@@ -58,11 +70,16 @@ class DecodeGraphs:
         """The smallest captured batch size that holds num_seqs, or None when none does."""
         return next((b for b in self.buckets if b >= num_seqs), None)
 
+    def split_count(self, b: int, longest: int) -> int:
+        """The parts per context of bucket b's graph for contexts of at most `longest` tokens."""
+        return self.splits[b, next(n for n in self.lengths if n >= longest)]
+
     @torch.inference_mode()
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
             lens: list[int]) -> torch.Tensor:
         n = len(token_ids)
         b = self.bucket(n)
+        key = (b, self.split_count(b, max(lens)))
         if self.copied is not None:
             self.copied.synchronize()    # the pinned buffer is free again (the step's sampling waited for it anyway)
         staged = self.staging.numpy()        # numpy writes Python lists in place several times faster than torch
@@ -79,34 +96,33 @@ class DecodeGraphs:
             self.copied.record()
         self.steps += 1
         if not self.capture:
-            return self._forward(b)[:n]
-        self.graphs[b].replay()
-        return self.logits[b][:n].clone()      # the graphs share one memory pool: the next replay overwrites it
+            return self._forward(*key)[:n]
+        self.graphs[key].replay()
+        return self.logits[key][:n].clone()      # the graphs share one memory pool: the next replay overwrites it
 
-    def _forward(self, b: int) -> torch.Tensor:
-        """One decode step of the first b rows of the buffers: logits [b, vocab]."""
-        # the kernel's split of each context is fixed at capture: as for the longest context a table can hold
-        decode = DecodeGroup(list(range(b)), [], (self.rows[:b], self.tables[:b], self.lens[:b]),
-                             longest=self.width * self.block_size)
+    def _forward(self, b: int, splits: int) -> torch.Tensor:
+        """One decode step of the first b rows of the buffers, each context in `splits` parts: logits [b, vocab]."""
+        decode = DecodeGroup(list(range(b)), [], (self.rows[:b], self.tables[:b], self.lens[:b]), num_splits=splits)
         meta = AttentionMetadata(positions=self.positions[:b], slot_mapping=self.slots[:b], prefills=[],
                                  decode=decode, block_size=self.block_size)
         return self.model.logits(self.model(self.token_ids[:b], self.kv_cache, meta))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        """Capture every bucket, largest first, in one memory pool: the smaller graphs reuse the largest's memory."""
+        """Capture every (bucket, split count), largest first, in one memory pool: the smaller graphs reuse the
+        largest's memory."""
         start = time.perf_counter()
         self.slots.fill_(self.pad_slot)      # every row a padding row while capturing
         self.lens.fill_(1)
         self.tables[:, 0] = self.pad_slot // self.block_size
         memory = torch.cuda.graph_pool_handle()
-        for b in reversed(self.buckets):
-            self._forward(b)                 # warm-up: Triton compiles its kernels, cuBLAS picks its algorithms
+        for key in sorted({(b, s) for (b, _), s in self.splits.items()}, reverse=True):
+            self._forward(*key)              # warm-up: Triton compiles its kernels, cuBLAS picks its algorithms
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=memory):
-                self.logits[b] = self._forward(b)
-            self.graphs[b] = graph
+                self.logits[key] = self._forward(*key)
+            self.graphs[key] = graph
         torch.cuda.synchronize()
-        log.info("decode graphs captured for batch sizes %s in %.1f s", ",".join(map(str, self.buckets)),
-                 time.perf_counter() - start)
+        log.info("%d decode graphs captured for batch sizes %s (split per context length) in %.1f s",
+                 len(self.graphs), ",".join(map(str, self.buckets)), time.perf_counter() - start)

@@ -60,7 +60,8 @@ class DecodeGroup:
     runs: list[list[tuple[int, int]]]      # per row, pool slot ranges [a, b) of its context, this token's included
     # (rows, block tables, context lengths) already in a captured decode graph's buffers: the kernel reads them
     tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    longest: int = 0     # tokens of the longest context (with tensors: the longest a graph's contexts may be)
+    longest: int = 0     # tokens of the longest context
+    num_splits: int | None = None   # the kernel's parts per context: set by a graph at capture, else from `longest`
 
     def __post_init__(self):
         if self.tensors is None:
@@ -179,7 +180,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         d = meta.decode
         if kernels is not None:
             rows, tables, lens = meta.kernel_args("decode", lambda: d.kernel_args(meta.block_size, q.device))
-            splits = kernels.decode_splits(len(rows), k_cache.shape[1], d.longest, q.device)
+            splits = d.num_splits or kernels.decode_splits(len(rows), k_cache.shape[1], d.longest,
+                                                           kernels.multiprocessors(q.device))
             kernels.decode(q, k_cache, v_cache, out, rows, tables, lens, meta.block_size, scale, splits)
         else:
             # on CPU a lone decode or a long context is read where it lies, one sequence at a time; the others are

@@ -170,12 +170,17 @@ def _multiprocessors(device_index: int) -> int:
 MIN_SPLIT_TOKENS = 512
 
 
-def decode_splits(batch: int, kv_heads: int, longest: int, device: torch.device) -> int:
-    """How many parts each context is split into: enough programs to give every streaming multiprocessor two, no
-    part shorter than MIN_SPLIT_TOKENS of the longest context. 1 off CUDA."""
+def multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessors (0 off CUDA)."""
     if device.type != "cuda":
-        return 1
-    programs = 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+        return 0
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def decode_splits(batch: int, kv_heads: int, longest: int, num_multiprocessors: int) -> int:
+    """How many parts each context is split into: enough programs to give every streaming multiprocessor two, no
+    part shorter than MIN_SPLIT_TOKENS of the longest context. 1 without multiprocessors (off CUDA)."""
+    programs = 2 * num_multiprocessors
     return max(1, min(-(-programs // (batch * kv_heads)), longest // MIN_SPLIT_TOKENS))
 
 
