@@ -50,3 +50,16 @@ def test_itl_bench_runs_on_a_built_shape(tmp_path, device):
     text = out.read_text()
     assert "| paced (--max-itl-ratio 2) |" in text and "| unpaced (--max-itl-ratio 0) |" in text
     assert "model tiny-llama3-" in text
+
+
+def test_stall_bench_stalls_every_kind_of_disk_call(tiny_model_dir, tmp_path):
+    """The stalled run stalls the disk tier's reads, writes and unlinks, and still answers both prompts."""
+    from kvtier.bench import stall
+    out = tmp_path / "BENCHMARKS.md"
+    stall.main(["--model", tiny_model_dir, "--prompt", "128", "--stall", "0.3", "--seconds", "1.5",
+                "--output", str(out)])
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| as it is |") or line.startswith("| stalled |")]
+    assert len(rows) == 2
+    stalled = text.split("in the stalled run: ")[1].split(")")[0]
+    assert all(int(stalled.split(f" {kind}")[0].split()[-1]) >= 1 for kind in ("reads", "writes", "unlinks"))
