@@ -236,7 +236,8 @@ def test_a_server_killed_while_serving_keeps_the_rates_it_measured(tiny_model_di
 
 def test_the_read_buffer_is_carved_once_from_the_host_budget(tiny_model_dir, tmp_path):
     """The buffer a restore from disk reads into is carved from the host tier's slab at start-up (so --kv-host-gib
-    covers it, pinned on CUDA, faulted in before serving) and never grown: a restore after a restart reads into it."""
+    covers it, pinned on CUDA, faulted in before serving) and never grown: a restore after a restart reads into it.
+    Without a host tier the disk tier gets a buffer of its own, allocated once the same way."""
     eng = make_engine(tiny_model_dir, tmp_path, kv_host_gib=0.01)
     p = prompt(150, salt=28)
     run(eng, p)
@@ -252,6 +253,9 @@ def test_the_read_buffer_is_carved_once_from_the_host_budget(tiny_model_dir, tmp
     assert landed and all(block.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
                           for block in landed[0])
     assert eng.tiers.staging.buffer is buffer
+    eng.shutdown()
+    alone = make_engine(tiny_model_dir, tmp_path)          # no host tier: the disk reads into a buffer of its own
+    assert alone.tiers.staging.buffer.numel() == alone.pool.blocks_for(alone.max_model_len) * alone.pool.block_bytes
 
 
 @pytest.mark.parametrize("damage", ["garbage", "negative", "other model"])

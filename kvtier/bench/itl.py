@@ -12,14 +12,13 @@ trades it for the streams' pace.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-from kvtier.bench.report import (add_device_args, add_output_args, cpu_model, device_settings, header, parse_command,
-                                 publish, verdict)
+from kvtier.bench.report import (add_device_args, add_output_args, device_settings, engine_machine, header,
+                                 parse_command, publish, verdict)
 from kvtier.bench.shapes import add_model_args, resolve_model
 from kvtier.bench.throughput import random_prompts
 from kvtier.config import Config
@@ -110,10 +109,8 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
     paced_before = [percentile(results["paced"]["during"], q) / percentile(results["paced"]["before"], q)
                     for q in (0.5, 0.99)]
     slower = results["paced"]["ttft"] / results["unpaced"]["ttft"]
-    machine = (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} "
-               f"threads, device {eng.config.device}, {eng.config.dtype}, model {eng.model_name}")
     return "\n".join([
-        *header(SECTION, machine, command),
+        *header(SECTION, engine_machine(eng), command),
         *table,
         "",
         "Targets:",

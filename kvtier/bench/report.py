@@ -20,6 +20,13 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def engine_machine(eng) -> str:
+    """Where an engine's numbers come from: the CPU, torch, its threads, device, dtype and model."""
+    import torch
+    return (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+            f"device {eng.config.device}, {eng.config.dtype}, model {eng.model_name}")
+
+
 def header(section: str, machine: str, command: str) -> list[str]:
     """A section's opening lines: heading, when and where it was measured, and the command."""
     return [section, "", f"Measured {datetime.date.today().isoformat()} on: {machine}.", "",

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import tempfile
 import time
 
 import torch
 
 from kvtier.bench.itl import percentile
-from kvtier.bench.report import (add_device_args, add_output_args, cpu_model, device_settings, header, parse_command,
-                                 publish, verdict)
+from kvtier.bench.report import (add_device_args, add_output_args, device_settings, engine_machine, header,
+                                 parse_command, publish, verdict)
 from kvtier.bench.shapes import add_model_args, resolve_model
 from kvtier.bench.throughput import random_prompts
 from kvtier.config import Config
@@ -136,10 +135,8 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
     base, stalled = results["as it is"]["decodes"], results["stalled"]["decodes"]
     ratios = [percentile(stalled, q) / percentile(base, q) for q in (0.5, 0.99)]
     counts = results["stalled"]["counts"]
-    machine = (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} "
-               f"threads, device {eng.config.device}, {eng.config.dtype}, model {eng.model_name}")
     return "\n".join([
-        *header(SECTION, machine, command),
+        *header(SECTION, engine_machine(eng), command),
         *table,
         "",
         "Targets:",

@@ -341,10 +341,14 @@ def build_tier_stack(config: Config, pool: KVPool, max_model_len: int) -> TierSt
         tiers.append(DiskTier(os.path.expanduser(config.kv_disk_dir), int(config.kv_disk_gib * 2**30),
                               pool.namespace, pool.block_shape, pool.kv_cache.dtype))
     tiers += extra_tiers(config, pool)
-    # each buffer holds a whole context's blocks, within an eighth of the host budget (a longer read goes to fresh
-    # memory); without a host tier there is none
-    size = min(BUFFER_MAX_BYTES, pool.blocks_for(max_model_len) * pool.block_bytes,
-               host.budget_bytes // 8 // pool.block_bytes * pool.block_bytes) if host is not None else 0
-    staging = Staging(host.carve(size)) if size and len(tiers) > 1 else None
+    below_host = len(tiers) - (host is not None)
+    # each read buffer holds a whole context's blocks (a longer read goes to fresh memory), carved from the host tier
+    # within an eighth of its budget; with the host tier off, the tiers below read into one buffer of their own
+    size = min(BUFFER_MAX_BYTES, pool.blocks_for(max_model_len) * pool.block_bytes)
+    if host is None:
+        cuda = pool.kv_cache.device.type == "cuda"
+        return TierStack(tiers, Staging(torch.empty(size, dtype=torch.uint8, pin_memory=cuda)) if below_host else None)
+    size = min(size, host.budget_bytes // 8 // pool.block_bytes * pool.block_bytes)
+    staging = Staging(host.carve(size)) if size and below_host else None
     gather = Staging(host.carve(size)) if size and config.resident_blocks else None
     return TierStack(tiers, staging, gather)
