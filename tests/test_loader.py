@@ -169,8 +169,10 @@ def head_dim(hf_cfg) -> int:
     return getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
 
 
-def write_gguf(path, arch: str, hf_cfg, weights: dict[str, torch.Tensor], qtypes: dict[str, GGMLQuantizationType]):
-    """Write weights the way llama.cpp's converter does; returns what loading must give back."""
+def write_gguf(path, arch: str, hf_cfg, weights: dict[str, torch.Tensor], qtypes: dict[str, GGMLQuantizationType],
+               extra: dict[str, np.ndarray] | None = None):
+    """Write weights the way llama.cpp's converter does (and `extra` tensors under their GGUF names); returns what
+    loading must give back."""
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(hf_cfg.num_hidden_layers)
     writer.add_context_length(hf_cfg.max_position_embeddings)
@@ -196,6 +198,8 @@ def write_gguf(path, arch: str, hf_cfg, weights: dict[str, torch.Tensor], qtypes
             writer.add_tensor(gguf_name(name), quantize(data, qtype), raw_dtype=qtype)
             w = torch.from_numpy(dequantize(quantize(w.numpy(), qtype), qtype))  # the rounding loading reproduces
         expected[name] = w
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -226,6 +230,61 @@ def test_gguf_round_trip(tmp_path, config_cls, overrides):
     assert (config.attention_bias, config.qk_norm) == (hf_cfg.model_type == "qwen2", hf_cfg.model_type == "qwen3")
     assert (config.rope_theta, config.eos_token_ids) == (1e6, (2,))
     assert_same_weights(loaded, expected)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256}
+
+
+def llama3_rope_factors(hf_cfg) -> np.ndarray:
+    """rope_freqs as llama.cpp's converter writes them for a Llama 3 checkpoint (LlamaModel.generate_extra_tensors)."""
+    rope, dim = hf_cfg.rope_scaling, head_dim(hf_cfg)
+    freqs = 1.0 / (1e6 ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    low_wavelen = rope["original_max_position_embeddings"] / rope["low_freq_factor"]
+    high_wavelen = rope["original_max_position_embeddings"] / rope["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1)
+        elif wavelen > low_wavelen:
+            factors.append(rope["factor"])
+        else:
+            smooth = (rope["original_max_position_embeddings"] / wavelen - rope["low_freq_factor"]) / (
+                rope["high_freq_factor"] - rope["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_a_llama3_gguf_applies_its_rope_factors_as_transformers_does(tmp_path):
+    """A Llama 3 GGUF (its RoPE scaling written as rope_freqs, one factor per frequency) loads, and the rotary
+    tables it gives equal transformers' for the checkpoint it came from."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from kvtier.models.decoder import RotaryEmbedding
+    hf_cfg = LlamaConfig(**TINY, vocab_size=256, rope_theta=1e6, rope_scaling=LLAMA3_ROPE)
+    weights = {n: w.detach() for n, w in AutoModelForCausalLM.from_config(hf_cfg).state_dict().items()}
+    factors = llama3_rope_factors(hf_cfg)
+    assert 1.0 < factors.max() and factors.min() == 1.0     # low frequencies scaled, high ones kept, some smoothed
+    expected = write_gguf(tmp_path / "m.gguf", "llama", hf_cfg, weights, {}, extra={"rope_freqs.weight": factors})
+    config, loaded, _ = read_gguf(str(tmp_path / "m.gguf"), torch.float32)
+    assert_same_weights(loaded, expected)
+    assert config.rope_freq_factors == pytest.approx(factors.tolist())
+    positions = torch.tensor([0, 1, 37, 255, 256, 1000, 2047])
+    cos, sin = RotaryEmbedding(config)(positions, torch.float32)
+    want_cos, want_sin = LlamaRotaryEmbedding(hf_cfg)(torch.zeros(1), positions[None])
+    assert torch.allclose(cos[:, 0], want_cos[0], atol=1e-5) and torch.allclose(sin[:, 0], want_sin[0], atol=1e-5)
+    write_gguf(tmp_path / "plain.gguf", "llama", hf_cfg, weights, {})
+    plain = read_gguf(str(tmp_path / "plain.gguf"), torch.float32)[0]
+    assert not torch.allclose(RotaryEmbedding(plain)(positions, torch.float32)[0], cos)   # the factors matter
+
+
+def test_rope_factors_of_the_wrong_count_are_refused(tmp_path):
+    hf_cfg = LlamaConfig(**TINY, vocab_size=256)
+    weights = {n: w.detach() for n, w in AutoModelForCausalLM.from_config(hf_cfg).state_dict().items()}
+    write_gguf(tmp_path / "m.gguf", "llama", hf_cfg, weights, {}, extra={"rope_freqs.weight": np.ones(3, np.float32)})
+    with pytest.raises(ValueError, match="rope_freqs holds 3 factors, not 8"):
+        read_gguf(str(tmp_path / "m.gguf"), torch.float32)
 
 
 # ---- bad input ----

@@ -19,6 +19,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # HF "rope_scaling" / "rope_parameters" (llama3, linear), None → plain RoPE
+    rope_freq_factors: tuple[float, ...] | None = None   # a GGUF's rope_freqs (Llama 3): each frequency divided by one
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False      # q/k/v projections carry a bias (Qwen2)

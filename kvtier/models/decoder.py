@@ -90,6 +90,8 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    if cfg.rope_freq_factors is not None:      # as llama.cpp applies a GGUF's rope_freqs: θ_i / factor_i
+        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":

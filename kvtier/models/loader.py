@@ -241,16 +241,22 @@ def _ids(value) -> tuple[int, ...]:
 def read_gguf(path: str, dtype: torch.dtype,
               digest_cache: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
     reader = _open_gguf(path)
-    tensors = {}
+    tensors, rope_freqs = {}, None
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            raise ValueError(f"{path} carries Llama 3 rope factors (rope_freqs), which kvtier reads only from "
-                             "a Hugging Face directory; use the original checkpoint")
+        if t.name == "rope_freqs.weight":     # Llama 3's RoPE scaling, as one factor per frequency
+            rope_freqs = t
+            continue
         name = _hf_name(t.name)
         if name is None:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} for a llama/qwen2/qwen3 GGUF")
         tensors[name] = t
     config = gguf_config(reader, tensors, path)
+    if rope_freqs is not None:
+        factors = dequantize(rope_freqs.data, rope_freqs.tensor_type).reshape(-1)
+        if factors.size != config.head_dim // 2 or not (factors > 0).all():
+            raise ValueError(f"{path}: rope_freqs holds {factors.size} factors, not {config.head_dim // 2} positive "
+                             "ones (one per rotary frequency)")
+        config.rope_freq_factors = tuple(float(f) for f in factors)
     # GGUF lists dimensions innermost first
     shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}
     check_shapes(shapes, config, path)
