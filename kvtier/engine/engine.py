@@ -69,8 +69,7 @@ class LLMEngine:
                  self.pool.kv_cache.numel() * self.pool.kv_cache.element_size() / 2**30)
         self.tiers = build_tier_stack(config, self.pool, self.max_model_len)
         self.pager = self._build_pager(config, loaded.fingerprint) if config.resident_blocks else None
-        disk_dir = os.path.expanduser(config.kv_disk_dir) if config.kv_disk and config.kv_disk_gib > 0 else None
-        beside_disk = (lambda name: os.path.join(disk_dir, name)) if disk_dir else None
+        beside_disk = (lambda name: os.path.join(disk_dir(config), name)) if disk_dir(config) else None
         manifests = None
         if self.pager:
             manifests = ManifestStore(self.pager.bounded_namespace, beside_disk and beside_disk("manifests"))
@@ -328,6 +327,12 @@ class LLMEngine:
         return stats
 
 
+def disk_dir(config: Config) -> str | None:
+    """The disk tier's directory, None when the config leaves the tier out (manifests, partial blocks and rates are
+    kept beside it)."""
+    return os.path.expanduser(config.kv_disk_dir) if config.kv_disk and config.kv_disk_gib > 0 else None
+
+
 def build_tier_stack(config: Config, pool: KVPool, max_model_len: int) -> TierStack:
     """The tiers below the device that the config asks for, fastest first, and the mover's read buffers."""
     tiers = []
@@ -336,14 +341,14 @@ def build_tier_stack(config: Config, pool: KVPool, max_model_len: int) -> TierSt
         host = HostTier(int(config.kv_host_gib * 2**30), pool.block_shape, pool.kv_cache.dtype,
                         pin_memory=pool.kv_cache.device.type == "cuda")
         tiers.append(host)
-    if config.kv_disk and config.kv_disk_gib > 0:
+    if disk_dir(config):
         from kvtier.kv.tiers.disk import DiskTier
-        tiers.append(DiskTier(os.path.expanduser(config.kv_disk_dir), int(config.kv_disk_gib * 2**30),
+        tiers.append(DiskTier(disk_dir(config), int(config.kv_disk_gib * 2**30),
                               pool.namespace, pool.block_shape, pool.kv_cache.dtype))
     tiers += extra_tiers(config, pool)
     below_host = len(tiers) - (host is not None)
-    # each read buffer holds a whole context's blocks (a longer read goes to fresh memory), carved from the host tier
-    # within an eighth of its budget; with the host tier off, the tiers below read into one buffer of their own
+    # each read buffer holds a whole context's blocks (a longer read goes to fresh memory), carved from the host tier,
+    # each at most an eighth of its budget; with the host tier off, the tiers below read into one buffer of their own
     size = min(BUFFER_MAX_BYTES, pool.blocks_for(max_model_len) * pool.block_bytes)
     if host is None:
         cuda = pool.kv_cache.device.type == "cuda"

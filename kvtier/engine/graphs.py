@@ -11,7 +11,9 @@ the bucket and context lengths are numbers in a buffer, so one graph serves ever
 its bucket of context length. What a graph fixes is how many parts the kernel splits each
 context into (flash-decoding), so a step replays the graph split for the smallest length bucket
 (512, 1K, 2K, ... tokens) that holds its longest context: a short context does not run the many
-mostly empty parts a long one needs. Buckets that split alike share one graph.
+mostly empty parts a long one needs (its parts hold at least half the kernel's minimum, since a
+context may be just over the bucket below). Split counts are powers of two, and buckets that split
+alike share one graph.
 `--enforce-eager` turns graphs off, as in vLLM.
 """
 from __future__ import annotations
@@ -24,11 +26,17 @@ import torch
 from kvtier.kv.pool import KVPool
 from kvtier.models.attention import AttentionMetadata, DecodeGroup
 from kvtier.models.decoder import Decoder
-from kvtier.models.triton_attention import MIN_SPLIT_TOKENS, decode_splits, multiprocessors
 
 log = logging.getLogger("kvtier.engine")
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def graph_splits(batch: int, kv_heads: int, longest: int, num_multiprocessors: int) -> int:
+    """The decode kernel's split for a graph, rounded down to a power of two: fewer graphs to capture and kernel
+    variants to compile, at most half the programs the split for the exact length would run."""
+    from kvtier.models.triton_attention import decode_splits
+    return 1 << (decode_splits(batch, kv_heads, longest, num_multiprocessors).bit_length() - 1)
 
 
 class DecodeGraphs:
@@ -43,13 +51,14 @@ class DecodeGraphs:
         self.pad_slot = pool.pad_slot
         self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
         self.most = most = self.buckets[-1]
+        from kvtier.models.triton_attention import MIN_SPLIT_TOKENS, multiprocessors  # graphs need Triton; the engine not
         self.width = min(pool.blocks_for(max_model_len), pool.num_blocks)   # the longest block table
         longest = self.width * self.block_size
         self.lengths = [n for n in (MIN_SPLIT_TOKENS << i for i in range(32)) if n < longest] + [longest]
         sms = multiprocessors(pool.kv_cache.device) if num_multiprocessors is None else num_multiprocessors
         kv_heads = pool.kv_cache.shape[3]
         # (batch bucket, length bucket) → the kernel's parts per context
-        self.splits = {(b, n): decode_splits(b, kv_heads, n, sms) for b in self.buckets for n in self.lengths}
+        self.splits = {(b, n): graph_splits(b, kv_heads, n, sms) for b in self.buckets for n in self.lengths}
         device = pool.kv_cache.device
         # [token ids | positions | slots | context lengths] of `most` rows each, then block tables [most, width]
         size = 4 * most + most * self.width

@@ -62,6 +62,7 @@ class ModelRunner:
                 decode_rows.append(row)
                 decode_runs.append(slot_runs(table, end, self.pool.block_size))
             else:
+                table = self.kv.step_table(seq.kv)        # blocks whose page-out is in flight are still read in place
                 prefix = slot_runs(table, start, self.pool.block_size)
                 prefills.append(PrefillSeq(row, n, prefix, table[:self.pool.blocks_for(end)]))
                 if seq.kv.residency and start > 0:

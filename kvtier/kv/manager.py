@@ -260,14 +260,22 @@ class KVManager:
         self.num_paging += 1
         self.mover.page_in(job)
 
+    def step_table(self, state: KVState) -> list[int]:
+        """The block table a prompt chunk reads this step: a block whose page-out is still in flight is read where
+        it lies (its device block is held until the copy lands, after this step's forward)."""
+        if not state.residency or not self.paging_out:
+            return state.block_table
+        return [self.paging_out.get(state.block_keys[i], b) if b == NOT_RESIDENT else b
+                for i, b in enumerate(state.block_table)]
+
     def paged_out_kv(self, chunks: list[tuple[KVState, int]]) -> list[torch.Tensor | None]:
         """Per prompt chunk (a bounded sequence and the token it starts at): K/V [2, layers, tokens, kv_heads,
-        head_dim] of its paged-out blocks before that token, in block order (exact prefill attends to them too),
-        or None: gathered by the mover from host memory (`Mover.gather`). Call `forward_done` after the forward
-        that reads them."""
-        runs = [[state.block_keys[i] for i, b in enumerate(state.block_table[:end // self.block_size])
+        head_dim] of the blocks before that token that `step_table` leaves off the device, in block order (exact
+        prefill attends to them too), or None: gathered by the mover from host memory (`Mover.gather`). Call
+        `forward_done` after the forward that reads them."""
+        runs = [[state.block_keys[i] for i, b in enumerate(self.step_table(state)[:end // self.block_size])
                  if b == NOT_RESIDENT] for state, end in chunks]
-        return self.mover.gather(runs, self.paging_out)
+        return self.mover.gather(runs)
 
     def forward_done(self) -> None:
         """The step's forward, which read what `paged_out_kv` gave, is queued: its buffer may be reused after it."""

@@ -8,6 +8,9 @@ from kvtier.engine.outputs import RequestOutput
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+# the kvtier_kv_tier_* families every tier has: a tier's own gauge of one of these names is left out (base.py)
+TIER_FAMILIES = {"lookups", "hit_blocks", "bytes_read", "bytes_written", "evictions", "hit_tokens", "bytes_used",
+                 "budget_bytes", "bandwidth_bytes_per_second", "computed_instead_tokens"}
 # what the tiers' own gauges (Tier.extra_stats) mean; one a tier adds without a line here gets a generic text
 TIER_GAUGES = {"pinned_bytes": "Bytes the tier keeps pinned for live bounded sequences",
                "buffer_bytes": "Bytes of the tier's budget given to the mover's read buffers",
@@ -111,7 +114,7 @@ class _EngineCollector:
         for tier, st in tiers.items():
             hit_tokens.add_metric([tier], st.get("hit_blocks", 0) * s["block_size"])
         yield hit_tokens
-        for gauge in sorted({name for st in tiers.values() for name in st["gauges"]}):     # each tier's own
+        for gauge in sorted({name for st in tiers.values() for name in st["gauges"]} - TIER_FAMILIES):  # their own
             family = GaugeMetricFamily(f"kvtier_kv_tier_{gauge}", TIER_GAUGES.get(gauge, "A tier's own gauge"),
                                        labels=["tier"])
             for tier, st in tiers.items():

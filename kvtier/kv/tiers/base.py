@@ -3,7 +3,8 @@
 A new tier is one file with a class of this shape and one entry in `stack.EXTRA_TIERS`; nothing else in kvtier
 names it. The engine's thread calls only `contains` and `match_prefix`, which answer from memory (an index the tier
 keeps: a tier whose store is remote refreshes its own from a thread of its own, and may answer a key late, never
-slowly); the mover's workers make every other call. Eviction is each tier's own business: `put_run` evicts least
+slowly), and the host tier's `lease`/`release` where the mover gathers paged-out blocks from host memory; the
+mover's workers make every other call. Eviction is each tier's own business: `put_run` evicts least
 recently used blocks to stay within the budget. Pinning and leasing slots (host.py) belong to the host tier, and
 only the mover calls them."""
 from __future__ import annotations
@@ -39,4 +40,4 @@ class Tier(Protocol):
 
     def extra_stats(self) -> dict:
         """Gauges beyond the common ones, by name (pinned_bytes, enabled, ...): /metrics shows each as
-        kvtier_kv_tier_<name>{tier=...}."""
+        kvtier_kv_tier_<name>{tier=...}, unless the name is a common family's (server/metrics.py TIER_FAMILIES)."""

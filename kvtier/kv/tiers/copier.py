@@ -10,6 +10,7 @@ worker. Tests record these calls (tests/test_copier.py) to check the order on a 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -23,8 +24,9 @@ class Copier:
 
     @contextlib.contextmanager
     def copying(self, ready: object, reads: list[int] = (), writes: list[int] = ()):
-        """Run the copies made inside after `ready`; on leaving, they have landed. reads / writes: the device blocks
-        they copy out of / into, which no one may reuse until the worker reports the copy."""
+        """Run the copies made inside after `ready`; on leaving, even by an error, they have landed (or stopped).
+        reads / writes: the device blocks they copy out of / into, which no one may reuse until the worker reports
+        the copy (the copiers here need not know them; a test's recording copier checks the engine by them)."""
         yield
 
     def wait(self, mark: object) -> None:
@@ -32,8 +34,17 @@ class Copier:
 
 
 class CudaCopier(Copier):
+    """A copy stream per worker thread: a worker that waits for its copies to land waits for no other worker's."""
+
     def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device)
+        self.device = device
+        self._local = threading.local()
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        if not hasattr(self._local, "stream"):
+            self._local.stream = torch.cuda.Stream(self.device)
+        return self._local.stream
 
     def ready(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
@@ -42,10 +53,13 @@ class CudaCopier(Copier):
 
     @contextlib.contextmanager
     def copying(self, ready: torch.cuda.Event, reads: list[int] = (), writes: list[int] = ()):
-        self.stream.wait_event(ready)       # the copy stream waits for compute, never the other way round
-        with torch.cuda.stream(self.stream):
-            yield
-        self.stream.synchronize()           # the worker, not the engine, waits for the copy to land
+        stream = self.stream
+        stream.wait_event(ready)            # the copy stream waits for compute, never the other way round
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:                            # landed, or failed part-way: either way no copy is left running when
+            stream.synchronize()            # the worker reports and the engine frees the blocks
 
     def wait(self, mark: torch.cuda.Event | None) -> None:
         if mark is not None:

@@ -181,41 +181,34 @@ class Mover:
         """Unpin these host copies once the page-outs queued before have pinned them."""
         self._pages.put(("unpin", keys))
 
-    def gather(self, runs: list[list[bytes]], flying: dict[bytes, int]) -> list[torch.Tensor | None]:
+    def gather(self, runs: list[list[bytes]]) -> list[torch.Tensor | None]:
         """(The engine's thread.) Per run of a bounded prompt chunk's paged-out keys: their K/V [2, layers, tokens,
-        kv_heads, head_dim] side by side, or None for an empty run. Read from the device block while its copy to the
-        host tier is in flight (`flying`: key → block; a step's page-outs run beside it), else from the host tier's
-        slot, where each is pinned (a restore pins all it leaves off the device, or is a miss): no tier below the
-        host is read here. Into the gather buffer, reused step after step, or fresh memory where it is too small."""
+        kv_heads, head_dim] side by side, or None for an empty run, from the host tier's slots, where each is pinned
+        (a page-out pins its blocks before it lands; a restore pins all it leaves off the device, or is a miss): no
+        tier below the host is read here. Into the gather buffer, reused step after step, or fresh memory where it
+        is too small."""
         self.copier.wait(self._gather_read)     # the last forward's copies out of it are done
         buffers = self.stack.gather.split([len(keys) * self.pool.block_bytes for keys in runs])
-        return [self._gathered(keys, flying, buffer) if keys else None for keys, buffer in zip(runs, buffers)]
+        return [self._gathered(keys, buffer) if keys else None for keys, buffer in zip(runs, buffers)]
 
     def gather_read(self) -> None:
         """(The engine's thread, after a forward that read what `gather` gave.) Its buffer may be reused after this."""
         self._gather_read = self.copier.ready()
 
-    def _gathered(self, keys: list[bytes], flying: dict[bytes, int], buffer: torch.Tensor | None) -> torch.Tensor:
-        host, on_device = self.stack.host, [key for key in keys if key in flying]
-        parts = dict(zip(on_device, self.pool.blocks_out([flying[key] for key in on_device])))
-        leased = []
+    def _gathered(self, keys: list[bytes], buffer: torch.Tensor | None) -> torch.Tensor:
+        host = self.stack.host
+        payloads = host.lease(keys)
+        if payloads is None:
+            raise RuntimeError(f"a paged-out block of {len(keys)} is not in the host tier")
         try:
-            for key in keys:
-                if key in parts:
-                    continue
-                view = host.lease([key])
-                if view is None:
-                    raise RuntimeError(f"paged-out block {key.hex()} is not in the host tier")
-                leased.append(key)
-                parts[key] = view[0]
             two, layers, block, heads, dim = self.pool.block_shape
             shape, dtype = (two, layers, block * len(keys), heads, dim), self.pool.kv_cache.dtype
             out = torch.empty(shape, dtype=dtype) if buffer is None else buffer.view(dtype).view(shape)
-            for j, key in enumerate(keys):
-                out[:, :, j * block:(j + 1) * block].copy_(parts[key])
+            for j, payload in enumerate(payloads):
+                out[:, :, j * block:(j + 1) * block].copy_(payload)
             return out
         finally:
-            host.release(leased)
+            host.release(keys)
 
     # --- workers ---------------------------------------------------------------------------------
 
@@ -436,6 +429,8 @@ class Mover:
             got = tier.read_run(here, staging) if here else None
             if got is not None:
                 reads.append((tier, dict(zip(here, got)), time.perf_counter() - start))
+                if tier is not self.stack.host:
+                    staging = None      # one lower tier reads into it; a second would overwrite what the first gave
                 missing = [key for key in missing if key not in reads[-1][1]]
         if missing:
             for tier, got, _ in reads:

@@ -15,11 +15,14 @@ class Staging:
         self.buffer = torch.empty(0, dtype=torch.uint8) if buffer is None else buffer
 
     def split(self, sizes: list[int]) -> list[torch.Tensor | None]:
-        """Consecutive pieces of the buffer of these sizes (all None when they do not fit)."""
-        total = sum(sizes)
-        if total > self.buffer.numel():
-            return [None] * len(sizes)
-        return list(self.buffer[:total].split(sizes))
+        """Pieces of the buffer of these sizes, one after another: each that fits after those before it, None for
+        one that does not (it goes to fresh memory)."""
+        pieces, start = [], 0
+        for size in sizes:
+            fits = start + size <= self.buffer.numel()
+            pieces.append(self.buffer[start:start + size] if fits else None)
+            start += size if fits else 0
+        return pieces
 
     def fault_in(self) -> None:
         """Touch every page now, at start-up, so that no request pays for the page faults."""
