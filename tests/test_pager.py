@@ -166,9 +166,10 @@ def scored_blocks(seq) -> list[int]:
 
 
 def test_page_ins_join_at_the_next_step_and_give_back_what_they_hold(tiny_model_dir, monkeypatch):
-    """A stalled page-in: issuing it does not wait, and its block joins the table at the next step, whatever
-    the copy took (tokens never depend on timing); one given up, or whose sequence ends, in flight frees its
-    device block when it lands; no host pin outlives its sequence."""
+    """A stalled page-in: issuing it does not wait, nor does a step while it is in flight (the sequence waits for it
+    in its own state); its block joins the table before the sequence's next step, whatever the copy took (tokens
+    never depend on timing); one given up, or whose sequence ends, in flight frees its device block when it lands;
+    no host pin outlives its sequence."""
     engine = still_bounded(tiny_model_dir)
     kv, pool, host = engine.kv, engine.pool, engine.tiers.host
     stalled = kv.mover._paged_in
@@ -181,7 +182,11 @@ def test_page_ins_join_at_the_next_step_and_give_back_what_they_hold(tiny_model_
     start = time.perf_counter()
     kv._page_in(seq.kv, paged_out[:1])
     assert time.perf_counter() - start < 0.4 and seq.kv.block_table[paged_out[0]] == NOT_RESIDENT
-    engine.step()                                   # the next step takes it up
+    computed, start = seq.num_computed_tokens, time.perf_counter()
+    engine.step()                                   # the copy is still stalled: the sequence waits, the step does not
+    assert time.perf_counter() - start < 0.4 and seq.num_computed_tokens == computed
+    while seq.kv.waits_for_pages:                   # once it lands, the block is in the table before its step
+        engine.step()
     assert seq.kv.block_table[paged_out[0]] != NOT_RESIDENT
 
     kv._page_in(seq.kv, paged_out[1:2])

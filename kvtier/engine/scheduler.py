@@ -58,8 +58,8 @@ class Scheduler:
         for seq in decoding:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this step
-                continue
+            if seq.status is not SequenceStatus.RUNNING or seq.kv.waits_for_pages:   # preempted earlier in this step,
+                continue                                                             # or its page-ins are landing
             if self._reserve(seq, 1, batch):
                 batch.add(seq, 1)
                 batch.num_decodes += 1
@@ -70,6 +70,8 @@ class Scheduler:
         for seq in prefilling:
             if budget == 0:
                 break
+            if seq.kv.waits_for_pages:
+                continue
             seq.num_computed_tokens = self.kv.take_landed(seq.kv, seq.num_computed_tokens)
             n = self.kv.chunk(seq.kv, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
             if n == 0:      # waiting for its loading blocks

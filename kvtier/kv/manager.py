@@ -340,12 +340,11 @@ class KVManager:
     # --- landed copies ---------------------------------------------------------------------------
 
     def poll(self) -> list[KVState]:
-        """Apply finished copies; returns loading requests that were aborted meanwhile, now released. The last
-        step's page-ins are waited for: they join every table at this step, however fast the copies ran, so that
-        a sequence's tokens never depend on timing."""
+        """Apply finished copies, without waiting for any; returns loading requests that were aborted meanwhile, now
+        released. A sequence whose page-ins have not landed waits in its own state (`waits_for_pages`), so they join
+        its table before its next step however fast they ran: its tokens never depend on timing."""
         if not self.mover:
             return []
-        self.mover.wait_for_pages()
         events = self.mover.poll()
         for blocks in events.saved:
             self.pool.free(blocks)

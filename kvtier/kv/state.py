@@ -30,6 +30,12 @@ class KVState:
     tier_tokens: dict[str, int] = field(default_factory=dict)   # of those, how many came from which tier
 
     @property
+    def waits_for_pages(self) -> bool:
+        """Not schedulable now: blocks the pager chose to bring back are still being copied in (they join its table
+        once landed, before its next step, however fast the copies ran)."""
+        return self.residency is not None and bool(self.residency.paging_in)
+
+    @property
     def waits_for_load(self) -> bool:
         """Not admissible yet: its whole cached prefix is loading."""
         return self.loading and not self.compute_first

@@ -148,10 +148,6 @@ class Mover:
                 return events
             getattr(events, kind).append(item)
 
-    def wait_for_pages(self) -> None:
-        """Until every page copy and unpin queued so far is done."""
-        self._pages.join()
-
     def paging(self) -> bool:
         """Page copies or unpins are queued or running."""
         return self._pages.unfinished_tasks > 0
