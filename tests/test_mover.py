@@ -25,7 +25,7 @@ def wait_for(mover: Mover, count: int):
     while len(events) < count and time.monotonic() < deadline:
         mover.wait(0.05)
         polled = mover.poll()
-        events += polled.saved + polled.loaded
+        events += [blocks for _, blocks in polled.saved] + polled.loaded
     assert len(events) == count
     return events
 

@@ -49,6 +49,7 @@ class KVManager:
         saving_run = self.mover.saving_run if self.mover else (lambda keys: 0)
         self.planner = LoadPlanner(pool, stack, self.rates, self.partials, pager, manifests, saving_run)
         self.num_saving = 0                       # block runs pinned for a copy that has not landed
+        self.saving: dict[bytes, int] = {}        # key → device block whose save is in flight (held until it lands)
         self.num_paging = 0                       # page-outs and page-ins in flight
         self.paging_out: dict[bytes, int] = {}    # key → device block whose copy to the host tier is in flight
         self._warned = False
@@ -98,12 +99,25 @@ class KVManager:
             exact = self.prompt_keys(state)
             plan, on_device = self.planner.bounded(exact) if state.residency else None, []
             if plan is None:
-                on_device = self.pool.match_prefix(exact[:self.planner.shared_limit])
+                on_device = self._device_prefix(exact[:self.planner.shared_limit])
                 plan = self.planner.prefix(state, exact, len(on_device))
             if plan is None:
                 self.pool.free(on_device)     # admission matches the device part again
                 continue
             self._begin_load(state, plan, on_device)
+
+    def _device_prefix(self, keys: list[bytes]) -> list[int]:
+        """The blocks of the longest run of leading keys the device holds, referenced for the caller: cached ones,
+        then those a save still holds (without a device prefix cache too: the next turn of an agent's loop, sent as
+        the last answer arrives, shares them instead of waiting for the save and loading them back)."""
+        blocks = self.pool.match_prefix(keys)
+        for key in keys[len(blocks):]:
+            block = self.saving.get(key)
+            if block is None:
+                break
+            self.pool.pin([block])
+            blocks.append(block)
+        return blocks
 
     def _begin_load(self, state: KVState, plan: LoadPlan, on_device: list[int]) -> None:
         """Reserve the plan's blocks (after those the device holds), write the state, start the copy. The
@@ -145,7 +159,7 @@ class KVManager:
             cached, keys = [], state.block_keys
             start = len(keys) * self.block_size if state.compute_first else state.restored
         else:
-            cached = self.pool.match_prefix(self.prompt_keys(state)[:self.planner.shared_limit])
+            cached = self._device_prefix(self.prompt_keys(state)[:self.planner.shared_limit])
             keys, start = state.prompt_keys[:len(cached)], len(cached) * self.block_size
         # a loaded table already has a block reserved where the copy would go: its load brought any partial
         copied = None if state.residency or state.block_table else self._partial_on_device(state, keys)
@@ -224,6 +238,7 @@ class KVManager:
     def _save(self, keys: list[bytes], blocks: list[int]) -> None:
         if self.mover:
             self.pool.pin(blocks)             # the slots stay ours until the copy lands
+            self.saving.update(zip(keys, blocks))
             self.num_saving += 1
             self.mover.save(keys, blocks)
 
@@ -346,7 +361,10 @@ class KVManager:
         if not self.mover:
             return []
         events = self.mover.poll()
-        for blocks in events.saved:
+        for keys, blocks in events.saved:
+            for key, block in zip(keys, blocks):
+                if self.saving.get(key) == block:
+                    del self.saving[key]
             self.pool.free(blocks)
             self.num_saving -= 1
         for job in events.paged_out:

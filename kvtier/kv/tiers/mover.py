@@ -82,7 +82,8 @@ class PageIn:
 
 @dataclass
 class TransferEvents:
-    saved: list[list[int]] = field(default_factory=list)   # pinned block runs whose copy-out landed
+    saved: list[tuple[list[bytes], list[int]]] = field(default_factory=list)   # (keys, pinned blocks) of runs whose
+                                                                                # copy-out landed
     loaded: list[LoadJob] = field(default_factory=list)
     paged_out: list[PageOut] = field(default_factory=list)
     paged_in: list[PageIn] = field(default_factory=list)
@@ -221,7 +222,7 @@ class Mover:
             try:
                 payloads, leased = self._copy_out_run(keys, blocks, ready)
             finally:
-                self._done.put(("saved", blocks))    # the device slots may be reused from here on
+                self._done.put(("saved", (keys, blocks)))    # the device slots may be reused from here on
                 self._landed.set()
             try:
                 for tier in self.stack.tiers:
