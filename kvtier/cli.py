@@ -13,7 +13,8 @@ import sys
 
 log = logging.getLogger("kvtier")
 
-BENCHMARKS = ("throughput", "ttft", "niah", "itl")   # kvtier bench NAME → kvtier.bench.NAME.main(argv)
+# kvtier bench NAME → kvtier.bench.NAME.main(argv)
+BENCHMARKS = ("throughput", "ttft", "niah", "itl", "stall", "kernels")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,3 +63,14 @@ def test_stall_bench_stalls_every_kind_of_disk_call(tiny_model_dir, tmp_path):
     assert len(rows) == 2
     stalled = text.split("in the stalled run: ")[1].split(")")[0]
     assert all(int(stalled.split(f" {kind}")[0].split()[-1]) >= 1 for kind in ("reads", "writes", "unlinks"))
+
+
+def test_kernels_bench_compares_ggml_with_torch(tmp_path):
+    """Every candidate's row, ggml's types among them (the K-quants only where the width is a multiple of 256)."""
+    from kvtier.bench import kernels
+    out = tmp_path / "BENCHMARKS.md"
+    kernels.main(["--shapes", "256x64,64x32", "--rows", "1", "--output", str(out)])
+    text = out.read_text()
+    for name in ("torch float32", "torch bfloat16", "ggml q8_0", "ggml q4_1"):
+        assert text.count(f"| {name} |") == 2
+    assert text.count("| ggml q4_k |") == 1 and "not installed" not in text

@@ -1,0 +1,124 @@
+"""CPU matrix products for quantized weights, measured side by side: torch's float32 and bfloat16 `F.linear`, torch's
+int8 weight-only kernel, and ggml's kernels over GGUF's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) through the
+prebuilt libggml-python wheel, at the bundled model's and a 7B model's shapes, for 1 and 8 rows.
+
+Each candidate cycles through enough copies of its weight that they do not stay in the CPU's caches, as a model's
+layers do not: the time is a product's as served, reading its weight from memory.
+
+    python -m kvtier.bench.kernels [--shapes 576x1536,1536x576,4096x4096,4096x14336] [--rows 1,8] [--no-write]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish
+from kvtier.models import ggml
+
+SECTION = "## CPU matrix products for quantized weights"
+GGML_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q4_k": 12, "q6_k": 14}     # GGUF's numbering
+K_QUANTS = ("q4_k", "q6_k")      # blocks of 256 columns
+CYCLE_BYTES = 512 << 20          # float32 bytes the copies of a weight span, far past any cache
+
+
+def timed(calls: list, repeats: int = 3) -> float:
+    """Seconds per call, each call on the next copy, best of `repeats` passes over all copies."""
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        best = min(best, (time.perf_counter() - start) / len(calls))
+    return best
+
+
+def candidates(weights: list[torch.Tensor], x: torch.Tensor, threads: int) -> dict[str, tuple[list, int]]:
+    """name → (one call per weight copy, the bytes each call reads)."""
+    out_features, in_features = weights[0].shape
+    found = {"torch float32": ([lambda w=w: F.linear(x, w) for w in weights], weights[0].numel() * 4)}
+    halves = [w.bfloat16() for w in weights]
+    x16 = x.bfloat16()
+    found["torch bfloat16"] = ([lambda w=w: F.linear(x16, w) for w in halves], weights[0].numel() * 2)
+    scales = [w.abs().amax(1) / 127 for w in weights]
+    int8 = [(w / s[:, None]).round().to(torch.int8) for w, s in zip(weights, scales)]
+    found["torch int8 (_weight_int8pack_mm)"] = (
+        [lambda w=w, s=s: torch._weight_int8pack_mm(x, w, s) for w, s in zip(int8, scales)], weights[0].numel())
+    if ggml.available():
+        for name, ggml_type in GGML_TYPES.items():
+            if name in K_QUANTS and in_features % 256:
+                continue
+            products = [ggml.Product(ggml.quantize(w, ggml_type, threads), ggml_type, in_features, out_features,
+                                     len(x), threads) for w in weights]
+            for product in products:
+                product.x.copy_(x)
+            found[f"ggml {name}"] = ([product.run for product in products], products[0].weight.numel())
+    return found
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for shape in args.shapes:
+        in_features, out_features = (int(d) for d in shape.split("x"))
+        copies = max(2, min(64, CYCLE_BYTES // (in_features * out_features * 4)))
+        gen = torch.Generator().manual_seed(0)
+        weights = [torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5 for _ in range(copies)]
+        for m in args.rows:
+            x = torch.randn(m, in_features, generator=gen)
+            want = F.linear(x, weights[0])
+            for name, (calls, nbytes) in candidates(weights, x, args.threads).items():
+                seconds = timed(calls)
+                error = ((calls[0]().float() - want).abs().max() / want.abs().max()).item()
+                rows.append({"shape": shape, "rows": m, "name": name, "ms": seconds * 1e3, "bytes": nbytes,
+                             "error": error})
+                print(f"  {shape} x{m} {name}: {seconds * 1e3:.3f} ms ({nbytes / seconds / 1e9:.1f} GB/s of "
+                      f"weights), max error {error:.3f}", flush=True)
+    return rows
+
+
+def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
+    table = ["| weight (in × out) | rows | kernel | ms | GB/s of weight read | × float32 F.linear | max error / max |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        base = next(b for b in rows if b["shape"] == r["shape"] and b["rows"] == r["rows"] and
+                    b["name"] == "torch float32")
+        table.append(f"| {r['shape']} | {r['rows']} | {r['name']} | {r['ms']:.3f} | {r['bytes'] / r['ms'] / 1e6:.1f} | "
+                     f"{base['ms'] / r['ms']:.2f} | {r['error']:.3f} |")
+    machine = f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads"
+    note = "" if ggml.available() else " ggml's rows are missing: the libggml-python wheel is not installed."
+    return "\n".join([
+        *header(SECTION, machine, command),
+        *table,
+        "",
+        f"How: per shape, enough random float32 weights that their copies span {CYCLE_BYTES >> 20} MiB (2 to 64), "
+        "each kernel cycling through its own copies (quantized once, before timing), best of 3 passes; rows of "
+        "random input. Error: the largest difference from float32 `F.linear` over the largest output. torch's int8 "
+        "kernel is per output channel; ggml's types are GGUF's blocks, quantized by ggml itself, and its products "
+        f"run on a threadpool of {args.threads} threads kept between calls.{note}",
+        "",
+    ])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvtier bench kernels", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", type=lambda s: s.split(","), default=["576x1536", "1536x576", "4096x4096",
+                                                                      "4096x14336"],
+                   help="weights as in_features x out_features")
+    p.add_argument("--rows", type=int_list, default=[1, 8], help="input rows (1: a decode at batch 1)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads for torch and ggml")
+    add_output_args(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, command = parse_command("kvtier.bench.kernels", argv, parse_args)
+    torch.set_num_threads(args.threads)
+    publish(render(measure(args), args, command), args)
+
+
+if __name__ == "__main__":
+    main()
