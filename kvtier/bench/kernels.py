@@ -98,7 +98,9 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         "each kernel cycling through its own copies (quantized once, before timing), best of 3 passes; rows of "
         "random input. Error: the largest difference from float32 `F.linear` over the largest output. torch's int8 "
         "kernel is per output channel; ggml's types are GGUF's blocks, quantized by ggml itself, and its products "
-        f"run on a threadpool of {args.threads} threads kept between calls.{note}",
+        f"run on a threadpool of {args.threads} threads kept between calls, which sleep between products (threads "
+        f"that poll would starve torch's threads inside a model: kvtier's decode at batch 1 fell from 49 to 3 tok/s "
+        f"with polling ggml threads).{note}",
         "",
     ])
 

@@ -15,6 +15,8 @@ import os
 import torch
 
 _P = ctypes.c_void_p
+# struct ggml_threadpool_params: bool cpumask[GGML_MAX_N_THREADS = 512]; int n_threads; enum prio; uint32_t poll; ...
+_POLL_OFFSET = 512 + 4 + 4
 
 
 class _InitParams(ctypes.Structure):
@@ -54,6 +56,8 @@ class _Lib:
         self.graph_compute = fn(cpu, "ggml_graph_compute", ctypes.c_int, _P, ctypes.POINTER(_CPlan))
         params = ctypes.create_string_buffer(1024)      # struct ggml_threadpool_params (~530 bytes), filled by ggml
         fn(base, "ggml_threadpool_params_init", None, _P, ctypes.c_int)(params, threads)
+        # poll 0: its threads sleep between products instead of spinning, which would starve torch's threads
+        ctypes.c_uint32.from_buffer(params, _POLL_OFFSET).value = 0
         self.threads = threads
         self.threadpool = fn(cpu, "ggml_threadpool_new", _P, _P)(params)
 
