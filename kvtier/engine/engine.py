@@ -69,7 +69,8 @@ class LLMEngine:
                  self.pool.kv_cache.numel() * self.pool.kv_cache.element_size() / 2**30)
         self.tiers = build_tier_stack(config, self.pool, self.max_model_len)
         self.pager = self._build_pager(config, loaded.fingerprint) if config.resident_blocks else None
-        beside_disk = (lambda name: os.path.join(disk_dir(config), name)) if disk_dir(config) else None
+        directory = disk_dir(config)
+        beside_disk = (lambda name: os.path.join(directory, name)) if directory else None
         manifests = None
         if self.pager:
             manifests = ManifestStore(self.pager.bounded_namespace, beside_disk and beside_disk("manifests"))
@@ -341,9 +342,9 @@ def build_tier_stack(config: Config, pool: KVPool, max_model_len: int) -> TierSt
         host = HostTier(int(config.kv_host_gib * 2**30), pool.block_shape, pool.kv_cache.dtype,
                         pin_memory=pool.kv_cache.device.type == "cuda")
         tiers.append(host)
-    if disk_dir(config):
+    if directory := disk_dir(config):
         from kvtier.kv.tiers.disk import DiskTier
-        tiers.append(DiskTier(disk_dir(config), int(config.kv_disk_gib * 2**30),
+        tiers.append(DiskTier(directory, int(config.kv_disk_gib * 2**30),
                               pool.namespace, pool.block_shape, pool.kv_cache.dtype))
     tiers += extra_tiers(config, pool)
     below_host = len(tiers) - (host is not None)

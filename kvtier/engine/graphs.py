@@ -32,13 +32,6 @@ log = logging.getLogger("kvtier.engine")
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
-def graph_splits(batch: int, kv_heads: int, longest: int, num_multiprocessors: int) -> int:
-    """The decode kernel's split for a graph, rounded down to a power of two: fewer graphs to capture and kernel
-    variants to compile, at most half the programs the split for the exact length would run."""
-    from kvtier.models.triton_attention import decode_splits
-    return 1 << (decode_splits(batch, kv_heads, longest, num_multiprocessors).bit_length() - 1)
-
-
 class DecodeGraphs:
     """run(token_ids, positions, slots, tables, lens) → logits [batch, vocab] of one decode step.
 
@@ -51,14 +44,17 @@ class DecodeGraphs:
         self.pad_slot = pool.pad_slot
         self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
         self.most = most = self.buckets[-1]
-        from kvtier.models.triton_attention import MIN_SPLIT_TOKENS, multiprocessors  # graphs need Triton; the engine not
+        # graphs need Triton; the engine does not
+        from kvtier.models.triton_attention import MIN_SPLIT_TOKENS, decode_splits, multiprocessors
         self.width = min(pool.blocks_for(max_model_len), pool.num_blocks)   # the longest block table
         longest = self.width * self.block_size
         self.lengths = [n for n in (MIN_SPLIT_TOKENS << i for i in range(32)) if n < longest] + [longest]
         sms = multiprocessors(pool.kv_cache.device) if num_multiprocessors is None else num_multiprocessors
         kv_heads = pool.kv_cache.shape[3]
-        # (batch bucket, length bucket) → the kernel's parts per context
-        self.splits = {(b, n): graph_splits(b, kv_heads, n, sms) for b in self.buckets for n in self.lengths}
+        # (batch bucket, length bucket) → the kernel's parts per context, rounded down to a power of two: fewer
+        # graphs to capture and kernel variants to compile, at most half the programs the exact split would run
+        self.splits = {(b, n): 1 << (decode_splits(b, kv_heads, n, sms).bit_length() - 1)
+                       for b in self.buckets for n in self.lengths}
         device = pool.kv_cache.device
         # [token ids | positions | slots | context lengths] of `most` rows each, then block tables [most, width]
         size = 4 * most + most * self.width

@@ -50,7 +50,7 @@ class ModelRunner:
         how many of sequence i's last rows should hand back their queries."""
         token_ids, positions, slot_mapping, prefills, last_rows, capture_rows = [], [], [], [], [], []
         decode_rows, decode_runs = [], []
-        bounded = []      # (prompt chunk, its sequence's KV state, its first token): it attends to paged-out blocks
+        bounded = []      # (prompt chunk, its sequence's KV state, its blocks before it): it attends to paged-out ones
         row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -66,13 +66,13 @@ class ModelRunner:
                 prefix = slot_runs(table, start, self.pool.block_size)
                 prefills.append(PrefillSeq(row, n, prefix, table[:self.pool.blocks_for(end)]))
                 if seq.kv.residency and start > 0:
-                    bounded.append((prefills[-1], seq.kv, start))
+                    bounded.append((prefills[-1], seq.kv, table[:start // self.pool.block_size]))
             row += n
             last_rows.append(row - 1)
             if capture and capture[i]:
                 capture_rows += range(row - min(capture[i], n), row)
         if bounded:
-            for (prefill, _, _), paged_out in zip(bounded, self.kv.paged_out_kv([(kv, s) for _, kv, s in bounded])):
+            for (prefill, _, _), paged_out in zip(bounded, self.kv.paged_out_kv([(kv, b) for _, kv, b in bounded])):
                 prefill.paged_out = paged_out
         meta = AttentionMetadata(
             positions=to_device(torch.tensor(positions, dtype=torch.long), self.device),

@@ -283,13 +283,12 @@ class KVManager:
         return [self.paging_out.get(state.block_keys[i], b) if b == NOT_RESIDENT else b
                 for i, b in enumerate(state.block_table)]
 
-    def paged_out_kv(self, chunks: list[tuple[KVState, int]]) -> list[torch.Tensor | None]:
-        """Per prompt chunk (a bounded sequence and the token it starts at): K/V [2, layers, tokens, kv_heads,
-        head_dim] of the blocks before that token that `step_table` leaves off the device, in block order (exact
-        prefill attends to them too), or None: gathered by the mover from host memory (`Mover.gather`). Call
-        `forward_done` after the forward that reads them."""
-        runs = [[state.block_keys[i] for i, b in enumerate(self.step_table(state)[:end // self.block_size])
-                 if b == NOT_RESIDENT] for state, end in chunks]
+    def paged_out_kv(self, chunks: list[tuple[KVState, list[int]]]) -> list[torch.Tensor | None]:
+        """Per prompt chunk (a bounded sequence, and its `step_table` before the chunk): K/V [2, layers, tokens,
+        kv_heads, head_dim] of the blocks that table leaves off the device, in block order (exact prefill attends to
+        them too), or None: gathered by the mover from host memory (`Mover.gather`). Call `forward_done` after the
+        forward that reads them."""
+        runs = [[state.block_keys[i] for i, b in enumerate(blocks) if b == NOT_RESIDENT] for state, blocks in chunks]
         return self.mover.gather(runs)
 
     def forward_done(self) -> None:
