@@ -36,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
                                        "(default: the bundled SmolLM2-135M-Instruct)")
     group.add_argument("--device", help="cpu or cuda[:N] (default: cpu)")
     group.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
+    group.add_argument("--quantize", choices=("auto", "none", "int8", "int4"),
+                       help="weights: auto keeps a GGUF's quantized blocks on CPU (float32) and multiplies by them "
+                            "through ggml; none dequantizes every weight to --dtype; int8/int4 quantize a checkpoint's "
+                            "projections at load (Q8_0/Q4_0, groups of 32; CPU) (default: auto)")
     group.add_argument("--block-size", type=int, metavar="N",
                        help="tokens per KV block (default: 64, or 16 with --kv-resident-tokens)")
     group.add_argument("--kv-pool-tokens", type=int, metavar="N", help="tokens of KV the device pool holds "
@@ -49,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--max-model-len", type=int, metavar="N", help="context limit in tokens (default: the model's)")
     group.add_argument("--threads", dest="num_threads", type=int, metavar="N", help="torch CPU threads")
     group.add_argument("--enforce-eager", action="store_true", default=None,
-                       help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
+                       help="run decode steps eagerly, op by op, instead of replaying captured CUDA graphs (or, on CPU "
+                            "with quantized weights, running each step as one ggml graph)")
     group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                        help="do not reuse device blocks of earlier requests' prefixes")
     group.add_argument("--kv-host-gib", type=float, metavar="GIB",

@@ -28,6 +28,9 @@ def default_disk_dir() -> str:
     return os.path.join(cache_home(), "kv")
 
 
+QUANTIZE_MODES = ("auto", "none", "int8", "int4")
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range or inconsistent."""
 
@@ -38,6 +41,9 @@ class Config:
     device: str = field(default_factory=lambda: os.environ.get("KVTIER_DEVICE", "cpu"))
     # None → $KVTIER_DTYPE, else bfloat16 on CUDA and float32 on CPU
     dtype: str | None = field(default_factory=lambda: os.environ.get("KVTIER_DTYPE"))
+    # weights: auto (a GGUF's quantized tensors kept as they are on CPU, float32), none (every weight in dtype),
+    # int8 | int4 (every projection quantized at load: Q8_0 / Q4_0 blocks of 32; CPU, float32)
+    quantize: str = "auto"
     block_size: int | None = None         # None → 64, or 16 under bounded residency
     kv_pool_tokens: int | None = None     # None → a share of free device memory
     max_batched_tokens: int = 2048        # per-step token budget (prefill chunks + decodes)
@@ -84,6 +90,11 @@ class Config:
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
+        if self.quantize not in QUANTIZE_MODES:
+            raise ConfigError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}")
+        if self.quantize in ("int8", "int4") and (device.type != "cpu" or self.dtype != "float32"):
+            raise ConfigError(f"--quantize {self.quantize} runs on CPU in float32 only so far (no GPU kernels for "
+                              "quantized weights yet)")
         if self.block_size is None:
             self.block_size = EXACT_BLOCK_SIZE if self.kv_resident_tokens is None else BOUNDED_BLOCK_SIZE
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -159,6 +170,13 @@ class Config:
     @property
     def resident_blocks(self) -> int | None:
         return None if self.kv_resident_tokens is None else self.kv_resident_tokens // self.block_size
+
+    def weights_mode(self, model_path: str) -> str:
+        """What load_model does with the weights: quantize resolved for this model file, device and dtype."""
+        if self.quantize != "auto":
+            return self.quantize
+        cpu_float32 = torch.device(self.device).type == "cpu" and self.dtype == "float32"
+        return "gguf" if cpu_float32 and os.path.isfile(model_path) else "none"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvtier.models.decoder import FEW_ROWS, Linear, many_rows_product, onednn_linear
+from kvtier.models.products import FEW_ROWS, Linear, many_rows_product, onednn_linear
 
 
 @pytest.mark.parametrize("bias", [False, True])

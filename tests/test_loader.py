@@ -9,13 +9,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import dequantize, quantize
+from gguf import GGMLQuantizationType
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from kvtier.models.loader import BUNDLED_MODEL, hf_config, load_model, read_gguf, resolve_model_path
 from kvtier.models.tokenizer import Tokenizer
+from gguf_files import head_dim, write_gguf
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, max_position_embeddings=2048)
@@ -144,68 +144,6 @@ def test_fingerprint(make_tiny_model, tiny_model_dir, tmp_path):
 
 
 # ---- synthetic GGUF files (weights and config only, no tokenizer) ----
-
-GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-              "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
-
-def gguf_name(hf_name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    if hf_name in top:
-        return top[hf_name]
-    layer, module, kind = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_name).groups()
-    return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    # convert_hf_to_gguf.py, LlamaModel.permute
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def head_dim(hf_cfg) -> int:
-    return getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
-
-
-def write_gguf(path, arch: str, hf_cfg, weights: dict[str, torch.Tensor], qtypes: dict[str, GGMLQuantizationType],
-               extra: dict[str, np.ndarray] | None = None):
-    """Write weights the way llama.cpp's converter does (and `extra` tensors under their GGUF names); returns what
-    loading must give back."""
-    writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(hf_cfg.num_hidden_layers)
-    writer.add_context_length(hf_cfg.max_position_embeddings)
-    writer.add_embedding_length(hf_cfg.hidden_size)
-    writer.add_feed_forward_length(hf_cfg.intermediate_size)
-    writer.add_head_count(hf_cfg.num_attention_heads)
-    writer.add_head_count_kv(hf_cfg.num_key_value_heads)
-    writer.add_key_length(head_dim(hf_cfg))
-    writer.add_rope_freq_base(1e6)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_eos_token_id(2)
-    expected = {}
-    for name, w in weights.items():
-        data = w.numpy()
-        if arch == "llama" and ".q_proj." in name:
-            data = llama_cpp_permute(data, hf_cfg.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in name:
-            data = llama_cpp_permute(data, hf_cfg.num_key_value_heads)
-        qtype = qtypes.get(name.rsplit(".", 2)[-2], GGMLQuantizationType.F32)
-        if qtype == GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(name), data)
-        else:
-            writer.add_tensor(gguf_name(name), quantize(data, qtype), raw_dtype=qtype)
-            w = torch.from_numpy(dequantize(quantize(w.numpy(), qtype), qtype))  # the rounding loading reproduces
-        expected[name] = w
-    for name, data in (extra or {}).items():
-        writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return expected
-
 
 QTYPES = {"embed_tokens": GGMLQuantizationType.Q8_0, "q_proj": GGMLQuantizationType.F16,
           "k_proj": GGMLQuantizationType.BF16, "o_proj": GGMLQuantizationType.Q4_0,

@@ -32,7 +32,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(Config(kv_pool_tokens=16384, max_batched_tokens=512))
+    return LLMEngine(Config(kv_pool_tokens=16384, max_batched_tokens=512, quantize="none"))
 
 
 def generate(engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

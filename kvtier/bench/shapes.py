@@ -1,6 +1,7 @@
 """Random-weight models of real shapes, built offline from a config, for measuring speed where the real weights are
 not at hand (nothing is downloaded): a Hugging Face directory that kvtier and transformers both load, with the
-bundled model's tokenizer. Speed depends on the shapes, not on the values of the weights."""
+bundled model's tokenizer, or a GGUF file in a llama.cpp quantization mix (`GGUF_SHAPES`), with the bundled file's
+tokenizer. Speed depends on the shapes, not on the values of the weights."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,12 @@ SHAPES = {
                         num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                         rope_scaling={**LLAMA3_ROPE, "factor": 32.0}),
 }
+# a 7B-class model as llama.cpp's Q4_K_M mix writes it (Q6_K for the V and down projections and the output), at
+# Mistral 7B's shape with the bundled tokenizer's 49152-token vocabulary: about 4.3 GB
+Q4_K_M = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
+          "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "output": "Q6_K"}
+GGUF_SHAPES = {"mistral-7b-q4_k_m": (dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                          num_attention_heads=32, num_key_value_heads=8), Q4_K_M)}
 COMMON = dict(vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
               bos_token_id=128000, eos_token_id=128001)
 
@@ -54,15 +61,78 @@ def build(shape: str, directory: str, dtype: torch.dtype, device: str) -> str:
     return path
 
 
+def build_gguf(shape: str, directory: str) -> str:
+    """Write the shape's GGUF (reused when already there): each matrix's blocks quantized once per type and shape
+    and written for every layer; returns its path."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+    from kvtier.models import ggml
+    from kvtier.models.loader import BUNDLED_MODEL
+    path = os.path.join(directory, f"{shape}.gguf")
+    if os.path.isfile(path):
+        return path
+    cfg, types = GGUF_SHAPES[shape]
+    h, ff, heads, kv_heads = (cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                               "num_key_value_heads"))
+    tokenizer = GGUFReader(BUNDLED_MODEL)
+    vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].contents())
+    os.makedirs(directory, exist_ok=True)
+    writer = GGUFWriter(path + ".partial", "llama")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(32768)
+    writer.add_embedding_length(h)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-5)
+    for name, field in tokenizer.fields.items():
+        if name.startswith("tokenizer."):
+            array = field.types[0] == GGUFValueType.ARRAY
+            writer.add_key_value(name, field.contents(), field.types[0], field.types[-1] if array else None)
+    gen = torch.Generator().manual_seed(0)
+    blocks = {}
+
+    def matrix(kind: str, rows: int, cols: int) -> np.ndarray:
+        key = (types[kind], rows, cols)
+        if key not in blocks:
+            weight = torch.randn(rows, cols, generator=gen) * cols ** -0.5
+            blocks[key] = ggml.quantize(weight, int(GGMLQuantizationType[types[kind]]), os.cpu_count()).numpy()
+        return blocks[key]
+
+    def add(name: str, kind: str, rows: int, cols: int) -> None:
+        writer.add_tensor(name, matrix(kind, rows, cols), raw_dtype=GGMLQuantizationType[types[kind]])
+    ones = np.ones(h, dtype=np.float32)
+    add("token_embd.weight", "token_embd", vocab, h)
+    add("output.weight", "output", vocab, h)
+    writer.add_tensor("output_norm.weight", ones)
+    d = h // heads
+    for i in range(cfg["num_hidden_layers"]):
+        for kind, rows, cols in (("attn_q", h, h), ("attn_k", kv_heads * d, h), ("attn_v", kv_heads * d, h),
+                                 ("attn_output", h, h), ("ffn_gate", ff, h), ("ffn_up", ff, h), ("ffn_down", h, ff)):
+            add(f"blk.{i}.{kind}.weight", kind, rows, cols)
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(path + ".partial", path)
+    return path
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model, or --shape (and where its models are built)."""
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the bundled SmolLM2-135M)")
-    p.add_argument("--shape", choices=sorted(SHAPES), help="a random-weight model of this shape, built offline "
-                                                           "(instead of --model)")
+    p.add_argument("--shape", choices=sorted(SHAPES | GGUF_SHAPES), help="a random-weight model of this shape, "
+                                                                         "built offline (instead of --model)")
     p.add_argument("--shapes-dir", default=os.path.join(cache_home(), "shapes"), help="where --shape models are built")
 
 
 def resolve_model(args: argparse.Namespace) -> None:
     """Point args.model at the --shape model, built in --dtype (the server's default for --device when not given)."""
-    if args.shape:
+    if args.shape in GGUF_SHAPES:
+        args.model = build_gguf(args.shape, args.shapes_dir)
+    elif args.shape:
         args.model = build(args.shape, args.shapes_dir, DTYPES[args.dtype or default_dtype(args.device)], args.device)

@@ -17,22 +17,32 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import time
 
 import torch
+from gguf import GGUFReader
 
+from kvtier.bench import llama_cpp
+from kvtier.bench.llama_cpp import LlamaCpp
 from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish, verdict
 from kvtier.bench.shapes import add_model_args, resolve_model
 from kvtier.config import DTYPES, Config, default_dtype
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
+from kvtier.models.decoder import Decoder
+from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.loader import resolve_model_path
+from kvtier.models.quantized import weight_bytes
 
 SECTION = "## Throughput (kvtier vs transformers)"
 PREFILL_TARGET = 1.0      # kvtier / transformers, at every prompt length
 DECODE_B1_TARGET = 1.0    # kvtier batch 1 / transformers batch 1
 DECODE_BATCH_TARGET = 4.0  # kvtier at the largest batch / transformers batch 1
 FLOOR_B1_TARGET = 0.7      # kvtier batch 1 / the bandwidth floor, on a GPU
+LLAMA_DECODE_TARGET = 1.0   # kvtier batch 1 / llama.cpp batch 1, same GGUF file
+LLAMA_PREFILL_TARGET = 1.2  # kvtier / llama.cpp prefill at 2048 and 4096 tokens
+MEMORY_TARGET = 1.2         # kvtier's weights in memory / a GGUF file's tensor bytes
 
 
 def sync(device: torch.device) -> None:
@@ -115,14 +125,11 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
     return 2 * nbytes / best
 
 
-def read_bytes_per_step(hf, batch: int, context: int, kv_bytes_per_token: int) -> int:
-    """What one decode step must read: the weights but an untied input embedding (only its rows are read), and
-    each sequence's KV at the given context."""
-    weights = sum(p.numel() * p.element_size() for p in hf.parameters())
-    embedding, head = hf.get_input_embeddings().weight, hf.get_output_embeddings().weight
-    if embedding.data_ptr() != head.data_ptr():
-        weights -= embedding.numel() * embedding.element_size()
-    return weights + batch * context * kv_bytes_per_token
+def read_bytes_per_step(model: Decoder, batch: int, context: int, kv_bytes_per_token: int) -> int:
+    """What one decode step must read: kvtier's weights (as it keeps them) but an untied input embedding (only its
+    rows are read), and each sequence's KV at the given context."""
+    untied = 0 if model.config.tie_word_embeddings else weight_bytes(model.model.embed_tokens)
+    return weight_bytes(model) - untied + batch * context * kv_bytes_per_token
 
 
 def load_hf(path: str, dtype: torch.dtype, device: torch.device):
@@ -166,103 +173,144 @@ def hf_decode(model, prompts: list[list[int]], num_tokens: int, device: torch.de
 
 # --- the run ------------------------------------------------------------------------------------
 
-def measure(args: argparse.Namespace, eng: LLMEngine, hf, device: torch.device) -> dict:
-    """{"prefill": {length: (kvtier, hf)}, "decode": {batch: (kvtier, hf)}} in tokens/s."""
+def contestants(eng: LLMEngine, float_eng: LLMEngine | None, hf, llama: LlamaCpp | None,
+                device: torch.device) -> dict[str, tuple]:
+    """name → (prefill(prompt, tag) → seconds, decode(prompts, tokens, tag) → tokens/s), kvtier first."""
+    def kvtier(e):
+        return (lambda prompt, tag: kvtier_prefill(e, prompt, tag),
+                lambda prompts, n, tag: kvtier_decode(e, prompts, n, tag))
+    found = {"kvtier": kvtier(eng)}
+    if float_eng is not None:
+        found["kvtier float32"] = kvtier(float_eng)
+    if hf is not None:
+        found["transformers"] = (lambda prompt, tag: hf_prefill(hf, prompt, device),
+                                 lambda prompts, n, tag: hf_decode(hf, prompts, n, device))
+    if llama is not None:
+        found["llama.cpp"] = (lambda prompt, tag: llama.prefill(prompt),
+                              lambda prompts, n, tag: llama.decode(prompts, n))
+    return found
+
+
+def measure(args: argparse.Namespace, eng: LLMEngine, players: dict[str, tuple], hf, device: torch.device) -> dict:
+    """{"prefill": {length: {name: tok/s}}, "decode": {batch: {name: tok/s}}, ...}."""
     vocab, gen = eng.model_config.vocab_size, torch.Generator().manual_seed(0)
     ctx, n = args.decode_context, args.decode_tokens
     # warm-up: one short prefill and one short decode at the largest batch, on each side
     warm = random_prompts(gen, max(args.decode_batch), ctx, vocab)
-    kvtier_prefill(eng, warm[0], "warm-prefill")
-    kvtier_decode(eng, warm, 4, "warm-decode")
-    hf_prefill(hf, warm[0], device)
-    hf_decode(hf, warm, 4, device)
+    for name, (prefill_fn, decode_fn) in players.items():
+        prefill_fn(warm[0], f"warm-prefill-{name}")
+        decode_fn(warm, 4, f"warm-decode-{name}")
 
-    prefill = {length: [float("inf"), float("inf")] for length in args.prefill_lengths}
-    decode = {batch: [0.0, 0.0] for batch in args.decode_batch}
+    prefill = {length: dict.fromkeys(players, 0.0) for length in args.prefill_lengths}
+    decode = {batch: dict.fromkeys(players, 0.0) for batch in args.decode_batch}
     compiled = dict.fromkeys(args.decode_batch, 0.0) if args.hf_compile else {}
     for rep in range(args.repeats):
         for length in args.prefill_lengths:
-            # a fresh prompt per run, so the prefix cache never serves it; the same tokens for both
+            # a fresh prompt per run, so the prefix cache never serves it; the same tokens for all
             [prompt] = random_prompts(gen, 1, length, vocab)
-            best = prefill[length]
-            best[0] = min(best[0], kvtier_prefill(eng, prompt, f"prefill-{rep}-{length}"))
-            best[1] = min(best[1], hf_prefill(hf, prompt, device))
-            print(f"  repeat {rep + 1}: prefill {length}: kvtier {length / best[0]:.0f} tok/s, "
-                  f"transformers {length / best[1]:.0f} tok/s (best so far)", flush=True)
+            for name, (prefill_fn, _) in players.items():
+                prefill[length][name] = max(prefill[length][name], length / prefill_fn(prompt, f"p-{rep}-{length}"))
+            print(f"  repeat {rep + 1}: prefill {length} tok/s (best so far): "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in prefill[length].items()), flush=True)
         for batch in args.decode_batch:
             prompts = random_prompts(gen, batch, ctx, vocab)
-            best = decode[batch]
-            best[0] = max(best[0], kvtier_decode(eng, prompts, n, f"decode-{rep}-{batch}"))
-            best[1] = max(best[1], hf_decode(hf, prompts, n, device))
+            for name, (_, decode_fn) in players.items():
+                decode[batch][name] = max(decode[batch][name], decode_fn(prompts, n, f"d-{rep}-{batch}"))
             if args.hf_compile:
                 compiled[batch] = max(compiled[batch], hf_compiled_decode(hf, prompts, n, device))
-            print(f"  repeat {rep + 1}: decode b={batch}: kvtier {best[0]:.1f} tok/s, "
-                  f"transformers {best[1]:.1f} tok/s (best so far)", flush=True)
+            print(f"  repeat {rep + 1}: decode b={batch} tok/s (best so far): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in decode[batch].items()), flush=True)
     bandwidth = copy_bandwidth(device)
     # the floor at the mean context of the timed steps
     context = ctx + n // 2
     kv_per_token = eng.pool.block_bytes // eng.pool.block_size
-    floor = {batch: batch * bandwidth / read_bytes_per_step(hf, batch, context, kv_per_token)
+    floor = {batch: batch * bandwidth / read_bytes_per_step(eng.model, batch, context, kv_per_token)
              for batch in args.decode_batch}
-    return {"prefill": {length: (length / kv, length / ref) for length, (kv, ref) in prefill.items()},
-            "decode": {batch: tuple(tps) for batch, tps in decode.items()}, "compiled": compiled,
-            "floor": floor, "bandwidth": bandwidth}
+    return {"prefill": prefill, "decode": decode, "compiled": compiled, "floor": floor, "bandwidth": bandwidth}
 
 
 def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str) -> str:
     import transformers
     prefill, decode = results["prefill"], results["decode"]
+    names = list(next(iter(decode.values())))
+    others = names[1:]
     chunk = eng.config.max_batched_tokens
     big = max(decode)
     rows = []
-    for length, (kv, ref) in prefill.items():
+    for length, tps in prefill.items():
         chunks = -(-length // chunk)
         note = f"; kvtier runs {chunks} chunks of ≤{chunk}" if chunks > 1 else ""
-        rows.append((f"prefill@{length} (tok/s{note})", kv, ref))
-    for batch, (kv, ref) in decode.items():
-        rows.append((f"decode b={batch} (tok/s)", kv, ref))
-    if big != 1 and 1 in decode:
-        rows.append((f"decode kvtier b={big} vs transformers b=1 (tok/s)", decode[big][0], decode[1][1]))
-    table = ["| metric | kvtier | transformers | ratio |", "| --- | ---: | ---: | ---: |"]
-    table += [f"| {name} | {kv:.1f} | {ref:.1f} | {kv / ref:.2f}× |" for name, kv, ref in rows]
+        rows.append((f"prefill@{length} (tok/s{note})", tps))
+    for batch, tps in decode.items():
+        rows.append((f"decode b={batch} (tok/s)", tps))
+    table = ["| metric | " + " | ".join(names) + " | " + " | ".join(f"kvtier / {o}" for o in others) + " |",
+             "| --- |" + " ---: |" * (2 * len(names) - 1)]
+    table += [f"| {metric} | " + " | ".join(f"{tps[k]:.1f}" for k in names) + " | "
+              + " | ".join(f"{tps['kvtier'] / tps[o]:.2f}×" for o in others) + " |" for metric, tps in rows]
 
-    table += ["", "Decode beside the hardware floor (the bytes a step reads over the copy bandwidth "
-              f"{results['bandwidth'] / 1e9:.1f} GB/s measured in this run)"
+    table += ["", "kvtier's decode beside the hardware floor (the bytes a step reads, kvtier's weights and KV, over "
+              f"the copy bandwidth {results['bandwidth'] / 1e9:.1f} GB/s measured in this run)"
               + (" and transformers with a static cache and torch.compile:" if results["compiled"] else ":"), "",
               "| batch | kvtier (tok/s) | floor (tok/s) | kvtier / floor |"
               + (" transformers compiled (tok/s) | kvtier / compiled |" if results["compiled"] else ""),
               "| ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if results["compiled"] else "")]
-    for batch, (kv, _) in decode.items():
-        floor = results["floor"][batch]
+    for batch, tps in decode.items():
+        kv, floor = tps["kvtier"], results["floor"][batch]
         row = f"| {batch} | {kv:.1f} | {floor:.1f} | {kv / floor:.0%} |"
         if results["compiled"]:
             row += f" {results['compiled'][batch]:.1f} | {kv / results['compiled'][batch]:.2f}× |"
         table.append(row)
-    prefill_ratios = {length: kv / ref for length, (kv, ref) in prefill.items()}
-    targets = [f"- prefill ≥ {PREFILL_TARGET:.1f}× transformers at every length: "
-               f"{verdict(all(r >= PREFILL_TARGET for r in prefill_ratios.values()))} ("
-               + ", ".join(f"{length}: {r:.2f}×" for length, r in prefill_ratios.items()) + ")"]
+    targets = []
+    if "transformers" in names:
+        targets.append(target(f"prefill ≥ {PREFILL_TARGET:.1f}× transformers at every length",
+                              {length: tps["kvtier"] / tps["transformers"] for length, tps in prefill.items()},
+                              PREFILL_TARGET))
+    if "llama.cpp" in names:
+        targets.append(target(f"batch-1 decode ≥ {LLAMA_DECODE_TARGET:.1f}× llama.cpp's",
+                              {1: decode[1]["kvtier"] / decode[1]["llama.cpp"]} if 1 in decode else {},
+                              LLAMA_DECODE_TARGET))
+        targets.append(target(f"prefill ≥ {LLAMA_PREFILL_TARGET:.1f}× llama.cpp's at 2048 and 4096",
+                              {length: tps["kvtier"] / tps["llama.cpp"] for length, tps in prefill.items()
+                               if length >= 2048}, LLAMA_PREFILL_TARGET))
+    if results["file_tensor_bytes"]:
+        targets.append(target(f"weights in memory ≤ {MEMORY_TARGET:.1f}× the GGUF's tensors",
+                              {"weights / file": weight_bytes(eng.model) / results["file_tensor_bytes"]},
+                              MEMORY_TARGET, above=False))
+    if "kvtier float32" in names:
+        targets.append(target("prefill no slower than with float32 weights",
+                              {length: tps["kvtier"] / tps["kvtier float32"] for length, tps in prefill.items()},
+                              1.0))
     if args.device.startswith("cuda") and 1 in decode:
-        share = decode[1][0] / results["floor"][1]
+        share = decode[1]["kvtier"] / results["floor"][1]
         targets.append(f"- batch-1 decode ≥ {FLOOR_B1_TARGET:.0%} of the floor (CUDA): "
                        f"{verdict(share >= FLOOR_B1_TARGET)} ({share:.0%})")
     if results["compiled"]:
-        worst = min(decode[b][0] / results["compiled"][b] for b in decode)
+        worst = min(decode[b]["kvtier"] / results["compiled"][b] for b in decode)
         targets.append(f"- decode ≥ transformers with a static cache and torch.compile at every batch: "
                        f"{verdict(worst >= 1.0)} (lowest {worst:.2f}×)")
-    if 1 in decode:
-        b1 = decode[1][0] / decode[1][1]
-        targets.append(f"- batch-1 decode ≥ {DECODE_B1_TARGET:.1f}× transformers: "
-                       f"{verdict(b1 >= DECODE_B1_TARGET)} ({b1:.2f}×)")
+    if 1 in decode and "transformers" in names:
+        targets.append(target(f"batch-1 decode ≥ {DECODE_B1_TARGET:.1f}× transformers",
+                              {1: decode[1]["kvtier"] / decode[1]["transformers"]}, DECODE_B1_TARGET))
         if big != 1:
-            bb = decode[big][0] / decode[1][1]
-            targets.append(f"- batch-{big} decode throughput ≥ {DECODE_BATCH_TARGET:.0f}× transformers' batch-1: "
-                           f"{verdict(bb >= DECODE_BATCH_TARGET)} ({bb:.2f}×)")
+            targets.append(target(f"batch-{big} decode throughput ≥ {DECODE_BATCH_TARGET:.0f}× transformers' "
+                                  "batch-1", {big: decode[big]["kvtier"] / decode[1]["transformers"]},
+                                  DECODE_BATCH_TARGET))
 
+    graphs = eng.runner.graphs
+    decode_path = ("eager" if graphs is None else "one ggml graph per step" if isinstance(graphs, GgmlDecodeSteps)
+                   else f"CUDA graphs (batch buckets {graphs.buckets})")
+    weights = (f"weights kept quantized ({eng.weights_mode}, {weight_bytes(eng.model) / 1e6:.0f} MB)"
+               if eng.model.quantized else f"{eng.config.dtype} weights")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     machine = (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, transformers "
                f"{transformers.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
-               f"{eng.config.dtype}, model {eng.model_name}, kvtier decode "
-               + (f"from CUDA graphs (batch buckets {eng.runner.graphs.buckets})" if eng.runner.graphs else "eager"))
+               f"{eng.config.dtype}, model {eng.model_name}, kvtier with {weights}, decode {decode_path}; the "
+               f"process's peak RSS {peak:.1f} GiB (every engine in it)")
+    llama_note = ("llama.cpp is ik_llama.cpp (a fork with faster CPU kernels) through the prebuilt ik-llama-cpp-python "
+                  "wheel, on the same file and threads, flash attention "
+                  + ("on" if results["llama_flash"] else "off (the wheel turns it off without AVX-VNNI)")
+                  + "; its prefill runs in its own micro-batches, its decode is one batch of every sequence per "
+                  "step with greedy argmax." if "llama.cpp" in names else results["llama_missing"])
     return "\n".join([
         *header(SECTION, machine, command),
         *table,
@@ -271,19 +319,27 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
         "",
         *targets,
         "",
-        f"How: both engines in one process, alternating run by run; each number is the best of "
+        f"How: every engine in one process, alternating run by run; each number is the best of "
         f"{args.repeats} runs after a warm-up. kvtier runs with its prefix cache and tiers off, so every "
         f"number is computed KV, never restored (the TTFT section measures reuse). Prefill: random-token "
-        f"prompts, a fresh one per run, the same tokens for both; kvtier is "
+        f"prompts, a fresh one per run, the same tokens for all; kvtier is "
         f"timed from add_request to the first token with the default max_batched_tokens={chunk} (longer prompts "
         f"run as several chunks, as users get them); transformers is one forward with a DynamicCache and "
         f"logits_to_keep=1, as generate's first step. Decode: {args.decode_context}-token prompts, "
         f"{args.decode_tokens} greedy tokens each (ignore_eos); kvtier adds all requests at once and is timed "
         f"from when every request has its first token until all finish; transformers runs a manual loop of "
         f"forward + argmax over a DynamicCache (equal-length prompts, no padding), timed over the loop only. "
-        f"Both count the {args.decode_tokens - 1} tokens per sequence after the first.",
+        f"All count the {args.decode_tokens - 1} tokens per sequence after the first. {llama_note}",
         "",
     ])
+
+
+def target(what: str, ratios: dict, wanted: float, above: bool = True) -> str:
+    if not ratios:
+        return f"- {what}: not measured"
+    met = all(r >= wanted if above else r <= wanted for r in ratios.values())
+    return (f"- {what}: {verdict(met)} ("
+            + ", ".join(f"{k}: {r:.2f}×" for k, r in ratios.items()) + ")")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -294,7 +350,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both engines")
     p.add_argument("--prefill-lengths", type=int_list, default=[512, 2048, 4096], help="comma-separated")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per sequence")
-    p.add_argument("--decode-batch", type=int_list, default=[1, 8], help="comma-separated batch sizes")
+    p.add_argument("--decode-batch", type=int_list, default=[1, 8, 32], help="comma-separated batch sizes")
+    p.add_argument("--quantize", default="auto", choices=("auto", "none", "int8", "int4"),
+                   help="kvtier's weights (kvtier serve --quantize)")
+    p.add_argument("--no-transformers", action="store_true", help="leave transformers out (a 7B model in float32)")
+    p.add_argument("--no-float", action="store_true",
+                   help="leave out kvtier with float32 weights beside quantized ones (a 7B model's float32 "
+                        "weights take 28 GB)")
     p.add_argument("--decode-context", type=int, default=128, help="prompt length of the decode runs")
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement; the best is reported")
     p.add_argument("--enforce-eager", action="store_true", help="kvtier's decode without CUDA graphs (CUDA)")
@@ -316,12 +378,28 @@ def main(argv: list[str] | None = None) -> None:
     batch = max(args.decode_batch)
     need = max(max(args.prefill_lengths) + 1, batch * (args.decode_context + args.decode_tokens))
     # raw compute: no prefix cache and no tiers, so no run can reuse another's (or an earlier process's) KV
-    eng = LLMEngine(Config(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
-                           kv_pool_tokens=need + 64 * batch, max_num_seqs=batch,
-                           prefix_cache=False, kv_host_gib=0, kv_disk=False, enforce_eager=args.enforce_eager))
-    hf = load_hf(resolve_model_path(args.model), DTYPES[args.dtype], device)
-    print(f"kvtier vs transformers: {eng.model_name}, {args.dtype}, {args.device}, {args.threads} threads", flush=True)
-    section = render(measure(args, eng, hf, device), args, eng, command)
+    def engine(quantize: str) -> LLMEngine:
+        return LLMEngine(Config(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
+                                kv_pool_tokens=need + 64 * batch, max_num_seqs=batch, quantize=quantize,
+                                prefix_cache=False, kv_host_gib=0, kv_disk=False, enforce_eager=args.enforce_eager))
+    eng = engine(args.quantize)
+    # beside kvtier on quantized weights, kvtier as it was: every weight dequantized
+    float_eng = engine("none") if eng.model.quantized and not args.no_float else None
+    path = resolve_model_path(args.model)
+    hf = None if args.no_transformers else load_hf(path, DTYPES[args.dtype], device)
+    llama, results = None, {"llama_flash": False, "llama_missing": ""}
+    if not path.endswith(".gguf") or args.device != "cpu":
+        results["llama_missing"] = "llama.cpp: not measured (it runs GGUF files, here on CPU)."
+    elif not llama_cpp.available():
+        results["llama_missing"] = "llama.cpp: not measured here, ik-llama-cpp-python is not installed."
+    else:
+        llama = LlamaCpp(path, args.threads, need + 64 * batch, batch)
+        results["llama_flash"] = llama.flash_attention
+    results["file_tensor_bytes"] = sum(int(t.n_bytes) for t in GGUFReader(path).tensors) \
+        if os.path.isfile(path) else 0
+    print(f"kvtier: {eng.model_name}, {args.dtype}, {args.device}, {args.threads} threads", flush=True)
+    results |= measure(args, eng, contestants(eng, float_eng, hf, llama, device), hf, device)
+    section = render(results, args, eng, command)
     publish(section, args)
 
 

@@ -13,7 +13,7 @@ from kvtier.devices import bind_thread
 from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.graphs import DecodeGraphs
 from kvtier.engine.outputs import RequestOutput, RequestRejected
-from kvtier.engine.runner import ModelRunner
+from kvtier.engine.runner import TORCH_THREADS, ModelRunner
 from kvtier.engine.grammar import GrammarCompiler, GrammarError
 from kvtier.engine.logits_processing import process_logits
 from kvtier.engine.sampler import sample, token_logprobs
@@ -31,6 +31,7 @@ from kvtier.kv.tiers.host import HostTier
 from kvtier.kv.tiers.stack import TierStack, extra_tiers
 from kvtier.kv.tiers.staging import Staging
 from kvtier.models.attention import triton_supports
+from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import load_model, resolve_model_path
 
@@ -48,7 +49,9 @@ class LLMEngine:
         bind_thread(self.device)      # the thread that builds the engine captures its graphs and warms it up
         # weight digests are remembered beside the disk cache, whose namespace they name
         digests = os.path.join(os.path.expanduser(config.kv_disk_dir), FINGERPRINTS) if config.kv_disk else None
-        loaded = load_model(resolve_model_path(config.model), config.torch_dtype, digests)
+        path = resolve_model_path(config.model)
+        self.weights_mode = config.weights_mode(path)     # what load_model did with the weights (--quantize)
+        loaded = load_model(path, config.torch_dtype, digests, self.weights_mode)
         self.model_config = loaded.config
         self.model_name = loaded.name
         self.fingerprint = loaded.fingerprint
@@ -79,15 +82,20 @@ class LLMEngine:
         self.kv = KVManager(self.pool, self.tiers, self.pager, manifests, beside_disk and beside_disk("partials"),
                             rates_file)
         self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs, config.max_itl_ratio)
-        self.runner = ModelRunner(self.model, self.kv, self.device, self._decode_graphs(config))
+        self.runner = ModelRunner(self.model, self.kv, self.device, self._decode_graphs(config),
+                                  config.num_threads or TORCH_THREADS)
         self.grammars = GrammarCompiler(self.tokenizer.hf)
         self._arrivals = itertools.count()
         self._ended: list[Sequence] = []     # finished outside a step (aborted, failed): reported by the next step
 
-    def _decode_graphs(self, config: Config) -> DecodeGraphs | None:
-        """Decode steps captured as CUDA graphs, where the device and the Triton decode kernel allow them."""
-        if self.device.type != "cuda" or config.enforce_eager:
+    def _decode_graphs(self, config: Config) -> DecodeGraphs | GgmlDecodeSteps | None:
+        """Decode steps captured as CUDA graphs, where the device and the Triton decode kernel allow them; on CPU
+        with quantized weights, decode steps as ggml graphs."""
+        if config.enforce_eager:
             return None
+        if self.device.type == "cpu":
+            return GgmlDecodeSteps(self.model, self.pool, config.num_threads or TORCH_THREADS) \
+                if self.model.quantized else None
         if not triton_supports(self.model_config.head_dim, config.block_size):
             log.warning("decode runs eagerly: the Triton decode kernel cannot tile head size %d and block size %d "
                         "(or Triton is missing)", self.model_config.head_dim, config.block_size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.engine.graphs import DecodeGraphs
+from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.engine.scheduler import ScheduledBatch
 from kvtier.kv.manager import KVManager
 from kvtier.kv.state import NOT_RESIDENT
@@ -26,13 +27,20 @@ def slot_runs(block_table: list[int], end: int, block_size: int) -> list[tuple[i
     return runs
 
 
+# torch's own thread count, taken before any ggml decode step lowered it
+TORCH_THREADS = torch.get_num_threads()
+
+
 class ModelRunner:
-    def __init__(self, model: Decoder, kv: KVManager, device: torch.device, graphs: DecodeGraphs | None = None):
+    def __init__(self, model: Decoder, kv: KVManager, device: torch.device,
+                 graphs: DecodeGraphs | GgmlDecodeSteps | None = None, torch_threads: int = TORCH_THREADS):
+        """torch_threads: torch's CPU threads for the steps it runs (ggml's decode steps run torch on one)."""
         self.model = model
         self.kv = kv
         self.pool = kv.pool
         self.device = device
-        self.graphs = graphs     # decode steps captured as CUDA graphs; None runs every step eagerly
+        self.graphs = graphs     # decode steps captured as CUDA graphs (or ggml's); None runs every step eagerly
+        self.torch_threads = torch_threads
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Pool slots of positions start..end-1 of a sequence, leaving out blocks that are not resident."""
@@ -89,8 +97,29 @@ class ModelRunner:
             ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Forward the batch. Returns logits [num_seqs, vocab] at each sequence's last scheduled token,
         and per sequence its captured queries [rows, layers, heads, head_dim] (None where capture is 0)."""
-        if self._graphed(batch, capture):
-            return self.graphs.run(*self._decode_inputs(batch)), [None] * len(batch.seqs)
+        capture = capture or [0] * len(batch.seqs)
+        graphed = self._graphed(batch, capture)
+        if len(graphed) == len(batch.seqs):
+            return self.graphs.run(*self._decode_inputs(batch, graphed)), [None] * len(batch.seqs)
+        if not graphed:
+            return self._run_eagerly(batch, capture)
+        # ggml's decode steps take a mixed step's decodes too: a decode row's numerics never depend on the step
+        eager = [i for i in range(len(batch.seqs)) if i not in graphed]
+        part = ScheduledBatch()
+        for i in eager:
+            part.add(batch.seqs[i], batch.num_tokens[i])
+        eager_logits, eager_queries = self._run_eagerly(part, [capture[i] for i in eager])
+        graph_logits = self.graphs.run(*self._decode_inputs(batch, graphed))
+        logits = torch.empty(len(batch.seqs), graph_logits.shape[1], dtype=graph_logits.dtype)
+        logits[eager], logits[graphed] = eager_logits, graph_logits
+        queries = [None] * len(batch.seqs)
+        for i, q in zip(eager, eager_queries):
+            queries[i] = q
+        return logits, queries
+
+    def _run_eagerly(self, batch: ScheduledBatch, capture: list[int]) -> tuple[torch.Tensor, list]:
+        if torch.get_num_threads() != self.torch_threads:     # ggml's decode steps run torch on one thread
+            torch.set_num_threads(self.torch_threads)
         token_ids, meta, last_rows = self.prepare(batch, capture)
         hidden = self.model(token_ids, self.pool.kv_cache, meta)
         if any(seq.paged_out is not None for seq in meta.prefills):
@@ -104,18 +133,27 @@ class ModelRunner:
                     rows = min(wanted, n)
                     queries[i] = stacked[offset:offset + rows]
                     offset += rows
-        return self.model.logits(hidden[last_rows]), queries
+        decode_rows = set(meta.decode.query_rows if meta.decode else ())
+        return self.model.logits(hidden[last_rows], [row in decode_rows for row in last_rows]), queries
 
-    def _graphed(self, batch: ScheduledBatch, capture: list[int] | None) -> bool:
-        """A step of decodes only, none of whose queries the pager wants, that a captured graph holds."""
-        return (self.graphs is not None and not any(capture or ()) and self.graphs.bucket(len(batch.seqs)) is not None
-                and all(n == 1 and seq.num_computed_tokens > 0 for seq, n in zip(batch.seqs, batch.num_tokens)))
+    def _graphed(self, batch: ScheduledBatch, capture: list[int]) -> list[int]:
+        """The sequences whose step the decode graphs run: those decoding, none of whose queries the pager wants.
+        CUDA graphs take a step of such decodes only, whose batch a graph holds; ggml's decode steps take a
+        mixed step's decodes too."""
+        if self.graphs is None:
+            return []
+        decodes = [i for i, (seq, n, wanted) in enumerate(zip(batch.seqs, batch.num_tokens, capture))
+                   if n == 1 and seq.num_computed_tokens > 0 and not wanted]
+        if isinstance(self.graphs, GgmlDecodeSteps):
+            return decodes
+        return decodes if len(decodes) == len(batch.seqs) and self.graphs.bucket(len(decodes)) is not None else []
 
-    def _decode_inputs(self, batch: ScheduledBatch) -> tuple[list[int], ...]:
-        """Per sequence: its token, position and K/V slot, and its context's resident blocks and length."""
+    def _decode_inputs(self, batch: ScheduledBatch, which: list[int]) -> tuple[list[int], ...]:
+        """Per sequence of `which`: its token, position and K/V slot, and its context's resident blocks and
+        length."""
         bs = self.pool.block_size
         token_ids, positions, slots, tables, lens = [], [], [], [], []
-        for seq in batch.seqs:
+        for seq in (batch.seqs[i] for i in which):
             pos, table = seq.num_computed_tokens, seq.kv.block_table
             token_ids.append(seq.token_ids[pos])
             positions.append(pos)

@@ -7,10 +7,7 @@ RMSNorm (Qwen3).
 """
 from __future__ import annotations
 
-import functools
-import logging
 import math
-import time
 
 import torch
 import torch.nn.functional as F
@@ -18,61 +15,8 @@ from torch import nn
 
 from kvtier.models.attention import AttentionMetadata, paged_attention
 from kvtier.models.config import ModelConfig
-
-log = logging.getLogger("kvtier.models")
-
-
-# On CPU, a product of up to this many rows (a decode step of a few sequences) takes the weight as BLAS's tall left
-# matrix, one row padded to two. MKL's matrix-vector product (one row) reads the weight at about 10 GB/s where its
-# two-column product reads it at about 29 GB/s, near the memory's read bandwidth: one row through SmolLM2's 30 layers
-# takes 35 ms as F.linear and 15 ms padded to two, 2-4 rows about 2x less than F.linear (2-core EPYC, weights out of
-# cache). More rows take many_rows_product: from 6 rows oneDNN's product is faster still, where it is chosen.
-FEW_ROWS = 5
-
-
-class Linear(nn.Linear):
-    """nn.Linear, with the CPU products for a few rows (above) and for more (many_rows_product)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if x.device.type != "cpu" or rows == 0:
-            return F.linear(x, self.weight, self.bias)
-        if rows > FEW_ROWS:
-            return many_rows_product(x.dtype)(x, self.weight, self.bias)
-        padded = F.pad(x, (0, 0, 0, 1)) if rows == 1 else x
-        y = (self.weight @ padded.T).T[:rows].contiguous()
-        return y if self.bias is None else y + self.bias
-
-
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's product (the one torch.compile uses on CPU), where F.linear takes MKL's."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
-
-
-@functools.cache
-def many_rows_product(dtype: torch.dtype):
-    """F.linear or oneDNN's product on CPU for more than FEW_ROWS rows (decode batches, prompt chunks): whichever
-    multiplies 256 rows faster on this CPU, timed once per process and dtype. On a 2-core EPYC oneDNN's is 1.2-1.4x
-    faster (MKL takes a slower path on AMD CPUs): prefill of the bundled model 9-12% faster at 2K-4K tokens, the
-    58-token turn after a cached 4K history 13% (A/B, alternating); MKL may win elsewhere. F.linear where this build
-    of torch has no oneDNN product for the dtype, or it disagrees."""
-    x, weight = torch.randn(256, 1024, dtype=dtype), torch.randn(2048, 1024, dtype=dtype)
-    try:
-        if not torch.allclose(onednn_linear(x, weight, None).float(), F.linear(x, weight).float(), rtol=1e-2,
-                              atol=0.25):
-            return F.linear
-    except (RuntimeError, AttributeError):
-        return F.linear
-    best = dict.fromkeys((F.linear, onednn_linear), math.inf)     # seconds, the best of 3 alternating runs
-    for _ in range(3):
-        for product in best:
-            start = time.perf_counter()
-            product(x, weight, None)
-            best[product] = min(best[product], time.perf_counter() - start)
-    chosen = min(best, key=best.get)
-    log.info("CPU products of many %s rows: %s (%.2fx the other here)", dtype, chosen.__name__,
-             max(best.values()) / best[chosen])
-    return chosen
+from kvtier.models.products import Linear
+from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding
 
 
 class RMSNorm(nn.Module):
@@ -178,8 +122,9 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def fuse_projections(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint names → decoder names: q/k/v into qkv_proj, gate/up into gate_up_proj."""
+def fuse_projections(weights: dict) -> dict:
+    """Checkpoint names → decoder names: q/k/v into qkv_proj, gate/up into gate_up_proj. Quantized weights become
+    lists of parts (one part where their block types agree)."""
     fused = dict(weights)
     groups = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
@@ -189,10 +134,17 @@ def fuse_projections(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
                 if name.endswith(f"{parts[0]}.{kind}"):
                     prefix = name[: -len(f"{parts[0]}.{kind}")]
                     keys = [f"{prefix}{p}.{kind}" for p in parts]
-                    fused[f"{prefix}{target}.{kind}"] = torch.cat([weights[k] for k in keys])
+                    fused[f"{prefix}{target}.{kind}"] = _stacked([weights[k] for k in keys])
                     for k in keys:
                         del fused[k]
     return fused
+
+
+def _stacked(values: list) -> torch.Tensor | list[QuantizedWeight]:
+    if all(isinstance(v, QuantizedWeight) for v in values):
+        return concatenated(values)
+    # float and quantized parts in one projection (rare): all of it in float
+    return torch.cat([v.dequantized() if isinstance(v, QuantizedWeight) else v for v in values])
 
 
 class Backbone(nn.Module):
@@ -219,9 +171,9 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                     dtype: torch.dtype, device: torch.device) -> "Decoder":
-        """Build on the meta device, then adopt the checkpoint tensors (no random init, no copy twice)."""
+    def from_weights(cls, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device: torch.device) -> "Decoder":
+        """Build on the meta device, then adopt the checkpoint tensors (no random init, no copy twice). Quantized
+        weights (CPU only, float32 activations) replace their modules with quantized ones."""
         with torch.device("meta"):
             model = cls(cfg)
         weights = fuse_projections(weights)
@@ -233,21 +185,44 @@ class Decoder(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the {cfg.architecture} decoder: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-        model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in weights.items()},
-                              strict=False, assign=True)
+        quantized = {k.removesuffix(".weight"): v if isinstance(v, list) else [v] for k, v in weights.items()
+                     if isinstance(v, (list, QuantizedWeight))}
+        if quantized and (device.type != "cpu" or dtype != torch.float32):
+            raise ValueError("quantized weights run on CPU in float32 only")
+        floats = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()
+                  if k.rsplit(".", 1)[0] not in quantized}
+        model.load_state_dict(floats, strict=False, assign=True)
+        for name, parts in quantized.items():
+            module = QuantizedEmbedding(parts[0]) if name == "model.embed_tokens" else \
+                QuantizedLinear(parts, weights.get(f"{name}.bias"))
+            model.set_submodule(name, module)
         if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
+            embedding = model.model.embed_tokens
+            if isinstance(embedding, QuantizedEmbedding):
+                model.lm_head = QuantizedLinear([embedding.weight], None)
+            else:
+                model.lm_head.weight = embedding.weight
         with torch.device(device):
             model.rope = RotaryEmbedding(cfg)
         return model.eval()
 
-    def forward(self, token_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.model.embed_tokens(token_ids)
-        rope = self.rope(meta.positions, x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            meta.layer = i
-            x = layer(x, rope, kv_cache[0, i], kv_cache[1, i], meta)
-        return self.model.norm(x)
+    @property
+    def quantized(self) -> bool:
+        return any(isinstance(m, QuantizedLinear) for m in self.modules())
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def forward(self, token_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        decode_rows = torch.zeros(len(token_ids), dtype=torch.bool)
+        if meta.decode is not None:
+            decode_rows[meta.decode.query_rows] = True
+        with decoding(decode_rows):      # how quantized weights multiply each row (quantized.py)
+            x = self.model.embed_tokens(token_ids)
+            rope = self.rope(meta.positions, x.dtype)
+            for i, layer in enumerate(self.model.layers):
+                meta.layer = i
+                x = layer(x, rope, kv_cache[0, i], kv_cache[1, i], meta)
+            return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor, decode_rows: list[bool] | None = None) -> torch.Tensor:
+        """decode_rows: which rows are decode tokens' (quantized weights multiply those through ggml)."""
+        with decoding(None if decode_rows is None else torch.tensor(decode_rows, dtype=torch.bool)):
+            return self.lm_head(hidden).float()

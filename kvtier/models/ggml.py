@@ -1,10 +1,10 @@
-"""ggml's CPU matrix products over GGUF's own quantized blocks, through ctypes and the prebuilt `libggml-python`
-wheel (shared libraries only, nothing compiled at install): the CPU candidate for quantized weights that
-`kvtier bench kernels` measures beside torch's products.
+"""ggml's CPU kernels over GGUF's own quantized blocks, through ctypes and the prebuilt `libggml-python` wheel (shared
+libraries only, nothing compiled at install).
 
-A `Product` is planned once for a weight and a row count: ggml tensors placed at the caller's memory (the weight's
-bytes as the GGUF file holds them, the input rows, the output), a graph of one matrix product, and a plan on a
-threadpool that lives as long as the process, so a call costs one ggml compute and no allocation or thread start.
+A `Context` holds ggml tensors' metadata: tensors placed at torch memory (weights, the KV pool, a step's inputs and
+outputs) and the ops between them. A `Graph` over a context's outputs gets its intermediates from ggml's graph
+allocator and a plan on a threadpool that lives as long as the process, so running it again costs one ggml compute.
+`Product` is such a graph for one matrix product, `product` one built per call.
 """
 from __future__ import annotations
 
@@ -15,51 +15,72 @@ import os
 import torch
 
 _P = ctypes.c_void_p
+_I, _I64, _F, _SZ, _B = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_size_t, ctypes.c_bool
 # struct ggml_threadpool_params: bool cpumask[GGML_MAX_N_THREADS = 512]; int n_threads; enum prio; uint32_t poll; ...
 _POLL_OFFSET = 512 + 4 + 4
+F32, F16, I32, I64 = 0, 1, 26, 27           # ggml_type numbers (GGUF's numbering) of the plain types
+ROPE_NEOX = 2                               # Hugging Face's rotate_half layout
+TORCH_TYPES = {torch.float32: F32, torch.float16: F16, torch.int32: I32, torch.int64: I64}
 
 
 class _InitParams(ctypes.Structure):
-    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", _P), ("no_alloc", ctypes.c_bool)]
+    _fields_ = [("mem_size", _SZ), ("mem_buffer", _P), ("no_alloc", _B)]
 
 
 class _CPlan(ctypes.Structure):     # ggml-cpu.h, struct ggml_cplan
-    _fields_ = [("work_size", ctypes.c_size_t), ("work_data", _P), ("n_threads", ctypes.c_int), ("threadpool", _P),
-                ("abort_callback", _P), ("abort_callback_data", _P), ("use_ref", ctypes.c_bool)]
+    _fields_ = [("work_size", _SZ), ("work_data", _P), ("n_threads", _I), ("threadpool", _P),
+                ("abort_callback", _P), ("abort_callback_data", _P), ("use_ref", _B)]
+
+
+class _TensorHead(ctypes.Structure):   # the first fields of ggml.h's struct ggml_tensor
+    _fields_ = [("type", _I), ("buffer", _P), ("ne", _I64 * 4), ("nb", _SZ * 4)]
+
+
+# name → (return type, argument types after the context, or all of them where the name is marked with !)
+_FUNCTIONS = {
+    "ggml_init": (_P, [_InitParams]), "!ggml_free": (None, [_P]),
+    "!ggml_tensor_overhead": (_SZ, []), "!ggml_graph_overhead_custom": (_SZ, [_SZ, _B]),
+    "ggml_new_tensor_4d": (_P, [_I, _I64, _I64, _I64, _I64]),
+    "!ggml_nbytes": (_SZ, [_P]), "!ggml_row_size": (_SZ, [_I, _I64]),
+    "!ggml_quantize_chunk": (_SZ, [_I, _P, _P, _I64, _I64, _I64, _P]),
+    "ggml_mul_mat": (_P, [_P, _P]), "ggml_add": (_P, [_P, _P]), "ggml_mul": (_P, [_P, _P]),
+    "ggml_get_rows": (_P, [_P, _P]), "ggml_set_rows": (_P, [_P, _P, _P]), "ggml_rms_norm": (_P, [_P, _F]),
+    "ggml_swiglu_split": (_P, [_P, _P]), "ggml_cont": (_P, [_P]), "ggml_reshape_2d": (_P, [_P, _I64, _I64]),
+    "ggml_view_2d": (_P, [_P, _I64, _I64, _SZ, _SZ]), "ggml_view_3d": (_P, [_P, _I64, _I64, _I64, _SZ, _SZ, _SZ]),
+    "ggml_view_4d": (_P, [_P, _I64, _I64, _I64, _I64, _SZ, _SZ, _SZ, _SZ]),
+    "ggml_rope_ext": (_P, [_P, _P, _P, _I, _I, _I, _F, _F, _F, _F, _F, _F]),
+    "ggml_flash_attn_ext": (_P, [_P, _P, _P, _P, _F, _F, _F]),
+    "ggml_new_graph_custom": (_P, [_SZ, _B]), "!ggml_build_forward_expand": (None, [_P, _P]),
+    "!ggml_gallocr_new": (_P, [_P]), "!ggml_gallocr_alloc_graph": (_B, [_P, _P]), "!ggml_gallocr_free": (None, [_P]),
+    "!ggml_backend_tensor_alloc": (_I, [_P, _P, _P]), "!ggml_backend_buffer_free": (None, [_P]),
+    "!ggml_backend_cpu_buffer_from_ptr": (_P, [_P, _SZ]), "!ggml_backend_cpu_buffer_type": (_P, []),
+    "!ggml_graph_plan": (_CPlan, [_P, _I, _P]), "!ggml_graph_compute": (_I, [_P, ctypes.POINTER(_CPlan)]),
+}
 
 
 class _Lib:
-    """The ggml functions kvtier calls, and one threadpool of `threads` threads."""
+    """The ggml functions kvtier calls (named without their `ggml_` prefix), and one threadpool of `threads`
+    threads."""
 
     def __init__(self, threads: int):
         import libggml
         directory = os.path.join(os.path.dirname(libggml.__file__), "lib64")
-        base = ctypes.CDLL(os.path.join(directory, "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
-        cpu = ctypes.CDLL(os.path.join(directory, "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
-
-        def fn(lib, name, restype, *argtypes):
-            f = getattr(lib, name)
-            f.restype, f.argtypes = restype, list(argtypes)
-            return f
-        self.init = fn(base, "ggml_init", _P, _InitParams)
-        self.new_tensor_2d = fn(base, "ggml_new_tensor_2d", _P, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-        self.mul_mat = fn(base, "ggml_mul_mat", _P, _P, _P, _P)
-        self.new_graph = fn(base, "ggml_new_graph", _P, _P)
-        self.build_forward_expand = fn(base, "ggml_build_forward_expand", None, _P, _P)
-        self.nbytes = fn(base, "ggml_nbytes", ctypes.c_size_t, _P)
-        self.row_size = fn(base, "ggml_row_size", ctypes.c_size_t, ctypes.c_int, ctypes.c_int64)
-        self.quantize_chunk = fn(base, "ggml_quantize_chunk", ctypes.c_size_t, ctypes.c_int, _P, _P, ctypes.c_int64,
-                                 ctypes.c_int64, ctypes.c_int64, _P)
-        self.tensor_alloc = fn(base, "ggml_backend_tensor_alloc", ctypes.c_int, _P, _P, _P)
-        self.buffer_from_ptr = fn(cpu, "ggml_backend_cpu_buffer_from_ptr", _P, _P, ctypes.c_size_t)
-        self.graph_plan = fn(cpu, "ggml_graph_plan", _CPlan, _P, ctypes.c_int, _P)
-        self.graph_compute = fn(cpu, "ggml_graph_compute", ctypes.c_int, _P, ctypes.POINTER(_CPlan))
+        libs = [ctypes.CDLL(os.path.join(directory, f"libggml-{name}.so"), mode=ctypes.RTLD_GLOBAL)
+                for name in ("base", "cpu")]
+        for marked, (restype, argtypes) in _FUNCTIONS.items():
+            name = marked.lstrip("!")
+            f = getattr(libs[0], name, None) or getattr(libs[1], name)
+            # ops and tensor constructors take the context first
+            f.restype, f.argtypes = restype, argtypes if marked.startswith("!") or name == "ggml_init" else [_P] + argtypes
+            setattr(self, name.removeprefix("ggml_"), f)
         params = ctypes.create_string_buffer(1024)      # struct ggml_threadpool_params (~530 bytes), filled by ggml
-        fn(base, "ggml_threadpool_params_init", None, _P, ctypes.c_int)(params, threads)
-        # poll 0: its threads sleep between products instead of spinning, which would starve torch's threads
+        libs[0].ggml_threadpool_params_init.argtypes = [_P, _I]
+        libs[0].ggml_threadpool_params_init(params, threads)
+        # poll 0: its threads sleep between graphs instead of spinning, which would starve torch's threads
         ctypes.c_uint32.from_buffer(params, _POLL_OFFSET).value = 0
+        libs[1].ggml_threadpool_new.restype, libs[1].ggml_threadpool_new.argtypes = _P, [_P]
         self.threads = threads
-        self.threadpool = fn(cpu, "ggml_threadpool_new", _P, _P)(params)
+        self.threadpool = libs[1].ggml_threadpool_new(params)
 
 
 def available() -> bool:
@@ -76,47 +97,113 @@ def lib(threads: int) -> _Lib:
 
 
 def quantize(weight: torch.Tensor, ggml_type: int, threads: int = 1) -> torch.Tensor:
-    """A float32 weight [out, in] as ggml blocks of `ggml_type` (GGUF's numbering), uint8, row after row."""
+    """A float weight [out, in] as ggml blocks of `ggml_type` (GGUF's numbering): uint8 [out, bytes per row]."""
     g = lib(threads)
     rows, cols = weight.shape
     src = weight.detach().float().contiguous()
-    out = torch.empty(g.row_size(ggml_type, cols) * rows, dtype=torch.uint8)
+    out = torch.empty(rows, g.row_size(ggml_type, cols), dtype=torch.uint8)
     g.quantize_chunk(ggml_type, src.data_ptr(), out.data_ptr(), 0, rows, cols, None)
     return out
 
 
-class Product:
-    """y = x @ W.T for x [rows, in] float32 and W [out, in] in ggml blocks (uint8, 32-byte aligned: torch's CPU
-    tensors are 64-byte aligned), planned once: `run()` reads `self.x` and returns `self.y`, both reused call after call."""
+def aligned(memory: torch.Tensor) -> torch.Tensor:
+    """The tensor, or a copy where ggml could not read it in place (not contiguous, or not 32-byte aligned)."""
+    return memory if memory.is_contiguous() and memory.data_ptr() % 32 == 0 else memory.clone(
+        memory_format=torch.contiguous_format)
 
-    def __init__(self, weight: torch.Tensor, ggml_type: int, in_features: int, out_features: int, rows: int,
-                 threads: int):
+
+def shape(tensor: int) -> tuple[list[int], list[int]]:
+    """A ggml tensor's (ne, nb): its sizes and byte strides, innermost first."""
+    head = _TensorHead.from_address(tensor)
+    return list(head.ne), list(head.nb)
+
+
+class Context:
+    """Metadata for up to `max_tensors` ggml tensors and a graph of up to `max_nodes` nodes; the tensors' data lives
+    in torch tensors (`place`) or comes from a Graph's allocator. `op(name, ...)` adds an op: `op("mul_mat", w, x)`."""
+
+    def __init__(self, threads: int, max_tensors: int, max_nodes: int = 0):
         g = self.lib = lib(threads)
-        self.ctx = g.init(_InitParams(1 << 20, None, True))      # metadata (a graph takes ~80 KB); the data is ours
-        w = g.new_tensor_2d(self.ctx, ggml_type, in_features, out_features)
-        if g.nbytes(w) != weight.numel():
-            raise ValueError(f"a {out_features}x{in_features} weight of ggml type {ggml_type} takes {g.nbytes(w)} "
-                             f"bytes, not {weight.numel()}")
-        x = g.new_tensor_2d(self.ctx, 0, in_features, rows)      # 0: GGML_TYPE_F32
-        y = g.mul_mat(self.ctx, w, x)
-        self.weight = weight
-        self.x = torch.empty(rows, in_features, dtype=torch.float32)
-        self.y = torch.empty(rows, out_features, dtype=torch.float32)
-        for tensor, memory in ((w, weight), (x, self.x), (y, self.y)):
-            address = memory.data_ptr()
-            if address % 32:
-                raise ValueError("ggml needs 32-byte aligned tensor memory")
-            buffer = g.buffer_from_ptr(address, memory.numel() * memory.element_size())
-            if g.tensor_alloc(buffer, tensor, address) != 0:
-                raise RuntimeError("ggml refused to place a tensor at the given memory")
-        self.graph = g.new_graph(self.ctx)
-        g.build_forward_expand(self.graph, y)
-        self.plan = g.graph_plan(self.graph, threads, g.threadpool)
+        self.max_nodes = max_nodes
+        size = max_tensors * g.tensor_overhead() + (g.graph_overhead_custom(max_nodes, False) if max_nodes else 0)
+        self.ptr = g.init(_InitParams(size, None, True))
+        self._buffers = []      # ggml's records of the torch memory placed here
+        self._kept = []         # the torch tensors themselves, alive as long as this context
+
+    def op(self, name: str, *args) -> int:
+        return getattr(self.lib, name)(self.ptr, *args)
+
+    def tensor(self, ggml_type: int, *ne: int) -> int:
+        return self.op("new_tensor_4d", ggml_type, *ne, *(1,) * (4 - len(ne)))
+
+    def place(self, memory: torch.Tensor, ggml_type: int | None = None, ne: tuple[int, ...] | None = None,
+              tensor: int | None = None) -> int:
+        """A ggml tensor over a contiguous torch tensor's memory: a new one of the memory's dtype and shape
+        (innermost first in ggml) unless a ggml type (a quantized one, over uint8 blocks) and sizes are given, or
+        `tensor`, an op's result that is then computed into this memory."""
+        if not memory.is_contiguous() or memory.device.type != "cpu":
+            raise ValueError("ggml reads contiguous CPU memory")
+        if memory.data_ptr() % 32:
+            raise ValueError("ggml needs 32-byte aligned tensor memory")
+        if tensor is None:
+            ggml_type = TORCH_TYPES[memory.dtype] if ggml_type is None else ggml_type
+            tensor = self.tensor(ggml_type, *(ne or tuple(reversed(memory.shape))))
+        nbytes = memory.numel() * memory.element_size()
+        if self.lib.nbytes(tensor) != nbytes:
+            raise ValueError(f"a ggml tensor of sizes {shape(tensor)[0]} takes {self.lib.nbytes(tensor)} bytes, "
+                             f"not {nbytes}")
+        buffer = self.lib.backend_cpu_buffer_from_ptr(memory.data_ptr(), nbytes)
+        self._buffers.append(buffer)
+        self._kept.append(memory)
+        if self.lib.backend_tensor_alloc(buffer, tensor, memory.data_ptr()) != 0:
+            raise RuntimeError("ggml refused to place a tensor at the given memory")
+        return tensor
+
+    def close(self) -> None:
+        for buffer in self._buffers:
+            self.lib.backend_buffer_free(buffer)
+        self.lib.free(self.ptr)
+        self._buffers, self._kept, self.ptr = [], [], None
+
+
+class Graph:
+    """The ops a context's outputs need, planned once: `compute()` runs them on the threadpool."""
+
+    def __init__(self, ctx: Context, outputs: list[int]):
+        g = self.lib = ctx.lib
+        self.graph = g.new_graph_custom(ctx.ptr, ctx.max_nodes, False)
+        for out in outputs:
+            g.build_forward_expand(self.graph, out)
+        self.allocator = g.gallocr_new(g.backend_cpu_buffer_type())
+        if not g.gallocr_alloc_graph(self.allocator, self.graph):
+            g.gallocr_free(self.allocator)
+            raise MemoryError("ggml could not allocate a graph's intermediate tensors")
+        self.plan = g.graph_plan(self.graph, g.threads, g.threadpool)
         self.work = torch.empty(max(1, self.plan.work_size), dtype=torch.uint8)
         self.plan.work_data = self.work.data_ptr()
 
-    def run(self) -> torch.Tensor:
+    def compute(self) -> None:
         if self.lib.graph_compute(self.graph, ctypes.byref(self.plan)) != 0:
-            raise RuntimeError("ggml's matrix product failed")
-        return self.y
+            raise RuntimeError("ggml's graph failed")
 
+    def close(self) -> None:
+        self.lib.gallocr_free(self.allocator)
+
+
+class Product:
+    """y = x @ W.T for x [rows, in] float32 and W [out, in] in ggml blocks (uint8), planned once: `run()` reads
+    `self.x` and returns `self.y`, both reused call after call."""
+
+    def __init__(self, weight: torch.Tensor, ggml_type: int, in_features: int, out_features: int, rows: int,
+                 threads: int):
+        self.ctx = Context(threads, max_tensors=4, max_nodes=4)
+        self.weight = weight
+        self.x = torch.empty(rows, in_features, dtype=torch.float32)
+        self.y = torch.empty(rows, out_features, dtype=torch.float32)
+        w = self.ctx.place(weight, ggml_type, (in_features, out_features))
+        y = self.ctx.place(self.y, tensor=self.ctx.op("mul_mat", w, self.ctx.place(self.x)))
+        self.graph = Graph(self.ctx, [y])
+
+    def run(self) -> torch.Tensor:
+        self.graph.compute()
+        return self.y

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from kvtier.models.config import ARCHITECTURES, ModelConfig
 from kvtier.models.digest import file_digest
+from kvtier.models.quantized import FLOAT_TYPES, QUANTIZE_TYPES, from_gguf_bytes, quantize_weights
 from kvtier.models.tokenizer import Tokenizer
 
 
@@ -67,16 +68,23 @@ def resolve_model_path(model: str | None) -> str:
         "or leave --model out to serve the bundled SmolLM2-135M-Instruct")
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32, digest_cache: str | None = None) -> LoadedModel:
-    """digest_cache: a JSON file remembering weight files' digests (see digest.py)."""
+def load_model(path: str, dtype: torch.dtype = torch.float32, digest_cache: str | None = None,
+               quantize: str = "none") -> LoadedModel:
+    """digest_cache: a JSON file remembering weight files' digests (see digest.py). quantize: "none" (every weight
+    in dtype), "gguf" (a GGUF file's quantized tensors kept as they are), or "int8"/"int4" (every projection
+    quantized at load, quantized.QUANTIZE_TYPES)."""
     if os.path.isdir(path):
         config, weights, fingerprint = read_hf_dir(path, dtype, digest_cache)
         name = os.path.basename(os.path.abspath(path))
     elif os.path.isfile(path):
-        config, weights, fingerprint = read_gguf(path, dtype, digest_cache)
+        config, weights, fingerprint = read_gguf(path, dtype, digest_cache, keep_quantized=quantize == "gguf")
         name = os.path.splitext(os.path.basename(path))[0]
     else:
         raise ValueError(f"no model at {path}: expected a Hugging Face directory or a .gguf file")
+    if quantize in QUANTIZE_TYPES:
+        weights = quantize_weights(weights, quantize)
+    if quantize != "none":       # the KV such weights compute differs a little from the float weights'
+        fingerprint = xxhash.xxh3_128_hexdigest(f"{fingerprint};weights={quantize}".encode())
     tokenizer = Tokenizer.load(path, config.eos_token_ids)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the embedding only "
@@ -238,8 +246,9 @@ def _ids(value) -> tuple[int, ...]:
 
 # ---- GGUF file ----
 
-def read_gguf(path: str, dtype: torch.dtype,
-              digest_cache: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+def read_gguf(path: str, dtype: torch.dtype, digest_cache: str | None = None,
+              keep_quantized: bool = False) -> tuple[ModelConfig, dict, str]:
+    """keep_quantized: quantized tensors come back as QuantizedWeight, in the file's blocks."""
     reader = _open_gguf(path)
     tensors, rope_freqs = {}, None
     for t in reader.tensors:
@@ -261,7 +270,11 @@ def read_gguf(path: str, dtype: torch.dtype,
     shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}
     check_shapes(shapes, config, path)
     weights = {}
-    for name, t in tqdm(tensors.items(), desc=f"Dequantizing {os.path.basename(path)}", unit="tensor"):
+    for name, t in tqdm(tensors.items(), desc=f"Loading {os.path.basename(path)}", unit="tensor"):
+        if keep_quantized and t.tensor_type not in FLOAT_TYPES:
+            w = from_gguf_bytes(t.data, t.tensor_type, shapes[name][0])
+            weights[name] = dataclasses.replace(w, blocks=_unpermuted_llama_qk(w.blocks, name, config))
+            continue
         try:
             array = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -269,12 +282,7 @@ def read_gguf(path: str, dtype: torch.dtype,
                              "which the gguf package cannot dequantize") from None
         if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
             array = array.copy()
-        w = torch.from_numpy(array).reshape(shapes[name])
-        if config.architecture == "llama" and ".self_attn.q_proj." in name:
-            w = _unpermute(w, config.num_heads)
-        elif config.architecture == "llama" and ".self_attn.k_proj." in name:
-            w = _unpermute(w, config.num_kv_heads)
-        weights[name] = w.to(dtype)
+        weights[name] = _unpermuted_llama_qk(torch.from_numpy(array).reshape(shapes[name]), name, config).to(dtype)
     return config, weights, fingerprint(config, [path], digest_cache)
 
 
@@ -346,6 +354,15 @@ def _hf_name(gguf_name: str) -> str | None:
     if m is None or m[2] not in GGUF_LAYER_NAMES:
         return None
     return f"model.layers.{m[1]}.{GGUF_LAYER_NAMES[m[2]]}.{m[3]}"
+
+
+def _unpermuted_llama_qk(w: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:
+    """A Llama q/k weight's rows (floats or quantized blocks) in Hugging Face's order; other weights as they are."""
+    if config.architecture == "llama" and ".self_attn.q_proj." in name:
+        return _unpermute(w, config.num_heads)
+    if config.architecture == "llama" and ".self_attn.k_proj." in name:
+        return _unpermute(w, config.num_kv_heads)
+    return w
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:

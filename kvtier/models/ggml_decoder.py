@@ -1,0 +1,207 @@
+"""A decode step of a decoder with quantized weights, run on CPU as one ggml graph.
+
+Run op by op through torch, a decode step of a small model spends as long dispatching ~20 small ops per layer as
+multiplying by its weights. Here the whole step (embedding, per layer the norms, projections over the GGUF blocks,
+RoPE, the K/V write into kvtier's pool, attention, the MLP; the final norm and the LM head) is one ggml graph run on
+ggml's threadpool, as llama.cpp runs it. The graph reads the weights and the pool where torch keeps them, and is
+built once per shape (batch size, context length rounded up to CONTEXT_STEP, and for a lone sequence where its
+context starts): a step only writes its token ids, positions, K/V slots and attention mask into the graph's inputs.
+
+A lone sequence whose context lies in consecutive pool slots (the pool grows a sequence into the blocks after its
+own) is attended where it lies; otherwise each context's slots are gathered (ggml_get_rows) into one padded batch.
+Padding positions are masked out, so what their slots hold is never used.
+"""
+from __future__ import annotations
+
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvtier.kv.pool import KVPool
+from kvtier.models import ggml
+from kvtier.models.decoder import Decoder, rope_inv_freq
+from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear
+
+
+CONTEXT_STEP = 256      # context lengths a graph serves, rounded up: one graph holds 256 decode steps
+
+
+class GgmlDecodeSteps:
+    """run(token_ids, positions, slots, tables, lens) → logits [batch, vocab] of one decode step (the interface of
+    the CUDA graphs, engine/graphs.py)."""
+
+    def __init__(self, model: Decoder, pool: KVPool, threads: int):
+        cfg = self.config = model.config
+        if pool.kv_cache.dtype != torch.float32:
+            raise ValueError("ggml decode steps need a float32 KV pool")
+        self.block_size, self.num_slots = pool.block_size, pool.kv_cache.shape[2]
+        self.row = cfg.num_kv_heads * cfg.head_dim            # one slot's K (or V) floats across heads
+        self.weights = ggml.Context(threads, max_tensors=32 * cfg.num_layers + 16)
+        self.embed = self._embedding(model.model.embed_tokens)
+        self.layers = [self._layer(layer) for layer in model.model.layers]
+        self.norm = self._float(model.model.norm.weight)
+        self.lm_head = self._linear(model.lm_head)
+        self.caches = [[self.weights.place(pool.kv_cache[kind, i], ne=(self.row, self.num_slots)) for kind in (0, 1)]
+                       for i in range(cfg.num_layers)]
+        base = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+        # ggml divides each base frequency by a factor: every scaling kvtier knows, as one factor per frequency
+        self.freq_factors = self._float((base / rope_inv_freq(cfg)).float())
+        self.key, self.step = None, None
+        self.steps = 0
+
+    def run(self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+            lens: list[int]) -> torch.Tensor:
+        # torch's threads spin a while after each parallel region (sampling's), on the cores ggml's threads need:
+        # 12 ms a step instead of 5.4 for SmolLM2 on 2 cores. The engine's torch work around decode steps runs
+        # on one thread; the runner gives torch its threads back for other steps
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
+        bs = self.block_size
+        context = -(-max(lens) // CONTEXT_STEP) * CONTEXT_STEP
+        start = tables[0][0] * bs
+        lone = len(lens) == 1 and start + context <= self.num_slots and \
+            np.array_equal(np.diff(tables[0]), np.ones(len(tables[0]) - 1))
+        key = (len(lens), context, start if lone else None)
+        if key != self.key:
+            if self.step is not None:
+                self.step.close()
+            self.step, self.key = _Step(self, *key), key
+        step = self.step
+        step.ids.numpy()[:] = token_ids
+        step.positions.numpy()[:] = positions
+        step.slots.numpy()[:] = slots
+        mask = step.mask.numpy()[:, 0, 0]
+        mask[:] = -np.inf
+        for i, n in enumerate(lens):
+            mask[i, :n] = 0
+        if step.gather is not None:
+            gather = step.gather.numpy().reshape(len(lens), context)
+            for i, (table, n) in enumerate(zip(tables, lens)):
+                ctx_slots = (np.asarray(table)[:, None] * bs + np.arange(bs)).ravel()[:n]
+                gather[i, :n], gather[i, n:] = ctx_slots, ctx_slots[0]
+        step.graph.compute()
+        self.steps += 1
+        return step.logits.clone()
+
+    def _place_linear_parts(self, module: nn.Module) -> list[tuple[int, int]]:
+        """(ggml weight, output rows) per part of a projection."""
+        if isinstance(module, QuantizedLinear):
+            return [(self.weights.place(p.blocks, p.ggml_type, (p.in_features, p.out_features)), p.out_features)
+                    for p in module.parts]
+        return [(self._float(module.weight), module.out_features)]
+
+    def _linear(self, module: nn.Module) -> tuple[list[tuple[int, int]], int | None]:
+        bias = None if module.bias is None else self._float(module.bias)
+        return self._place_linear_parts(module), bias
+
+    def _embedding(self, module: nn.Module) -> int:
+        if isinstance(module, QuantizedEmbedding):
+            w = module.weight
+            return self.weights.place(w.blocks, w.ggml_type, (w.in_features, w.out_features))
+        return self._float(module.weight)
+
+    def _float(self, tensor: torch.Tensor) -> int:
+        return self.weights.place(ggml.aligned(tensor.detach()))
+
+    def _layer(self, layer: nn.Module) -> dict:
+        attn = layer.self_attn
+        found = {"input_norm": self._float(layer.input_layernorm.weight),
+                 "post_norm": self._float(layer.post_attention_layernorm.weight),
+                 "qkv": self._linear(attn.qkv_proj), "o": self._linear(attn.o_proj),
+                 "gate_up": self._linear(layer.mlp.gate_up_proj), "down": self._linear(layer.mlp.down_proj)}
+        if attn.qk_norm:
+            found |= {"q_norm": self._float(attn.q_norm.weight),
+                      "k_norm": self._float(attn.k_norm.weight)}
+        return found
+
+    def close(self) -> None:
+        if self.step is not None:
+            self.step.close()
+        self.weights.close()
+
+
+class _Step:
+    """The graph of a decode step of `batch` sequences over contexts of up to `context` tokens, with its inputs
+    and output in torch tensors. start: where a lone sequence's consecutive context starts (None: gathered)."""
+
+    def __init__(self, steps: GgmlDecodeSteps, batch: int, context: int, start: int | None):
+        cfg, self.steps = steps.config, steps
+        layers = cfg.num_layers
+        ctx = self.ctx = ggml.Context(steps.weights.lib.threads, max_tensors=64 * layers + 32,
+                                      max_nodes=64 * layers + 32)
+        self.ids = torch.zeros(batch, dtype=torch.int32)
+        self.positions = torch.zeros(batch, dtype=torch.int32)
+        self.slots = torch.zeros(batch, dtype=torch.int64)
+        self.mask = torch.zeros(batch, 1, 1, context, dtype=torch.float16)
+        self.gather = None if start is not None else torch.zeros(batch * context, dtype=torch.int32)
+        self.logits = torch.empty(batch, cfg.vocab_size)
+        self.batch, self.context, self.start = batch, context, start
+        self.inputs = {"pos": ctx.place(self.positions), "slots": ctx.place(self.slots), "mask": ctx.place(self.mask)}
+        if self.gather is not None:
+            self.inputs["gather"] = ctx.place(self.gather)
+        x = ctx.op("get_rows", steps.embed, ctx.place(self.ids))
+        for i, weights in enumerate(steps.layers):
+            x = self._layer(x, weights, *steps.caches[i])
+        x = ctx.op("mul", ctx.op("rms_norm", x, cfg.rms_norm_eps), steps.norm)
+        (logits,) = self._project(x, steps.lm_head, [cfg.vocab_size])
+        self.graph = ggml.Graph(ctx, [ctx.place(self.logits, tensor=logits)])
+
+    def _project(self, x: int, linear: tuple[list[tuple[int, int]], int | None], sizes: list[int]) -> list[int]:
+        """x's product with a projection, cut into pieces of `sizes` output rows each (q/k/v, gate/up)."""
+        parts, bias = linear
+        ctx = self.ctx
+        ys = [ctx.op("mul_mat", w, x) for w, _ in parts]
+        if len(ys) != len(sizes):     # one fused part: views of its rows
+            (y,) = ys
+            nb1 = ggml.shape(y)[1][1]
+            offsets = np.cumsum([0] + sizes[:-1])
+            ys = [ctx.op("view_2d", y, n, self.batch, nb1, int(a) * 4) for a, n in zip(offsets, sizes)]
+        if bias is None:
+            return ys
+        offsets = np.cumsum([0] + sizes[:-1])
+        return [ctx.op("add", y, ctx.op("view_2d", bias, n, 1, n * 4, int(a) * 4)) for y, a, n in zip(ys, offsets, sizes)]
+
+    def _heads(self, x: int, heads: int) -> int:
+        """[heads * head_dim, batch] (maybe a view of a fused product) as [head_dim, heads, batch]."""
+        d = self.steps.config.head_dim
+        return self.ctx.op("view_3d", x, d, heads, self.batch, d * 4, ggml.shape(x)[1][1], 0)
+
+    def _layer(self, x: int, w: dict, k_cache: int, v_cache: int) -> int:
+        cfg, ctx, steps = self.steps.config, self.ctx, self.steps
+        d, heads, kv_heads, b = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, self.batch
+        h = ctx.op("mul", ctx.op("rms_norm", x, cfg.rms_norm_eps), w["input_norm"])
+        q, k, v = self._project(h, w["qkv"], [heads * d, kv_heads * d, kv_heads * d])
+        q, k = self._heads(q, heads), self._heads(k, kv_heads)
+        if cfg.qk_norm:
+            q = ctx.op("mul", ctx.op("rms_norm", q, cfg.rms_norm_eps), w["q_norm"])
+            k = ctx.op("mul", ctx.op("rms_norm", k, cfg.rms_norm_eps), w["k_norm"])
+        q, k = (ctx.op("rope_ext", t, self.inputs["pos"], steps.freq_factors, d, ggml.ROPE_NEOX,
+                       cfg.max_position_embeddings, cfg.rope_theta, 1.0, 0.0, 1.0, 32.0, 1.0) for t in (q, k))
+        k_all = ctx.op("set_rows", k_cache, ctx.op("reshape_2d", k, steps.row, b), self.inputs["slots"])
+        v_all = ctx.op("set_rows", v_cache, v, self.inputs["slots"])
+        keys, values = self._context(k_all), self._context(v_all)
+        q = ctx.op("view_4d", q, d, 1, heads, b, d * heads * 4, d * 4, d * heads * 4, 0)   # [d, 1 query, heads, b]
+        o = ctx.op("flash_attn_ext", q, keys, values, self.inputs["mask"], d ** -0.5, 0.0, 0.0)
+        (o,) = self._project(ctx.op("reshape_2d", o, heads * d, b), w["o"], [cfg.hidden_size])
+        x = ctx.op("add", x, o)
+        h = ctx.op("mul", ctx.op("rms_norm", x, cfg.rms_norm_eps), w["post_norm"])
+        gate, up = self._project(h, w["gate_up"], [cfg.intermediate_size] * 2)
+        (down,) = self._project(ctx.op("swiglu_split", gate, up), w["down"], [cfg.hidden_size])
+        return ctx.op("add", x, down)
+
+    def _context(self, cache: int) -> int:
+        """The batch's K (or V) contexts, [head_dim, context, kv_heads, batch], from the pool after this step's
+        write: a view of a lone consecutive context, else the gathered slots."""
+        cfg, ctx, row = self.steps.config, self.ctx, self.steps.row
+        d, kv_heads = cfg.head_dim, cfg.num_kv_heads
+        if self.start is not None:
+            return ctx.op("view_4d", cache, d, self.context, kv_heads, 1, row * 4, d * 4, row * 4 * self.context,
+                          self.start * row * 4)
+        gathered = ctx.op("get_rows", cache, self.inputs["gather"])       # [row, context * batch]
+        return ctx.op("view_4d", gathered, d, self.context, kv_heads, self.batch, row * 4, d * 4,
+                      row * 4 * self.context, 0)
+
+    def close(self) -> None:
+        self.graph.close()
+        self.ctx.close()

@@ -1,0 +1,169 @@
+"""Weights kept in GGUF's quantized blocks, and the decoder modules that multiply by them on CPU through ggml.
+
+A GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (and ggml's other block types) stay as the file holds them, so
+the weights take the file's memory; `--quantize int8|int4` makes Q8_0 or Q4_0 blocks (weight-only, groups of 32)
+of a float checkpoint the same way.
+
+Which product a row gets depends on its token's role, never on what else is in the step, so a sequence's output
+does not change with the traffic beside it or with how much of its prompt was cached:
+- decode rows: ggml's product over the blocks (the activations quantized to 8 bits per block of 32, as llama.cpp
+  does), which reads 4-8x fewer bytes than float32. Whole decode steps run as one ggml graph (ggml_decoder.py);
+- prompt rows: the weight dequantized for torch's float32 product, which on a CPU without AVX-512 VNNI multiplies
+  512 rows 2-3.5x faster than ggml's quantized kernels (2-core EPYC, SmolLM2's shapes): prefill as fast as with
+  float32 weights, and a prompt's K/V as the float32 weights compute it.
+`Decoder.forward` says which rows decode (`decoding`); rows outside it are prompt rows.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+from torch import nn
+
+from kvtier.models import ggml
+from kvtier.models.products import many_rows_product
+
+_DECODE_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("decode_rows", default=None)
+# `--quantize`: the block type of every projection; embeddings and the LM head take Q8_0 in both
+QUANTIZE_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
+FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight [out_features, in_features] as ggml blocks: uint8 [out_features, bytes per row], rows as GGUF
+    files lay them out."""
+    blocks: torch.Tensor
+    ggml_type: int
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def type_name(self) -> str:
+        return GGMLQuantizationType(self.ggml_type).name
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.from_numpy(dequantize(self.blocks.numpy(), GGMLQuantizationType(self.ggml_type)))
+
+
+def quantize(weight: torch.Tensor, ggml_type: int) -> QuantizedWeight:
+    return QuantizedWeight(ggml.quantize(weight, int(ggml_type), torch.get_num_threads()), int(ggml_type),
+                           weight.shape[1])
+
+
+def from_gguf_bytes(data: np.ndarray, ggml_type: int, out_features: int) -> QuantizedWeight:
+    """A GGUF tensor's bytes (the reader's array of one row of bytes per weight row), copied out of the file map."""
+    blocks = ggml.aligned(torch.from_numpy(np.array(data, copy=True).reshape(out_features, -1)))
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    return QuantizedWeight(blocks, int(ggml_type), blocks.shape[1] // type_size * block_size)
+
+
+def concatenated(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """Weights stacked along their rows (q/k/v, gate/up): one weight where their block types agree."""
+    if len({p.ggml_type for p in parts}) > 1 or len({p.in_features for p in parts}) > 1:
+        return parts
+    return [QuantizedWeight(torch.cat([p.blocks for p in parts]), parts[0].ggml_type, parts[0].in_features)]
+
+
+def _ggml_op(op: str, weight: QuantizedWeight, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """One ggml op of a weight and x, computed into out, through a graph built for this call."""
+    ctx = ggml.Context(torch.get_num_threads(), max_tensors=4, max_nodes=2)
+    try:
+        w = ctx.place(weight.blocks, weight.ggml_type, (weight.in_features, weight.out_features))
+        graph = ggml.Graph(ctx, [ctx.place(out, tensor=ctx.op(op, w, ctx.place(x)))])
+        graph.compute()
+        graph.close()
+    finally:
+        ctx.close()
+    return out
+
+
+def product(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in_features] float32 @ weight.T"""
+    return _ggml_op("mul_mat", weight, ggml.aligned(x), x.new_empty(x.shape[0], weight.out_features))
+
+
+def rows_of(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of the weight, dequantized: float32 [len(ids), in_features]."""
+    return _ggml_op("get_rows", weight, ggml.aligned(ids.to(torch.int32)),
+                    torch.empty(len(ids), weight.in_features))
+
+
+@contextlib.contextmanager
+def decoding(rows: torch.Tensor | None):
+    """Within it, the rows of the products' inputs marked True (bool [rows]) are decode rows."""
+    token = _DECODE_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _DECODE_ROWS.reset(token)
+
+
+class QuantizedLinear(nn.Module):
+    """A projection over quantized weights (CPU): parts stacked along the output (fused q/k/v or gate/up whose
+    block types differ), and an optional float bias."""
+
+    def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None):
+        super().__init__()
+        self.parts = parts
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        decode = _DECODE_ROWS.get()
+        if decode is None or not decode.any():
+            y = self._dequantized_product(x)
+        elif decode.all():
+            y = self._ggml_product(x)
+        else:
+            y = x.new_empty(x.shape[0], self.out_features)
+            y[decode], y[~decode] = self._ggml_product(x[decode]), self._dequantized_product(x[~decode])
+        return y if self.bias is None else y + self.bias
+
+    def _ggml_product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([product(p, x) for p in self.parts], dim=-1)
+
+    def _dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
+        everything = torch.arange(max(p.out_features for p in self.parts))
+        return torch.cat([many_rows_product(x.dtype)(x, rows_of(p, everything[:p.out_features]), None)
+                          for p in self.parts], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"types={[p.type_name for p in self.parts]}"
+
+
+class QuantizedEmbedding(nn.Module):
+    def __init__(self, weight: QuantizedWeight):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return rows_of(self.weight, ids)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight: quantized blocks and float parameters."""
+    blocks = {id(p.blocks): p.blocks.numel() for m in model.modules()
+              for p in (getattr(m, "parts", None) or ([m.weight] if isinstance(m, QuantizedEmbedding) else []))}
+    return sum(blocks.values()) + sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def quantize_weights(weights: dict[str, torch.Tensor], mode: str) -> dict:
+    """`--quantize int8|int4`: every projection in mode's block type, the embedding and LM head in Q8_0; a matrix
+    whose rows are not whole blocks of 32 stays float."""
+    quantized = dict(weights)
+    for name, w in weights.items():
+        if w.dim() == 2 and w.shape[1] % 32 == 0:
+            kind = QUANTIZE_TYPES[mode] if name.endswith("_proj.weight") else GGMLQuantizationType.Q8_0
+            quantized[name] = quantize(w, kind)
+    return quantized

@@ -1,0 +1,205 @@
+"""Quantized weights: a GGUF's blocks kept as the file holds them (every common type), `--quantize int8|int4`, and
+decode steps as one ggml graph, each against the float32 path over the same weights dequantized."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from gguf_files import write_gguf
+from kvtier.config import Config, ConfigError
+from kvtier.engine.engine import LLMEngine
+from kvtier.engine.sampling_params import SamplingParams
+from kvtier.engine.scheduler import ScheduledBatch
+from kvtier.engine.sequence import Sequence
+from kvtier.engine.runner import slot_runs
+from kvtier.kv.pool import KVPool
+from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
+from kvtier.models.decoder import Decoder
+from kvtier.models.ggml_decoder import GgmlDecodeSteps
+from kvtier.models.loader import BUNDLED_MODEL, load_model, read_gguf
+from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear, weight_bytes
+
+pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
+
+TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=512, max_position_embeddings=1024, vocab_size=512)
+BLOCK = 16
+
+
+def tiny_gguf(path, config_cls=LlamaConfig, qtype=Q.Q8_0, **overrides) -> str:
+    """A random model whose logits are peaked enough (LM head scaled up) for perplexity to tell types apart."""
+    torch.manual_seed(0)
+    hf_cfg = config_cls(**TINY, tie_word_embeddings=False, **overrides)
+    weights = {n: w.detach() for n, w in AutoModelForCausalLM.from_config(hf_cfg).state_dict().items()}
+    weights["lm_head.weight"] *= 10
+    types = dict.fromkeys(("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                           "down_proj", "lm_head"), qtype)
+    write_gguf(path, hf_cfg.model_type, hf_cfg, weights, types)
+    return str(path)
+
+
+def decoder(path: str, quantized: bool) -> Decoder:
+    config, weights, _ = read_gguf(path, torch.float32, keep_quantized=quantized)
+    return Decoder.from_weights(config, weights, torch.float32, torch.device("cpu"))
+
+
+def pool_for(model: Decoder, tokens: int = 1024) -> KVPool:
+    c = model.config
+    return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, tokens, torch.float32, torch.device("cpu"))
+
+
+@torch.inference_mode()
+def teacher_forced(model: Decoder, ids: list[list[int]], tables: list[list[int]], steps: GgmlDecodeSteps | None = None,
+                   pool: KVPool | None = None, length: int | None = None) -> torch.Tensor:
+    """Logits [sequences, length - 1, vocab], row p what follows token p: each sequence's first token as a prompt,
+    then every next token as a decode step of all sequences at once, through ggml's graph (steps, over `pool`) or
+    the decoder op by op. Up to `length`, tokens past the given ids are sampled (seeded) and appended to ids."""
+    pool = pool or pool_for(model)
+    generator = torch.Generator().manual_seed(0)
+    slot = [lambda p, t=t: t[p // BLOCK] * BLOCK + p % BLOCK for t in tables]
+    logits = []       # per position p, [sequences, vocab]: what follows position p
+    for seq, s, table in zip(ids, slot, tables):
+        meta = AttentionMetadata(positions=torch.tensor([0]), slot_mapping=torch.tensor([s(0)]),
+                                 prefills=[PrefillSeq(0, 1, [], table[:1])], decode=None, block_size=BLOCK)
+        logits.append(model.logits(model(torch.tensor(seq[:1]), pool.kv_cache, meta)))
+    logits = [torch.cat(logits)]
+    for p in range(1, (length or len(ids[0])) - 1):
+        for seq, step_logits in zip(ids, logits[-1] if p >= len(ids[0]) else ()):
+            seq.append(torch.multinomial(step_logits.softmax(-1), 1, generator=generator).item())
+        tokens, slots = [seq[p] for seq in ids], [s(p) for s in slot]
+        if steps is not None:
+            logits.append(steps.run(tokens, [p] * len(ids), slots, [t[:p // BLOCK + 1] for t in tables],
+                                    [p + 1] * len(ids)))
+            continue
+        meta = AttentionMetadata(positions=torch.tensor([p] * len(ids)), slot_mapping=torch.tensor(slots),
+                                 prefills=[], decode=DecodeGroup(list(range(len(ids))),
+                                                                 [slot_runs(t, p + 1, BLOCK) for t in tables]),
+                                 block_size=BLOCK)
+        logits.append(model.logits(model(torch.tensor(tokens), pool.kv_cache, meta), [True] * len(ids)))
+    if length:
+        for seq, step_logits in zip(ids, logits[-1]):
+            seq.append(torch.multinomial(step_logits.softmax(-1), 1, generator=generator).item())
+    return torch.stack(logits, 1)
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    return torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).exp().item()
+
+
+def tensor_bytes(path: str) -> int:
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+
+
+TEXT = [(37 * i * i + 11 * i) % 500 + 3 for i in range(96)]      # a fixed token sequence
+TEXT_TOKENS = 128
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_each_type_stays_in_its_blocks_and_scores_as_its_dequantized_weights(tmp_path, qtype):
+    path = tiny_gguf(tmp_path / "m.gguf", qtype=qtype)
+    quantized, float32 = decoder(path, quantized=True), decoder(path, quantized=False)
+    projections = [m for m in quantized.modules() if isinstance(m, QuantizedLinear)]
+    assert len(projections) == 2 * 4 + 1 and all(p.type_name == qtype.name for m in projections for p in m.parts)
+    assert isinstance(quantized.model.embed_tokens, QuantizedEmbedding)
+    assert weight_bytes(quantized) <= 1.2 * tensor_bytes(path) < weight_bytes(float32) / 2
+    table = [list(range(TEXT_TOKENS // BLOCK + 1))]
+    text = [TEXT[:1]]
+    want = teacher_forced(float32, text, table, length=TEXT_TOKENS)[0]    # a text the float32 model writes
+    pool = pool_for(quantized)
+    got = teacher_forced(quantized, text, table, GgmlDecodeSteps(quantized, pool, threads=2), pool)[0]
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    ppl, ppl_float = perplexity(got, text[0]), perplexity(want, text[0])
+    assert abs(ppl / ppl_float - 1) < 0.01, (ppl, ppl_float)
+    assert ppl_float < 0.1 * TINY["vocab_size"]        # the text is not noise to the model: types could differ
+
+
+@pytest.mark.parametrize("config_cls, overrides", [(LlamaConfig, {}), (Qwen2Config, {}), (Qwen3Config, {"head_dim": 64})],
+                         ids=["llama", "qwen2-bias", "qwen3-qk-norm"])
+def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, overrides):
+    model = decoder(tiny_gguf(tmp_path / "m.gguf", config_cls, Q.Q4_K, **overrides), quantized=True)
+    pool = pool_for(model)
+    steps = GgmlDecodeSteps(model, pool, threads=2)
+    texts = [TEXT[:40], TEXT[10:50], TEXT[20:60]]
+    cases = {"one sequence in consecutive blocks (read in place)": ([texts[0]], [[3, 4, 5]]),
+             "one sequence in scattered blocks (gathered)": ([texts[0]], [[9, 2, 6]]),
+             "three sequences (gathered, batched)": (texts, [[1, 2, 3], [12, 8, 4], [20, 21, 30]])}
+    for case, (ids, tables) in cases.items():
+        got = teacher_forced(model, ids, tables, steps, pool)
+        want = teacher_forced(model, ids, tables)
+        # the same kernels; the op-by-op path merges scattered parts of a context, and the quantized activations
+        # of the products magnify such rounding
+        assert (got - want).abs().max() <= 0.02 * want.abs().max(), case
+    assert steps.steps == 3 * (len(texts[0]) - 2)
+
+
+def test_quantize_int8_and_int4_at_load(tiny_model_dir):
+    loaded = {mode: load_model(tiny_model_dir, quantize=mode) for mode in ("none", "int8", "int4")}
+    assert len({m.fingerprint for m in loaded.values()}) == 3       # their KV never mixes
+    models = {mode: Decoder.from_weights(m.config, m.weights, torch.float32, torch.device("cpu"))
+              for mode, m in loaded.items()}
+    for mode, kind in (("int8", Q.Q8_0), ("int4", Q.Q4_0)):
+        qkv = models[mode].model.layers[0].self_attn.qkv_proj
+        assert isinstance(qkv, QuantizedLinear) and qkv.parts[0].type_name == kind.name
+        assert models[mode].model.embed_tokens.weight.type_name == "Q8_0"
+    ids = [[(13 * i) % 200 + 5 for i in range(24)]]
+    want = teacher_forced(models["none"], ids, [[0, 1]])
+    for mode, tolerance in (("int8", 0.05), ("int4", 0.3)):
+        got = teacher_forced(models[mode], ids, [[0, 1]])
+        assert (got - want).abs().max() <= tolerance * want.abs().max(), mode
+    assert weight_bytes(models["int4"]) < weight_bytes(models["int8"]) < weight_bytes(models["none"]) / 2
+
+
+def test_quantized_weights_are_refused_where_no_kernel_runs_them():
+    with pytest.raises(ConfigError, match="CPU in float32"):
+        Config(quantize="int4", dtype="bfloat16")
+    with pytest.raises(ConfigError, match="quantize must be"):
+        Config(quantize="q4")
+    assert Config().weights_mode(BUNDLED_MODEL) == "gguf"
+    assert Config(dtype="bfloat16").weights_mode(BUNDLED_MODEL) == "none"
+
+
+@pytest.mark.integration
+def test_the_bundled_model_in_its_blocks(tmp_path):
+    """The bundled Q4_1 file: in about its own memory, first-token logits near the dequantized float32 path's, and
+    greedy output the same wherever the float32 path's top two tokens are not near-tied."""
+    engines = {mode: LLMEngine(Config(quantize=mode, kv_pool_tokens=4096, kv_disk=False, kv_host_gib=0))
+               for mode in ("auto", "none")}
+    quantized = engines["auto"].model
+    assert quantized.quantized and isinstance(engines["auto"].runner.graphs, GgmlDecodeSteps)
+    assert weight_bytes(quantized) <= 1.2 * tensor_bytes(BUNDLED_MODEL)
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.",
+               "Explain in two sentences why the sky is blue.", "List three prime numbers and say why they are prime."]
+    for i, prompt in enumerate(prompts):
+        ids = engines["auto"].tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        outputs = {}
+        for mode, engine in engines.items():
+            engine.add_request(str(i), ids, SamplingParams(max_tokens=24, temperature=0))
+            outputs[mode] = []
+            while engine.has_unfinished():
+                for out in engine.step():
+                    outputs[mode] += out.new_token_ids
+        got, want = outputs["auto"], outputs["none"]
+        if i == 0:      # the prompt's next-token logits
+            q, f = next_logits(engines["auto"], ids), next_logits(engines["none"], ids)
+            assert (q - f).abs().max() <= 0.02 * f.abs().max()
+        first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if first is not None:     # a near-tie, which the quantized activations' rounding decides
+            top2 = next_logits(engines["none"], ids + want[:first]).topk(2)
+            assert top2.values[0] - top2.values[1] < 0.3 and got[first] in top2.indices, (prompt, first)
+
+
+def next_logits(engine, ids: list[int]) -> torch.Tensor:
+    """The engine's logits after a prompt, computed as one prefill."""
+    seq = Sequence("logits", ids, SamplingParams(), None, arrival=0)
+    seq.kv = engine.kv.new_state("logits", seq.token_ids, len(ids), None)
+    assert engine.kv.reserve(seq.kv, len(ids))
+    try:
+        batch = ScheduledBatch()
+        batch.add(seq, len(ids))
+        logits, _ = engine.runner.run(batch)
+    finally:
+        engine.kv.release(seq.kv)
+    return logits[0]
