@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
                                        "(default: the bundled SmolLM2-135M-Instruct)")
     group.add_argument("--device", help="cpu or cuda[:N] (default: cpu)")
     group.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
-    group.add_argument("--quantize", choices=("auto", "none", "int8", "int4"),
+    group.add_argument("--quantize", choices=("auto", "none", "int8", "int4"),   # config.QUANTIZE_MODES, torch-free
                        help="weights: auto keeps a GGUF's quantized blocks on CPU (float32) and multiplies by them "
                             "through ggml; none dequantizes every weight to --dtype; int8/int4 quantize a checkpoint's "
                             "projections at load (Q8_0/Q4_0, groups of 32; CPU) (default: auto)")

@@ -175,8 +175,9 @@ class Config:
         """What load_model does with the weights: quantize resolved for this model file, device and dtype."""
         if self.quantize != "auto":
             return self.quantize
+        from kvtier.models import ggml
         cpu_float32 = torch.device(self.device).type == "cpu" and self.dtype == "float32"
-        return "gguf" if cpu_float32 and os.path.isfile(model_path) else "none"
+        return "gguf" if cpu_float32 and os.path.isfile(model_path) and ggml.available() else "none"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -2,6 +2,8 @@
 decode steps as one ggml graph, each against the float32 path over the same weights dequantized."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -9,7 +11,7 @@ from gguf import GGUFReader
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from gguf_files import write_gguf
-from kvtier.config import Config, ConfigError
+from kvtier.config import Config, ConfigError, cache_home
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import ScheduledBatch
@@ -126,12 +128,16 @@ def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, ov
     cases = {"one sequence in consecutive blocks (read in place)": ([texts[0]], [[3, 4, 5]]),
              "one sequence in scattered blocks (gathered)": ([texts[0]], [[9, 2, 6]]),
              "three sequences (gathered, batched)": (texts, [[1, 2, 3], [12, 8, 4], [20, 21, 30]])}
+    got = {}
     for case, (ids, tables) in cases.items():
-        got = teacher_forced(model, ids, tables, steps, pool)
+        got[case] = teacher_forced(model, ids, tables, steps, pool)
         want = teacher_forced(model, ids, tables)
         # the same kernels; the op-by-op path merges scattered parts of a context, and the quantized activations
         # of the products magnify such rounding
-        assert (got - want).abs().max() <= 0.02 * want.abs().max(), case
+        assert (got[case] - want).abs().max() <= 0.02 * want.abs().max(), case
+    # a sequence's logits do not depend on where its context lies or what else is in the batch, to the bit
+    alone, *others = got.values()
+    assert all(torch.equal(alone[0], other[0]) for other in others)
     assert steps.steps == 3 * (len(texts[0]) - 2)
 
 
@@ -203,3 +209,58 @@ def next_logits(engine, ids: list[int]) -> torch.Tensor:
     finally:
         engine.kv.release(seq.kv)
     return logits[0]
+
+
+@pytest.mark.integration
+def test_decodes_are_the_same_beside_a_prompt_as_alone():
+    """A mixed step's decodes run in ggml's graph, its prompt chunk op by op: neither sequence's greedy tokens
+    depend on the other (no prefix cache, so every prompt is computed whole)."""
+    engine = LLMEngine(Config(kv_pool_tokens=4096, kv_disk=False, kv_host_gib=0, prefix_cache=False))
+    prompts = {name: engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+               for name, text in (("a", "Write a short poem about autumn leaves."),
+                                  ("b", "Explain what a hash table is in two sentences."))}
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def run(late: str | None) -> dict[str, list[int]]:
+        tokens = {"a": []}
+        engine.add_request("a", prompts["a"], params)
+        mixed = 0
+        while engine.has_unfinished():
+            if late and len(tokens["a"]) == 3 and late not in tokens:
+                engine.add_request(late, prompts[late], params)
+                tokens[late] = []
+                mixed = engine.runner.graphs.steps
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        assert not late or engine.runner.graphs.steps > mixed
+        return tokens
+
+    alone = run(None)["a"]
+    engine.add_request("b", prompts["b"], params)
+    b_alone = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            b_alone += out.new_token_ids
+    together = run("b")
+    assert together == {"a": alone, "b": b_alone}
+
+
+def test_quantized_blocks_are_kept_for_the_next_start(tiny_model_dir, monkeypatch):
+    from kvtier.models import quantized
+    first = load_model(tiny_model_dir, quantize="int4")
+    cached = [f for f in os.listdir(os.path.join(cache_home(), "quantized")) if f.endswith("-int4.safetensors")]
+    assert len(cached) == 1
+    monkeypatch.setattr(quantized, "quantize", lambda *a: pytest.fail("quantized again"))
+    again = load_model(tiny_model_dir, quantize="int4")
+    for name, w in first.weights.items():
+        if isinstance(w, quantized.QuantizedWeight):
+            assert torch.equal(w.blocks, again.weights[name].blocks) and w.ggml_type == again.weights[name].ggml_type
+    monkeypatch.undo()
+    path = os.path.join(cache_home(), "quantized", cached[0])
+    with open(path, "r+b") as f:     # a damaged file is quantized again, and replaced
+        f.write(b"\xff" * 64)
+    remade = load_model(tiny_model_dir, quantize="int4")
+    assert all(torch.equal(w.blocks, remade.weights[n].blocks) for n, w in first.weights.items()
+               if isinstance(w, quantized.QuantizedWeight))
+    monkeypatch.setattr(quantized, "quantize", lambda *a: pytest.fail("quantized again"))
+    assert load_model(tiny_model_dir, quantize="int4").fingerprint == first.fingerprint     # and kept again

@@ -98,7 +98,7 @@ def build_gguf(shape: str, directory: str) -> str:
         key = (types[kind], rows, cols)
         if key not in blocks:
             weight = torch.randn(rows, cols, generator=gen) * cols ** -0.5
-            blocks[key] = ggml.quantize(weight, int(GGMLQuantizationType[types[kind]]), os.cpu_count()).numpy()
+            blocks[key] = ggml.quantize(weight, int(GGMLQuantizationType[types[kind]])).numpy()
         return blocks[key]
 
     def add(name: str, kind: str, rows: int, cols: int) -> None:

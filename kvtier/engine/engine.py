@@ -177,8 +177,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._ended) or self.kv.busy
 
     def shutdown(self) -> None:
-        """Stop the transfer workers (after the copies already queued)."""
+        """Stop the transfer workers (after the copies already queued); free ggml's decode graphs."""
         self.kv.shutdown()
+        if isinstance(self.runner.graphs, GgmlDecodeSteps):
+            self.runner.graphs.close()
+            self.runner.graphs = None
 
     def step(self) -> list[RequestOutput]:
         for state in self.kv.poll():       # loads aborted meanwhile, now released
@@ -204,6 +207,7 @@ class LLMEngine:
             self.kv.rates.observe_prefill(sum(batch.num_tokens), seconds)
         if batch:
             self.scheduler.pacer.observe(batch.num_decodes, sum(batch.num_tokens) - batch.num_decodes, seconds)
+        self.runner.restore_threads()
         outputs += [self._output(seq) for seq in self._ended]
         self._ended.clear()
         if not batch and not outputs and self.kv.busy:

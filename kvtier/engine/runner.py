@@ -95,12 +95,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, capture: list[int] | None = None
             ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """Forward the batch. Returns logits [num_seqs, vocab] at each sequence's last scheduled token,
-        and per sequence its captured queries [rows, layers, heads, head_dim] (None where capture is 0)."""
+        """Forward the batch. Returns logits [num_seqs, vocab] at each sequence's last scheduled token (zeros for
+        a prompt chunk that does not end its prompt: nothing samples there), and per sequence its captured queries
+        [rows, layers, heads, head_dim] (None where capture is 0). ggml's decode steps leave torch on one thread
+        (`restore_threads` gives it back)."""
         capture = capture or [0] * len(batch.seqs)
         graphed = self._graphed(batch, capture)
         if len(graphed) == len(batch.seqs):
-            return self.graphs.run(*self._decode_inputs(batch, graphed)), [None] * len(batch.seqs)
+            return self._run_graphs(batch, graphed), [None] * len(batch.seqs)
         if not graphed:
             return self._run_eagerly(batch, capture)
         # ggml's decode steps take a mixed step's decodes too: a decode row's numerics never depend on the step
@@ -108,8 +110,8 @@ class ModelRunner:
         part = ScheduledBatch()
         for i in eager:
             part.add(batch.seqs[i], batch.num_tokens[i])
+        graph_logits = self._run_graphs(batch, graphed)
         eager_logits, eager_queries = self._run_eagerly(part, [capture[i] for i in eager])
-        graph_logits = self.graphs.run(*self._decode_inputs(batch, graphed))
         logits = torch.empty(len(batch.seqs), graph_logits.shape[1], dtype=graph_logits.dtype)
         logits[eager], logits[graphed] = eager_logits, graph_logits
         queries = [None] * len(batch.seqs)
@@ -117,9 +119,20 @@ class ModelRunner:
             queries[i] = q
         return logits, queries
 
-    def _run_eagerly(self, batch: ScheduledBatch, capture: list[int]) -> tuple[torch.Tensor, list]:
-        if torch.get_num_threads() != self.torch_threads:     # ggml's decode steps run torch on one thread
+    def restore_threads(self) -> None:
+        """torch's own thread count back, after a step's sampling."""
+        if torch.get_num_threads() != self.torch_threads:
             torch.set_num_threads(self.torch_threads)
+
+    def _run_graphs(self, batch: ScheduledBatch, which: list[int]) -> torch.Tensor:
+        if isinstance(self.graphs, GgmlDecodeSteps) and torch.get_num_threads() != 1:
+            # torch's threads spin a while after each parallel region, on the cores ggml's threads need (12 ms a
+            # step instead of 5.4 for SmolLM2 on 2 cores): the step's torch work (sampling) runs on one thread
+            torch.set_num_threads(1)
+        return self.graphs.run(*self._decode_inputs(batch, which))
+
+    def _run_eagerly(self, batch: ScheduledBatch, capture: list[int]) -> tuple[torch.Tensor, list]:
+        self.restore_threads()
         token_ids, meta, last_rows = self.prepare(batch, capture)
         hidden = self.model(token_ids, self.pool.kv_cache, meta)
         if any(seq.paged_out is not None for seq in meta.prefills):
@@ -133,8 +146,15 @@ class ModelRunner:
                     rows = min(wanted, n)
                     queries[i] = stacked[offset:offset + rows]
                     offset += rows
+        # logits where a token is sampled next: a decode, or the chunk that ends a prompt
+        sampled = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                   if seq.num_computed_tokens + n >= len(seq.token_ids)]
         decode_rows = set(meta.decode.query_rows if meta.decode else ())
-        return self.model.logits(hidden[last_rows], [row in decode_rows for row in last_rows]), queries
+        rows = [last_rows[i] for i in sampled]
+        logits = torch.zeros(len(batch.seqs), self.model.config.vocab_size, device=hidden.device)
+        if rows:
+            logits[sampled] = self.model.logits(hidden[rows], [row in decode_rows for row in rows])
+        return logits, queries
 
     def _graphed(self, batch: ScheduledBatch, capture: list[int]) -> list[int]:
         """The sequences whose step the decode graphs run: those decoding, none of whose queries the pager wants.

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
+import weakref
 
 import torch
 
@@ -65,8 +67,10 @@ class _Lib:
     def __init__(self, threads: int):
         import libggml
         directory = os.path.join(os.path.dirname(libggml.__file__), "lib64")
-        libs = [ctypes.CDLL(os.path.join(directory, f"libggml-{name}.so"), mode=ctypes.RTLD_GLOBAL)
-                for name in ("base", "cpu")]
+        # kept to themselves, bound at load and to each other first: another ggml in the process (llama.cpp's, for
+        # the benchmarks) neither takes their symbols nor lends them its own
+        mode = os.RTLD_LOCAL | os.RTLD_NOW | os.RTLD_DEEPBIND
+        libs = [ctypes.CDLL(os.path.join(directory, f"libggml-{name}.so"), mode=mode) for name in ("base", "cpu")]
         for marked, (restype, argtypes) in _FUNCTIONS.items():
             name = marked.lstrip("!")
             f = getattr(libs[0], name, None) or getattr(libs[1], name)
@@ -84,11 +88,14 @@ class _Lib:
 
 
 def available() -> bool:
+    """Whether ggml's libraries are here to load (the wheel's Linux build: kvtier loads its .so files)."""
     try:
-        import libggml  # noqa: F401
+        import libggml
     except ImportError:
         return False
-    return True
+    directory = os.path.join(os.path.dirname(libggml.__file__), "lib64")
+    return sys.platform.startswith("linux") and all(
+        os.path.isfile(os.path.join(directory, f"libggml-{name}.so")) for name in ("base", "cpu"))
 
 
 @functools.cache
@@ -203,7 +210,13 @@ class Product:
         w = self.ctx.place(weight, ggml_type, (in_features, out_features))
         y = self.ctx.place(self.y, tensor=self.ctx.op("mul_mat", w, self.ctx.place(self.x)))
         self.graph = Graph(self.ctx, [y])
+        weakref.finalize(self, _close_all, self.graph, self.ctx)
 
     def run(self) -> torch.Tensor:
         self.graph.compute()
         return self.y
+
+
+def _close_all(*closables) -> None:
+    for closable in closables:
+        closable.close()

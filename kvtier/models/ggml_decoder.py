@@ -14,6 +14,8 @@ Padding positions are masked out, so what their slots hold is never used.
 from __future__ import annotations
 
 
+import weakref
+
 import numpy as np
 import torch
 from torch import nn
@@ -49,14 +51,10 @@ class GgmlDecodeSteps:
         self.freq_factors = self._float((base / rope_inv_freq(cfg)).float())
         self.key, self.step = None, None
         self.steps = 0
+        self._finalizer = weakref.finalize(self, _close, self.weights, self.__dict__)
 
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
             lens: list[int]) -> torch.Tensor:
-        # torch's threads spin a while after each parallel region (sampling's), on the cores ggml's threads need:
-        # 12 ms a step instead of 5.4 for SmolLM2 on 2 cores. The engine's torch work around decode steps runs
-        # on one thread; the runner gives torch its threads back for other steps
-        if torch.get_num_threads() != 1:
-            torch.set_num_threads(1)
         bs = self.block_size
         context = -(-max(lens) // CONTEXT_STEP) * CONTEXT_STEP
         start = tables[0][0] * bs
@@ -66,6 +64,7 @@ class GgmlDecodeSteps:
         if key != self.key:
             if self.step is not None:
                 self.step.close()
+            self.step = self.key = None      # a failed build leaves no closed step behind
             self.step, self.key = _Step(self, *key), key
         step = self.step
         step.ids.numpy()[:] = token_ids
@@ -116,9 +115,15 @@ class GgmlDecodeSteps:
         return found
 
     def close(self) -> None:
-        if self.step is not None:
-            self.step.close()
-        self.weights.close()
+        self._finalizer()
+
+
+def _close(weights: ggml.Context, state: dict) -> None:
+    """Free the current step's graph and the weights' context (once: close, or when the steps are collected)."""
+    if state.get("step") is not None:
+        state["step"].close()
+        state["step"] = None
+    weights.close()
 
 
 class _Step:
@@ -146,20 +151,20 @@ class _Step:
         x = ctx.op("mul", ctx.op("rms_norm", x, cfg.rms_norm_eps), steps.norm)
         (logits,) = self._project(x, steps.lm_head, [cfg.vocab_size])
         self.graph = ggml.Graph(ctx, [ctx.place(self.logits, tensor=logits)])
+        self.steps = None       # built: no reference back, so the steps' finalizer can free this step with them
 
     def _project(self, x: int, linear: tuple[list[tuple[int, int]], int | None], sizes: list[int]) -> list[int]:
         """x's product with a projection, cut into pieces of `sizes` output rows each (q/k/v, gate/up)."""
         parts, bias = linear
         ctx = self.ctx
+        offsets = np.cumsum([0] + sizes[:-1])
         ys = [ctx.op("mul_mat", w, x) for w, _ in parts]
         if len(ys) != len(sizes):     # one fused part: views of its rows
             (y,) = ys
             nb1 = ggml.shape(y)[1][1]
-            offsets = np.cumsum([0] + sizes[:-1])
             ys = [ctx.op("view_2d", y, n, self.batch, nb1, int(a) * 4) for a, n in zip(offsets, sizes)]
         if bias is None:
             return ys
-        offsets = np.cumsum([0] + sizes[:-1])
         return [ctx.op("add", y, ctx.op("view_2d", bias, n, 1, n * 4, int(a) * 4)) for y, a, n in zip(ys, offsets, sizes)]
 
     def _heads(self, x: int, heads: int) -> int:

@@ -19,9 +19,10 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 from tqdm import tqdm
 
+from kvtier.config import cache_home
 from kvtier.models.config import ARCHITECTURES, ModelConfig
 from kvtier.models.digest import file_digest
-from kvtier.models.quantized import FLOAT_TYPES, QUANTIZE_TYPES, from_gguf_bytes, quantize_weights
+from kvtier.models.quantized import FLOAT_TYPES, QUANTIZE_TYPES, QuantizedWeight, from_gguf_bytes, quantize_weights
 from kvtier.models.tokenizer import Tokenizer
 
 
@@ -81,9 +82,11 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, digest_cache: str 
         name = os.path.splitext(os.path.basename(path))[0]
     else:
         raise ValueError(f"no model at {path}: expected a Hugging Face directory or a .gguf file")
-    if quantize in QUANTIZE_TYPES:
-        weights = quantize_weights(weights, quantize)
-    if quantize != "none":       # the KV such weights compute differs a little from the float weights'
+    if quantize in QUANTIZE_TYPES:      # the blocks kept for the next start, by the weights' fingerprint
+        weights = quantize_weights(weights, quantize,
+                                   os.path.join(cache_home(), "quantized", f"{fingerprint}-{quantize}.safetensors"))
+    if any(isinstance(w, QuantizedWeight) for w in weights.values()):
+        # the K/V quantized weights compute differs a little from the float weights'
         fingerprint = xxhash.xxh3_128_hexdigest(f"{fingerprint};weights={quantize}".encode())
     tokenizer = Tokenizer.load(path, config.eos_token_ids)
     if tokenizer.vocab_size > config.vocab_size:

@@ -5,29 +5,35 @@ the weights take the file's memory; `--quantize int8|int4` makes Q8_0 or Q4_0 bl
 of a float checkpoint the same way.
 
 Which product a row gets depends on its token's role, never on what else is in the step, so a sequence's output
-does not change with the traffic beside it or with how much of its prompt was cached:
+does not change with the traffic beside it:
 - decode rows: ggml's product over the blocks (the activations quantized to 8 bits per block of 32, as llama.cpp
   does), which reads 4-8x fewer bytes than float32. Whole decode steps run as one ggml graph (ggml_decoder.py);
 - prompt rows: the weight dequantized for torch's float32 product, which on a CPU without AVX-512 VNNI multiplies
   512 rows 2-3.5x faster than ggml's quantized kernels (2-core EPYC, SmolLM2's shapes): prefill as fast as with
   float32 weights, and a prompt's K/V as the float32 weights compute it.
-`Decoder.forward` says which rows decode (`decoding`); rows outside it are prompt rows.
+`Decoder.forward` says which rows decode (`decoding`); rows outside it are prompt rows. The decode rows' quantized
+activations round differently from float32's, so greedy output can differ from float32 weights' where two tokens
+nearly tie, and a prompt whose last tokens were computed in another chunk (a prefix cache hit) can differ likewise.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from kvtier.models import ggml
 from kvtier.models.products import many_rows_product
 
+DEQUANTIZED_BYTES = 64 << 20     # the most float32 weight a prompt row's product dequantizes at once
 _DECODE_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("decode_rows", default=None)
 # `--quantize`: the block type of every projection; embeddings and the LM head take Q8_0 in both
 QUANTIZE_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
@@ -79,8 +85,10 @@ def _ggml_op(op: str, weight: QuantizedWeight, x: torch.Tensor, out: torch.Tenso
     try:
         w = ctx.place(weight.blocks, weight.ggml_type, (weight.in_features, weight.out_features))
         graph = ggml.Graph(ctx, [ctx.place(out, tensor=ctx.op(op, w, ctx.place(x)))])
-        graph.compute()
-        graph.close()
+        try:
+            graph.compute()
+        finally:
+            graph.close()
     finally:
         ctx.close()
     return out
@@ -95,6 +103,15 @@ def rows_of(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows of the weight, dequantized: float32 [len(ids), in_features]."""
     return _ggml_op("get_rows", weight, ggml.aligned(ids.to(torch.int32)),
                     torch.empty(len(ids), weight.in_features))
+
+
+def dequantized_product(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in_features] @ weight.T in float32, the weight dequantized DEQUANTIZED_BYTES at a time (an LM
+    head of 128K rows would take 2 GB at once)."""
+    step = max(1, DEQUANTIZED_BYTES // (4 * weight.in_features))
+    rows = torch.arange(weight.out_features, dtype=torch.int32)
+    return torch.cat([many_rows_product(x.dtype)(x, rows_of(weight, rows[a:a + step]), None)
+                      for a in range(0, weight.out_features, step)], dim=-1)
 
 
 @contextlib.contextmanager
@@ -133,9 +150,7 @@ class QuantizedLinear(nn.Module):
         return torch.cat([product(p, x) for p in self.parts], dim=-1)
 
     def _dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
-        everything = torch.arange(max(p.out_features for p in self.parts))
-        return torch.cat([many_rows_product(x.dtype)(x, rows_of(p, everything[:p.out_features]), None)
-                          for p in self.parts], dim=-1)
+        return torch.cat([dequantized_product(p, x) for p in self.parts], dim=-1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
@@ -158,12 +173,34 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(blocks.values()) + sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def quantize_weights(weights: dict[str, torch.Tensor], mode: str) -> dict:
+def quantize_weights(weights: dict[str, torch.Tensor], mode: str, cache: str | None = None) -> dict:
     """`--quantize int8|int4`: every projection in mode's block type, the embedding and LM head in Q8_0; a matrix
-    whose rows are not whole blocks of 32 stays float."""
+    whose rows are not whole blocks of 32 stays float. cache: a file that keeps the blocks for the next start (named
+    by the weights' fingerprint, so it never serves other weights); a damaged one is made again."""
+    cached = _read_blocks(cache) if cache else None
     quantized = dict(weights)
     for name, w in weights.items():
         if w.dim() == 2 and w.shape[1] % 32 == 0:
             kind = QUANTIZE_TYPES[mode] if name.endswith("_proj.weight") else GGMLQuantizationType.Q8_0
-            quantized[name] = quantize(w, kind)
+            quantized[name] = cached[name] if cached and name in cached else quantize(w, kind)
+    if cache and cached is None:
+        _write_blocks(cache, {n: w for n, w in quantized.items() if isinstance(w, QuantizedWeight)})
     return quantized
+
+
+def _read_blocks(path: str) -> dict[str, QuantizedWeight] | None:
+    try:
+        with safe_open(path, framework="pt") as f:
+            kinds = f.metadata()
+            return {name: QuantizedWeight(ggml.aligned(f.get_tensor(name)), *map(int, kinds[name].split(",")))
+                    for name in f.keys()}
+    except Exception:   # missing, damaged or from another version: quantized again
+        return None
+
+
+def _write_blocks(path: str, weights: dict[str, QuantizedWeight]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = f"{path}.{os.getpid()}.partial"
+    save_file({n: w.blocks for n, w in weights.items()}, partial,
+              metadata={n: f"{w.ggml_type},{w.in_features}" for n, w in weights.items()})
+    os.replace(partial, path)
