@@ -317,7 +317,8 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
                   + "; its prefill runs in its own micro-batches, its decode is one batch of every sequence per "
                   "step with greedy argmax." if "llama.cpp" in names else results["llama_missing"])
     return "\n".join([
-        *header(SECTION, machine, command),
+        # a shape's numbers in a section of their own, beside the bundled model's
+        *header(SECTION if not args.shape else f"{SECTION[:-1]}, {args.shape})", machine, command),
         *table,
         "",
         "Targets:",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from dataclasses import dataclass
 
@@ -99,10 +100,17 @@ def product(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
     return _ggml_op("mul_mat", weight, ggml.aligned(x), x.new_empty(x.shape[0], weight.out_features))
 
 
-def rows_of(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
-    """Rows of the weight, dequantized: float32 [len(ids), in_features]."""
-    return _ggml_op("get_rows", weight, ggml.aligned(ids.to(torch.int32)),
-                    torch.empty(len(ids), weight.in_features))
+def rows_of(weight: QuantizedWeight, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of the weight, dequantized: float32 [len(ids), in_features] (into out when given)."""
+    out = torch.empty(len(ids), weight.in_features) if out is None else out
+    return _ggml_op("get_rows", weight, ggml.aligned(ids.to(torch.int32)), out)
+
+
+@functools.cache
+def _dequantized_buffer() -> torch.Tensor:
+    """Where prompt rows' products dequantize their weights, reused product after product (the engine thread's):
+    fresh memory each time would cost its page faults, about a fifth of a 512-token prefill."""
+    return torch.empty(DEQUANTIZED_BYTES // 4)
 
 
 def dequantized_product(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
@@ -110,8 +118,18 @@ def dequantized_product(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tenso
     head of 128K rows would take 2 GB at once)."""
     step = max(1, DEQUANTIZED_BYTES // (4 * weight.in_features))
     rows = torch.arange(weight.out_features, dtype=torch.int32)
-    return torch.cat([many_rows_product(x.dtype)(x, rows_of(weight, rows[a:a + step]), None)
-                      for a in range(0, weight.out_features, step)], dim=-1)
+    buffer = _dequantized_buffer()
+    slices = []
+    for a in range(0, weight.out_features, step):
+        ids = rows[a:a + step]
+        w = rows_of(weight, ids, buffer[:len(ids) * weight.in_features].view(len(ids), weight.in_features))
+        slices.append(many_rows_product(x.dtype)(x, w, None))
+    return _joined(slices)
+
+
+def _joined(ys: list[torch.Tensor]) -> torch.Tensor:
+    """Products side by side along the output (torch.cat copies even one)."""
+    return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
 
 
 @contextlib.contextmanager
@@ -147,10 +165,10 @@ class QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _ggml_product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([product(p, x) for p in self.parts], dim=-1)
+        return _joined([product(p, x) for p in self.parts])
 
     def _dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([dequantized_product(p, x) for p in self.parts], dim=-1)
+        return _joined([dequantized_product(p, x) for p in self.parts])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
