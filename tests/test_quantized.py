@@ -163,15 +163,16 @@ def test_quantized_weights_are_refused_where_no_kernel_runs_them():
         Config(quantize="int4", dtype="bfloat16")
     with pytest.raises(ConfigError, match="quantize must be"):
         Config(quantize="q4")
-    assert Config().weights_mode(BUNDLED_MODEL) == "gguf"
-    assert Config(dtype="bfloat16").weights_mode(BUNDLED_MODEL) == "none"
+    assert Config(device="cpu").weights_mode(BUNDLED_MODEL) == "gguf"
+    assert Config(device="cpu", dtype="bfloat16").weights_mode(BUNDLED_MODEL) == "none"
 
 
 @pytest.mark.integration
 def test_the_bundled_model_in_its_blocks(tmp_path):
     """The bundled Q4_1 file: in about its own memory, first-token logits near the dequantized float32 path's, and
     greedy output the same wherever the float32 path's top two tokens are not near-tied."""
-    engines = {mode: LLMEngine(Config(quantize=mode, kv_pool_tokens=4096, kv_disk=False, kv_host_gib=0))
+    engines = {mode: LLMEngine(Config(device="cpu", quantize=mode, kv_pool_tokens=4096, kv_disk=False,
+                                      kv_host_gib=0))
                for mode in ("auto", "none")}
     quantized = engines["auto"].model
     assert quantized.quantized and isinstance(engines["auto"].runner.graphs, GgmlDecodeSteps)
@@ -215,7 +216,7 @@ def next_logits(engine, ids: list[int]) -> torch.Tensor:
 def test_decodes_are_the_same_beside_a_prompt_as_alone():
     """A mixed step's decodes run in ggml's graph, its prompt chunk op by op: neither sequence's greedy tokens
     depend on the other (no prefix cache, so every prompt is computed whole)."""
-    engine = LLMEngine(Config(kv_pool_tokens=4096, kv_disk=False, kv_host_gib=0, prefix_cache=False))
+    engine = LLMEngine(Config(device="cpu", kv_pool_tokens=4096, kv_disk=False, kv_host_gib=0, prefix_cache=False))
     prompts = {name: engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
                for name, text in (("a", "Write a short poem about autumn leaves."),
                                   ("b", "Explain what a hash table is in two sentences."))}
