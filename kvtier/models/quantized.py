@@ -8,9 +8,9 @@ Which product a row gets depends on its token's role, never on what else is in t
 does not change with the traffic beside it:
 - decode rows: ggml's product over the blocks (the activations quantized to 8 bits per block of 32, as llama.cpp
   does), which reads 4-8x fewer bytes than float32. Whole decode steps run as one ggml graph (ggml_decoder.py);
-- prompt rows: the weight dequantized for torch's float32 product, which on a CPU without AVX-512 VNNI multiplies
-  512 rows 2-3.5x faster than ggml's quantized kernels (2-core EPYC, SmolLM2's shapes): prefill as fast as with
-  float32 weights, and a prompt's K/V as the float32 weights compute it.
+- prompt rows: the weight dequantized for torch's float32 product, which multiplies 512 rows 1.4-2x faster than
+  ggml's Q4_0, Q4_1 and Q8_0 kernels (the wheel's AVX2 build; Q4_K about even; `kvtier bench kernels`): prefill
+  about as fast as with float32 weights, and a prompt's K/V as the float32 weights compute it.
 `Decoder.forward` says which rows decode (`decoding`); rows outside it are prompt rows. The decode rows' quantized
 activations round differently from float32's, so greedy output can differ from float32 weights' where two tokens
 nearly tie, and a prompt whose last tokens were computed in another chunk (a prefix cache hit) can differ likewise.
