@@ -4,15 +4,14 @@ Run op by op through torch, a decode step of a small model spends as long dispat
 multiplying by its weights. Here the whole step (embedding, per layer the norms, projections over the GGUF blocks,
 RoPE, the K/V write into kvtier's pool, attention, the MLP; the final norm and the LM head) is one ggml graph run on
 ggml's threadpool, as llama.cpp runs it. The graph reads the weights and the pool where torch keeps them, and is
-built once per shape (batch size, context length rounded up to CONTEXT_STEP, and for a lone sequence where its
-context starts): a step only writes its token ids, positions, K/V slots and attention mask into the graph's inputs.
+built once per shape (batch size, context length rounded up to CONTEXT_STEP, where each context starts): a step
+only writes its token ids, positions, K/V slots and attention mask into the graph's inputs.
 
-A lone sequence whose context lies in consecutive pool slots (the pool grows a sequence into the blocks after its
-own) is attended where it lies; otherwise each context's slots are gathered (ggml_get_rows) into one padded batch.
-Padding positions are masked out, so what their slots hold is never used.
+Each sequence attends on its own. A context in consecutive pool slots (the pool grows a sequence into the blocks
+after its own) is read where it lies; the others are gathered (ggml_get_rows). Padding positions are masked out,
+so what their slots hold is never used.
 """
 from __future__ import annotations
-
 
 import weakref
 
@@ -57,10 +56,8 @@ class GgmlDecodeSteps:
             lens: list[int]) -> torch.Tensor:
         bs = self.block_size
         context = -(-max(lens) // CONTEXT_STEP) * CONTEXT_STEP
-        start = tables[0][0] * bs
-        lone = len(lens) == 1 and start + context <= self.num_slots and \
-            np.array_equal(np.diff(tables[0]), np.ones(len(tables[0]) - 1))
-        key = (len(lens), context, start if lone else None)
+        starts = tuple(self._start(table, context) for table in tables)
+        key = (len(lens), context, starts)
         if key != self.key:
             if self.step is not None:
                 self.step.close()
@@ -75,13 +72,19 @@ class GgmlDecodeSteps:
         for i, n in enumerate(lens):
             mask[i, :n] = 0
         if step.gather is not None:
-            gather = step.gather.numpy().reshape(len(lens), context)
-            for i, (table, n) in enumerate(zip(tables, lens)):
-                ctx_slots = (np.asarray(table)[:, None] * bs + np.arange(bs)).ravel()[:n]
-                gather[i, :n], gather[i, n:] = ctx_slots, ctx_slots[0]
+            gathered = [i for i, start in enumerate(starts) if start is None]
+            for row, i in zip(step.gather.numpy().reshape(len(gathered), context), gathered):
+                ctx_slots = (np.asarray(tables[i])[:, None] * bs + np.arange(bs)).ravel()[:lens[i]]
+                row[:lens[i]], row[lens[i]:] = ctx_slots, ctx_slots[0]
         step.graph.compute()
         self.steps += 1
         return step.logits.clone()
+
+    def _start(self, table: list[int], context: int) -> int | None:
+        """Where a context in consecutive blocks starts, read in place up to `context` slots; None: gathered."""
+        start = table[0] * self.block_size
+        consecutive = np.array_equal(np.diff(table), np.ones(len(table) - 1))
+        return start if consecutive and start + context <= self.num_slots else None
 
     def _place_linear_parts(self, module: nn.Module) -> list[tuple[int, int]]:
         """(ggml weight, output rows) per part of a projection."""
@@ -128,20 +131,20 @@ def _close(weights: ggml.Context, state: dict) -> None:
 
 class _Step:
     """The graph of a decode step of `batch` sequences over contexts of up to `context` tokens, with its inputs
-    and output in torch tensors. start: where a lone sequence's consecutive context starts (None: gathered)."""
+    and output in torch tensors. starts: per sequence, where its consecutive context starts (None: gathered)."""
 
-    def __init__(self, steps: GgmlDecodeSteps, batch: int, context: int, start: int | None):
+    def __init__(self, steps: GgmlDecodeSteps, batch: int, context: int, starts: tuple[int | None, ...]):
         cfg, self.steps = steps.config, steps
-        layers = cfg.num_layers
-        ctx = self.ctx = ggml.Context(steps.weights.lib.threads, max_tensors=64 * layers + 32,
-                                      max_nodes=64 * layers + 32)
+        size = cfg.num_layers * (64 + 8 * batch) + 32        # ops per layer: ~40, and ~5 per sequence's attention
+        ctx = self.ctx = ggml.Context(steps.weights.lib.threads, max_tensors=size, max_nodes=size)
         self.ids = torch.zeros(batch, dtype=torch.int32)
         self.positions = torch.zeros(batch, dtype=torch.int32)
         self.slots = torch.zeros(batch, dtype=torch.int64)
         self.mask = torch.zeros(batch, 1, 1, context, dtype=torch.float16)
-        self.gather = None if start is not None else torch.zeros(batch * context, dtype=torch.int32)
+        gathered = starts.count(None)
+        self.gather = torch.zeros(gathered * context, dtype=torch.int32) if gathered else None
         self.logits = torch.empty(batch, cfg.vocab_size)
-        self.batch, self.context, self.start = batch, context, start
+        self.batch, self.context, self.starts = batch, context, starts
         self.inputs = {"pos": ctx.place(self.positions), "slots": ctx.place(self.slots), "mask": ctx.place(self.mask)}
         if self.gather is not None:
             self.inputs["gather"] = ctx.place(self.gather)
@@ -185,27 +188,35 @@ class _Step:
                        cfg.max_position_embeddings, cfg.rope_theta, 1.0, 0.0, 1.0, 32.0, 1.0) for t in (q, k))
         k_all = ctx.op("set_rows", k_cache, ctx.op("reshape_2d", k, steps.row, b), self.inputs["slots"])
         v_all = ctx.op("set_rows", v_cache, v, self.inputs["slots"])
-        keys, values = self._context(k_all), self._context(v_all)
-        q = ctx.op("view_4d", q, d, 1, heads, b, d * heads * 4, d * 4, d * heads * 4, 0)   # [d, 1 query, heads, b]
-        o = ctx.op("flash_attn_ext", q, keys, values, self.inputs["mask"], d ** -0.5, 0.0, 0.0)
-        (o,) = self._project(ctx.op("reshape_2d", o, heads * d, b), w["o"], [cfg.hidden_size])
+        (o,) = self._project(self._attention(q, k_all, v_all), w["o"], [cfg.hidden_size])
         x = ctx.op("add", x, o)
         h = ctx.op("mul", ctx.op("rms_norm", x, cfg.rms_norm_eps), w["post_norm"])
         gate, up = self._project(h, w["gate_up"], [cfg.intermediate_size] * 2)
         (down,) = self._project(ctx.op("swiglu_split", gate, up), w["down"], [cfg.hidden_size])
         return ctx.op("add", x, down)
 
-    def _context(self, cache: int) -> int:
-        """The batch's K (or V) contexts, [head_dim, context, kv_heads, batch], from the pool after this step's
-        write: a view of a lone consecutive context, else the gathered slots."""
-        cfg, ctx, row = self.steps.config, self.ctx, self.steps.row
-        d, kv_heads = cfg.head_dim, cfg.num_kv_heads
-        if self.start is not None:
-            return ctx.op("view_4d", cache, d, self.context, kv_heads, 1, row * 4, d * 4, row * 4 * self.context,
-                          self.start * row * 4)
-        gathered = ctx.op("get_rows", cache, self.inputs["gather"])       # [row, context * batch]
-        return ctx.op("view_4d", gathered, d, self.context, kv_heads, self.batch, row * 4, d * 4,
-                      row * 4 * self.context, 0)
+    def _attention(self, q: int, k_all: int, v_all: int) -> int:
+        """[heads * head_dim, batch]: each sequence's query (q: [head_dim, heads, batch]) over its context in the
+        pool after this step's write, read in place where it lies in consecutive slots, else gathered."""
+        cfg, ctx, row, n = self.steps.config, self.ctx, self.steps.row, self.context
+        d, heads, kv_heads = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        pool, gathered = (k_all, v_all), None
+        if self.gather is not None:      # [row, context * gathered sequences]
+            gathered = tuple(ctx.op("get_rows", t, self.inputs["gather"]) for t in pool)
+        outs, g = [], 0
+        for i, start in enumerate(self.starts):
+            if start is not None:
+                source, offset = pool, start            # in slots of the source
+            else:
+                source, offset, g = gathered, g * n, g + 1
+            keys, values = (ctx.op("view_4d", t, d, n, kv_heads, 1, row * 4, d * 4, row * 4 * n, offset * row * 4)
+                            for t in source)
+            query = ctx.op("view_4d", q, d, 1, heads, 1, d * heads * 4, d * 4, d * heads * 4, i * d * heads * 4)
+            mask = ctx.op("view_4d", self.inputs["mask"], n, 1, 1, 1, n * 2, n * 2, n * 2, i * n * 2)
+            outs.append(ctx.op("flash_attn_ext", query, keys, values, mask, d ** -0.5, 0.0, 0.0))  # [d, heads, 1, 1]
+        while len(outs) > 1:     # side by side in pairs: each output copied log2(batch) times
+            outs = [ctx.op("concat", a, b, 2) for a, b in zip(outs[::2], outs[1::2])] + outs[len(outs) // 2 * 2:]
+        return ctx.op("reshape_2d", outs[0], heads * d, self.batch)
 
     def close(self) -> None:
         self.graph.close()
