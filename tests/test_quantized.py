@@ -79,7 +79,7 @@ def teacher_forced(model: Decoder, ids: list[list[int]], tables: list[list[int]]
         meta = AttentionMetadata(positions=torch.tensor([p] * len(ids)), slot_mapping=torch.tensor(slots),
                                  prefills=[], decode=DecodeGroup(list(range(len(ids))),
                                                                  [slot_runs(t, p + 1, BLOCK) for t in tables]),
-                                 block_size=BLOCK)
+                                 block_size=BLOCK, generated_rows=list(range(len(ids))))
         logits.append(model.logits(model(torch.tensor(tokens), pool.kv_cache, meta), [True] * len(ids)))
     if length:
         for seq, step_logits in zip(ids, logits[-1]):
@@ -265,3 +265,18 @@ def test_quantized_blocks_are_kept_for_the_next_start(tiny_model_dir, monkeypatc
                if isinstance(w, quantized.QuantizedWeight))
     monkeypatch.setattr(quantized, "quantize", lambda *a: pytest.fail("quantized again"))
     assert load_model(tiny_model_dir, quantize="int4").fingerprint == first.fingerprint     # and kept again
+
+
+@pytest.mark.integration
+def test_a_cached_prompt_answers_as_a_computed_one():
+    """A prompt cached but for its last token computes that token as a prompt row (float32 products), not as a
+    decode: the first token is the one the whole prompt computed gives (the France prompt's top two nearly tie)."""
+    engine = LLMEngine(Config(device="cpu", kv_pool_tokens=4096, kv_disk=False, kv_host_gib=0))
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    first = {}
+    for run in ("cold", "warm"):
+        engine.add_request(run, ids, SamplingParams(max_tokens=1, temperature=0))
+        while engine.has_unfinished():
+            for out in engine.step():
+                first[run] = (out.new_token_ids, out.num_cached_tokens)
+    assert first["warm"] == (first["cold"][0], len(ids) - 1) and first["cold"][1] == 0

@@ -109,7 +109,7 @@ class DecodeGraphs:
         """One decode step of the first b rows of the buffers, each context in `splits` parts: logits [b, vocab]."""
         decode = DecodeGroup(list(range(b)), [], (self.rows[:b], self.tables[:b], self.lens[:b]), num_splits=splits)
         meta = AttentionMetadata(positions=self.positions[:b], slot_mapping=self.slots[:b], prefills=[],
-                                 decode=decode, block_size=self.block_size)
+                                 decode=decode, block_size=self.block_size, generated_rows=list(range(b)))
         return self.model.logits(self.model(self.token_ids[:b], self.kv_cache, meta))
 
     @torch.inference_mode()

@@ -57,7 +57,7 @@ class ModelRunner:
         """Flat token ids, metadata, and the row of the last token of each sequence. capture[i]:
         how many of sequence i's last rows should hand back their queries."""
         token_ids, positions, slot_mapping, prefills, last_rows, capture_rows = [], [], [], [], [], []
-        decode_rows, decode_runs = [], []
+        decode_rows, decode_runs, generated_rows = [], [], []
         bounded = []      # (prompt chunk, its sequence's KV state, its blocks before it): it attends to paged-out ones
         row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
@@ -68,6 +68,8 @@ class ModelRunner:
             slot_mapping.append(self._slots(table, start, end))
             if n == 1 and start > 0:
                 decode_rows.append(row)
+                if start >= seq.num_prompt_tokens:
+                    generated_rows.append(row)
                 decode_runs.append(slot_runs(table, end, self.pool.block_size))
             else:
                 table = self.kv.step_table(seq.kv)        # blocks whose page-out is in flight are still read in place
@@ -87,6 +89,7 @@ class ModelRunner:
             slot_mapping=to_device(torch.cat(slot_mapping), self.device),
             prefills=prefills,
             decode=DecodeGroup(decode_rows, decode_runs) if decode_rows else None,
+            generated_rows=generated_rows,
             capture_rows=to_device(torch.tensor(capture_rows, dtype=torch.long), self.device) if capture_rows else None,
             block_size=self.pool.block_size,
         )
@@ -149,23 +152,23 @@ class ModelRunner:
         # logits where a token is sampled next: a decode, or the chunk that ends a prompt
         sampled = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                    if seq.num_computed_tokens + n >= len(seq.token_ids)]
-        decode_rows = set(meta.decode.query_rows if meta.decode else ())
+        generated = set(meta.generated_rows)
         rows = [last_rows[i] for i in sampled]
         logits = torch.zeros(len(batch.seqs), self.model.config.vocab_size, device=hidden.device)
         if rows:
-            logits[sampled] = self.model.logits(hidden[rows], [row in decode_rows for row in rows])
+            logits[sampled] = self.model.logits(hidden[rows], [row in generated for row in rows])
         return logits, queries
 
     def _graphed(self, batch: ScheduledBatch, capture: list[int]) -> list[int]:
         """The sequences whose step the decode graphs run: those decoding, none of whose queries the pager wants.
         CUDA graphs take a step of such decodes only, whose batch a graph holds; ggml's decode steps take a
-        mixed step's decodes too."""
+        mixed step's decodes too, of generated tokens only (a cached prompt's last token is a prompt row)."""
         if self.graphs is None:
             return []
         decodes = [i for i, (seq, n, wanted) in enumerate(zip(batch.seqs, batch.num_tokens, capture))
                    if n == 1 and seq.num_computed_tokens > 0 and not wanted]
-        if isinstance(self.graphs, GgmlDecodeSteps):
-            return decodes
+        if isinstance(self.graphs, GgmlDecodeSteps):     # a cached prompt's last token is a prompt row
+            return [i for i in decodes if batch.seqs[i].num_computed_tokens >= batch.seqs[i].num_prompt_tokens]
         return decodes if len(decodes) == len(batch.seqs) and self.graphs.bucket(len(decodes)) is not None else []
 
     def _decode_inputs(self, batch: ScheduledBatch, which: list[int]) -> tuple[list[int], ...]:

@@ -25,6 +25,7 @@ class Throwaway:
     token_ids: list[int]
     kv: KVState
     num_computed_tokens: int = 0
+    num_prompt_tokens: int = 0      # the last chunk's one token stands for a generated one: a decode step
 
 
 def warm_up(engine) -> float:
@@ -37,7 +38,8 @@ def warm_up(engine) -> float:
     chunks = [first, bs - 1, 1]
     tokens = [i % engine.model_config.vocab_size for i in range(sum(chunks))]
     blocks = engine.pool.allocate(engine.pool.blocks_for(len(tokens)))
-    seq = Throwaway(tokens, KVState("warm-up", tokens, len(tokens), block_table=blocks))
+    seq = Throwaway(tokens, KVState("warm-up", tokens, len(tokens), block_table=blocks),
+                    num_prompt_tokens=len(tokens) - 1)
     try:
         with torch.inference_mode():
             for n in chunks:

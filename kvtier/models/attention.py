@@ -94,6 +94,9 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     decode: DecodeGroup | None
     capture_rows: torch.Tensor | None = None   # rows whose queries each layer appends to `captured`
+    # rows of tokens the model generated, as opposed to prompt tokens (a cached prompt's last token also runs as a
+    # one-token decode): quantized weights multiply them as decodes (quantized.py)
+    generated_rows: list[int] = field(default_factory=list)
     captured: list[torch.Tensor] = field(default_factory=list)   # per layer [len(capture_rows), H, D]
     layer: int = 0                             # the layer being computed, set by the decoder
     block_size: int = 0

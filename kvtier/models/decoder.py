@@ -212,8 +212,7 @@ class Decoder(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         decode_rows = torch.zeros(len(token_ids), dtype=torch.bool)
-        if meta.decode is not None:
-            decode_rows[meta.decode.query_rows] = True
+        decode_rows[meta.generated_rows] = True
         with decoding(decode_rows):      # how quantized weights multiply each row (quantized.py)
             x = self.model.embed_tokens(token_ids)
             rope = self.rope(meta.positions, x.dtype)
