@@ -24,7 +24,6 @@ import torch
 from gguf import GGUFReader
 
 from kvtier.bench import llama_cpp
-from kvtier.bench.llama_cpp import LlamaCpp
 from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish, verdict
 from kvtier.bench.shapes import add_model_args, resolve_model
 from kvtier.config import DTYPES, QUANTIZE_MODES, Config, default_dtype
@@ -176,7 +175,7 @@ def hf_decode(model, prompts: list[list[int]], num_tokens: int, device: torch.de
 
 # --- the run ------------------------------------------------------------------------------------
 
-def contestants(eng: LLMEngine, float_eng: LLMEngine | None, hf, llama: LlamaCpp | None,
+def contestants(eng: LLMEngine, float_eng: LLMEngine | None, hf, llama: llama_cpp.LlamaCpp | None,
                 device: torch.device) -> dict[str, tuple]:
     """name → (prefill(prompt, tag) → seconds, decode(prompts, tokens, tag) → tokens/s), kvtier first."""
     def kvtier(e):
@@ -401,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     elif not llama_cpp.available():
         results["llama_missing"] = "llama.cpp: not measured here, ik-llama-cpp-python is not installed."
     else:
-        llama = LlamaCpp(path, args.threads, need + 64 * batch, batch)
+        llama = llama_cpp.LlamaCpp(path, args.threads, need + 64 * batch, batch)
         results["llama_flash"] = llama.flash_attention
     results["file_tensor_bytes"] = sum(int(t.n_bytes) for t in GGUFReader(path).tensors) \
         if os.path.isfile(path) else 0

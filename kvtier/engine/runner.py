@@ -4,12 +4,13 @@ from __future__ import annotations
 import torch
 
 from kvtier.engine.graphs import DecodeGraphs
-from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.engine.scheduler import ScheduledBatch
+from kvtier.engine.sequence import Sequence
 from kvtier.kv.manager import KVManager
 from kvtier.kv.state import NOT_RESIDENT
 from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq, resident_blocks, to_device
 from kvtier.models.decoder import Decoder
+from kvtier.models.ggml_decoder import GgmlDecodeSteps
 
 
 def slot_runs(block_table: list[int], end: int, block_size: int) -> list[tuple[int, int]]:
@@ -25,6 +26,12 @@ def slot_runs(block_table: list[int], end: int, block_size: int) -> list[tuple[i
         else:
             runs.append((a, b))
     return runs
+
+
+def generates(seq: Sequence, n: int) -> bool:
+    """Whether a step of n tokens feeds the sequence a token the model generated (a decode proper), not a prompt
+    token: a cached prompt's last token runs alone as well."""
+    return n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
 
 
 # torch's own thread count, taken before any ggml decode step lowered it
@@ -68,7 +75,7 @@ class ModelRunner:
             slot_mapping.append(self._slots(table, start, end))
             if n == 1 and start > 0:
                 decode_rows.append(row)
-                if start >= seq.num_prompt_tokens:
+                if generates(seq, n):
                     generated_rows.append(row)
                 decode_runs.append(slot_runs(table, end, self.pool.block_size))
             else:
@@ -168,7 +175,7 @@ class ModelRunner:
         decodes = [i for i, (seq, n, wanted) in enumerate(zip(batch.seqs, batch.num_tokens, capture))
                    if n == 1 and seq.num_computed_tokens > 0 and not wanted]
         if isinstance(self.graphs, GgmlDecodeSteps):     # a cached prompt's last token is a prompt row
-            return [i for i in decodes if batch.seqs[i].num_computed_tokens >= batch.seqs[i].num_prompt_tokens]
+            return [i for i in decodes if generates(batch.seqs[i], 1)]
         return decodes if len(decodes) == len(batch.seqs) and self.graphs.bucket(len(decodes)) is not None else []
 
     def _decode_inputs(self, batch: ScheduledBatch, which: list[int]) -> tuple[list[int], ...]:

@@ -16,7 +16,8 @@ from torch import nn
 from kvtier.models.attention import AttentionMetadata, paged_attention
 from kvtier.models.config import ModelConfig
 from kvtier.models.products import Linear
-from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding
+from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding,
+                                     rows_of)
 
 
 class RMSNorm(nn.Module):
@@ -144,7 +145,8 @@ def _stacked(values: list) -> torch.Tensor | list[QuantizedWeight]:
     if all(isinstance(v, QuantizedWeight) for v in values):
         return concatenated(values)
     # float and quantized parts in one projection (rare): all of it in float
-    return torch.cat([v.dequantized() if isinstance(v, QuantizedWeight) else v for v in values])
+    return torch.cat([rows_of(v, torch.arange(v.out_features)) if isinstance(v, QuantizedWeight) else v
+                      for v in values])
 
 
 class Backbone(nn.Module):

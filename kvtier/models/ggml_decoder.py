@@ -86,21 +86,15 @@ class GgmlDecodeSteps:
         consecutive = np.array_equal(np.diff(table), np.ones(len(table) - 1))
         return start if consecutive and start + context <= self.num_slots else None
 
-    def _place_linear_parts(self, module: nn.Module) -> list[tuple[int, int]]:
-        """(ggml weight, output rows) per part of a projection."""
-        if isinstance(module, QuantizedLinear):
-            return [(self.weights.place(p.blocks, p.ggml_type, (p.in_features, p.out_features)), p.out_features)
-                    for p in module.parts]
-        return [(self._float(module.weight), module.out_features)]
-
-    def _linear(self, module: nn.Module) -> tuple[list[tuple[int, int]], int | None]:
-        bias = None if module.bias is None else self._float(module.bias)
-        return self._place_linear_parts(module), bias
+    def _linear(self, module: nn.Module) -> tuple[list[int], int | None]:
+        """A projection's ggml weights (its parts, stacked along the output) and bias."""
+        parts = [p.placed(self.weights) for p in module.parts] if isinstance(module, QuantizedLinear) else \
+            [self._float(module.weight)]
+        return parts, None if module.bias is None else self._float(module.bias)
 
     def _embedding(self, module: nn.Module) -> int:
         if isinstance(module, QuantizedEmbedding):
-            w = module.weight
-            return self.weights.place(w.blocks, w.ggml_type, (w.in_features, w.out_features))
+            return module.weight.placed(self.weights)
         return self._float(module.weight)
 
     def _float(self, tensor: torch.Tensor) -> int:
@@ -156,12 +150,12 @@ class _Step:
         self.graph = ggml.Graph(ctx, [ctx.place(self.logits, tensor=logits)])
         self.steps = None       # built: no reference back, so the steps' finalizer can free this step with them
 
-    def _project(self, x: int, linear: tuple[list[tuple[int, int]], int | None], sizes: list[int]) -> list[int]:
+    def _project(self, x: int, linear: tuple[list[int], int | None], sizes: list[int]) -> list[int]:
         """x's product with a projection, cut into pieces of `sizes` output rows each (q/k/v, gate/up)."""
         parts, bias = linear
         ctx = self.ctx
         offsets = np.cumsum([0] + sizes[:-1])
-        ys = [ctx.op("mul_mat", w, x) for w, _ in parts]
+        ys = [ctx.op("mul_mat", w, x) for w in parts]
         if len(ys) != len(sizes):     # one fused part: views of its rows
             (y,) = ys
             nb1 = ggml.shape(y)[1][1]

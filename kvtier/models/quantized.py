@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -57,13 +56,13 @@ class QuantizedWeight:
     def type_name(self) -> str:
         return GGMLQuantizationType(self.ggml_type).name
 
-    def dequantized(self) -> torch.Tensor:
-        return torch.from_numpy(dequantize(self.blocks.numpy(), GGMLQuantizationType(self.ggml_type)))
+    def placed(self, ctx: ggml.Context) -> int:
+        """The weight as a ggml tensor of ctx, over these blocks."""
+        return ctx.place(self.blocks, self.ggml_type, (self.in_features, self.out_features))
 
 
 def quantize(weight: torch.Tensor, ggml_type: int) -> QuantizedWeight:
-    return QuantizedWeight(ggml.quantize(weight, int(ggml_type), torch.get_num_threads()), int(ggml_type),
-                           weight.shape[1])
+    return QuantizedWeight(ggml.quantize(weight, int(ggml_type)), int(ggml_type), weight.shape[1])
 
 
 def from_gguf_bytes(data: np.ndarray, ggml_type: int, out_features: int) -> QuantizedWeight:
@@ -84,8 +83,7 @@ def _ggml_op(op: str, weight: QuantizedWeight, x: torch.Tensor, out: torch.Tenso
     """One ggml op of a weight and x, computed into out, through a graph built for this call."""
     ctx = ggml.Context(torch.get_num_threads(), max_tensors=4, max_nodes=2)
     try:
-        w = ctx.place(weight.blocks, weight.ggml_type, (weight.in_features, weight.out_features))
-        graph = ggml.Graph(ctx, [ctx.place(out, tensor=ctx.op(op, w, ctx.place(x)))])
+        graph = ggml.Graph(ctx, [ctx.place(out, tensor=ctx.op(op, weight.placed(ctx), ctx.place(x)))])
         try:
             graph.compute()
         finally:
