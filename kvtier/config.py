@@ -29,6 +29,7 @@ def default_disk_dir() -> str:
 
 
 QUANTIZE_MODES = ("auto", "none", "int8", "int4")
+SPECULATIVE_METHODS = ("ngram",)
 
 
 class ConfigError(ValueError):
@@ -53,6 +54,8 @@ class Config:
     max_model_len: int | None = None      # None → the model's context length
     num_threads: int | None = None        # torch CPU threads; None → torch's default
     enforce_eager: bool = False           # on CUDA, no decode graphs: every step launches its kernels
+    speculative: str | None = None        # ngram: decoding sequences propose tokens by prompt lookup; None: off
+    num_speculative_tokens: int = 8       # the most tokens a sequence proposes for one step
     prefix_cache: bool = True             # reuse cached blocks of earlier requests' prefixes
     kv_host_gib: float = 4.0              # host RAM tier budget; 0 disables it
     kv_disk: bool = True                  # the local disk tier
@@ -95,6 +98,11 @@ class Config:
         if self.quantize in ("int8", "int4") and (device.type != "cpu" or self.dtype != "float32"):
             raise ConfigError(f"--quantize {self.quantize} runs on CPU in float32 only so far (no GPU kernels for "
                               "quantized weights yet)")
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got "
+                              f"{self.speculative!r} (the draft-model and DFlash drafters are not built yet)")
+        if self.num_speculative_tokens < 1:
+            raise ConfigError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if self.block_size is None:
             self.block_size = EXACT_BLOCK_SIZE if self.kv_resident_tokens is None else BOUNDED_BLOCK_SIZE
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -111,7 +111,7 @@ def run_greedy(engine, prompt, **kw) -> GreedyRun:
 
     def keep_logits(batch, capture=None):
         logits, queries = run(batch, capture)
-        step_logits.append(logits[0].clone())
+        step_logits.append(logits[0][-1].clone())
         return logits, queries
 
     engine.runner.run = keep_logits

@@ -20,6 +20,7 @@ from kvtier.engine.sampler import sample, token_logprobs
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import ScheduledBatch, Scheduler
 from kvtier.engine.sequence import Sequence
+from kvtier.engine.verify import choose
 from kvtier.kv.keys import namespace, salt_root
 from kvtier.kv.manager import KVManager
 from kvtier.kv.manifest import ManifestStore
@@ -34,6 +35,7 @@ from kvtier.models.attention import triton_supports
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import load_model, resolve_model_path
+from kvtier.spec.speculator import Speculator
 
 log = logging.getLogger("kvtier.engine")
 
@@ -85,6 +87,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, self.device, self._decode_graphs(config),
                                   config.num_threads or TORCH_THREADS)
         self.grammars = GrammarCompiler(self.tokenizer.hf)
+        self.speculator = Speculator(config.speculative, config.num_speculative_tokens) if config.speculative \
+            else None
         self._arrivals = itertools.count()
         self._ended: list[Sequence] = []     # finished outside a step (aborted, failed): reported by the next step
 
@@ -153,6 +157,8 @@ class LLMEngine:
                                   "does not run (start it with --kv-resident-tokens)")
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         seq = Sequence(request_id, prompt_token_ids, params, detok, next(self._arrivals))
+        if self.speculator:
+            seq.spec = self.speculator.new_state()
         if params.grammar is not None:
             try:
                 seq.constraint = self.grammars.constraint(params.grammar)
@@ -189,24 +195,32 @@ class LLMEngine:
             if seq is not None:       # not failed meanwhile
                 self._end(seq, "abort")
         self.kv.start_loads([seq.kv for seq in self.scheduler.waiting])
+        if self.speculator:
+            self._propose()
         batch = self.scheduler.schedule()
         start = time.perf_counter()
         results = self._forward(batch) if batch else []
         due = []       # sequences whose next token is to be sampled, with their logits
+        verified = []  # sequences whose verify step appended their tokens
         for seq, n, result in zip(batch.seqs, batch.num_tokens, results):
             try:
                 if result is None:
                     raise RuntimeError("the model forward failed for this request")
-                if self._advance(seq, n, *result):
-                    due.append((seq, self._processed(seq, result[0]), result[0]))
+                logits, queries = result
+                if seq.num_drafted(n):
+                    self._verify(seq, n, logits)
+                    verified.append(seq)
+                elif self._advance(seq, n, queries):
+                    due.append((seq, self._processed(seq, logits[-1]), logits[-1]))
             except Exception as e:     # it belongs to this request: fail it alone, the others go on
                 self._fail(seq, e)
-        outputs = [self._output(seq) for seq in self._append_tokens(due)]
+        outputs = [self._output(seq) for seq in self._append_tokens(due) + verified]
         seconds = time.perf_counter() - start      # sampling synchronized the device
-        if any(n > 1 for n in batch.num_tokens):    # a prefill step: the rate of compute
+        prompt_tokens = sum(batch.num_tokens) - batch.num_decodes - batch.num_drafted
+        if prompt_tokens:    # a prefill step: the rate of compute
             self.kv.rates.observe_prefill(sum(batch.num_tokens), seconds)
-        if batch:
-            self.scheduler.pacer.observe(batch.num_decodes, sum(batch.num_tokens) - batch.num_decodes, seconds)
+        if batch:      # a verify step counts as the decode it is, at what it cost
+            self.scheduler.pacer.observe(batch.num_decodes, prompt_tokens, seconds)
         self.runner.restore_threads()
         outputs += [self._output(seq) for seq in self._ended]
         self._ended.clear()
@@ -215,7 +229,7 @@ class LLMEngine:
         return outputs
 
     def _forward(self, batch: ScheduledBatch) -> list[tuple[torch.Tensor, torch.Tensor | None] | None]:
-        """Per sequence: (logits at its last token, its captured queries). If the batch's forward fails, each
+        """Per sequence: (its logits [rows, vocab], its captured queries). If the batch's forward fails, each
         sequence is run alone, so a failure that belongs to one request (None) does not fail the others."""
         capture = [CAPTURE_ROWS if seq.kv.residency else 0 for seq in batch.seqs]
         try:
@@ -229,12 +243,44 @@ class LLMEngine:
         for seq, n, wanted in zip(batch.seqs, batch.num_tokens, capture):
             try:   # the retry rewrites the same pool slots with the same K/V
                 logits, queries = self.runner.run(ScheduledBatch([seq], [n]), [wanted])
-                results.append((logits[0], queries[0]))
+                results.append((logits[0], queries[0]))     # its rows
             except Exception:
                 results.append(None)
         return results
 
-    def _advance(self, seq: Sequence, n: int, logits: torch.Tensor, queries: torch.Tensor | None) -> bool:
+    def _propose(self) -> None:
+        """The draft of each sequence whose next step feeds a generated token. A bounded sequence does not
+        speculate (yet)."""
+        for seq in self.scheduler.running:
+            if seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens \
+                    and not seq.kv.residency:
+                room = seq.params.max_tokens - seq.num_output_tokens - 1
+                seq.draft = self.speculator.propose(seq.spec, seq.token_ids, room)
+
+    def _verify(self, seq: Sequence, n: int, logits: torch.Tensor) -> None:
+        """A verify step computed the sequence's last token and n - 1 draft tokens after it (logits [n, vocab]):
+        the target's token at each row is taken while it is the draft's, then one more of its own. Only the
+        accepted tokens' K/V count as computed: they alone are sealed and saved, and the blocks reserved for the
+        rest are given back."""
+        draft, start, reason, accepted = seq.draft[:n - 1], seq.num_computed_tokens, None, 0
+        seq.draft = []
+        for j, row in enumerate(logits):
+            proposed = draft[j] if j < len(draft) else None
+            token = choose(self._processed(seq, row), seq.params, seq.generator, proposed)
+            if seq.params.logprobs is not None:
+                seq.pending_logprobs += token_logprobs(row[None], [token], [seq.params.logprobs])
+            reason = self._take_token(seq, token)
+            accepted += token == proposed
+            if token != proposed or reason:
+                break
+        seq.num_computed_tokens = start + 1 + accepted
+        self.kv.commit(seq.kv, seq.num_computed_tokens, None, False, True)
+        self.kv.truncate(seq.kv, len(seq.token_ids))
+        self.speculator.verified(seq.spec, len(draft), accepted)
+        if reason:
+            self.scheduler.finish(seq, reason)
+
+    def _advance(self, seq: Sequence, n: int, queries: torch.Tensor | None) -> bool:
         """Account for n computed tokens; True when the next token is to be sampled (the prompt is done or the
         last token was fed)."""
         decoded = seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
@@ -291,19 +337,25 @@ class LLMEngine:
         self._ended.append(seq)
 
     def _append_token(self, seq: Sequence, token_id: int) -> None:
+        if reason := self._take_token(seq, token_id):
+            self.scheduler.finish(seq, reason)
+
+    def _take_token(self, seq: Sequence, token_id: int) -> str | None:
+        """Append a chosen token; returns why the sequence ends with it, if it does (the caller finishes it)."""
         params = seq.params
         if seq.constraint is not None:
             seq.constraint.accept(token_id)
         seq.token_ids.append(token_id)
         seq.pending_token_ids.append(token_id)
         if token_id in self.tokenizer.eos_token_ids and not params.ignore_eos:
-            self.scheduler.finish(seq, "stop")
-        elif seq.detokenizer.add_token(token_id):
-            self.scheduler.finish(seq, "stop")
-        elif seq.num_output_tokens >= params.max_tokens:
-            self.scheduler.finish(seq, "length")
-        elif seq.constraint is not None and seq.constraint.done:
-            self.scheduler.finish(seq, "stop")
+            return "stop"
+        if seq.detokenizer.add_token(token_id):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens:
+            return "length"
+        if seq.constraint is not None and seq.constraint.done:
+            return "stop"
+        return None
 
     def _output(self, seq: Sequence) -> RequestOutput:
         out = RequestOutput(
@@ -326,15 +378,20 @@ class LLMEngine:
 
     def _log_finished(self, seq: Sequence) -> None:
         tiers = ", ".join(f"{n} from {tier}" for tier, n in seq.kv.tier_tokens.items() if n)
-        log.info("request %s %s: %d prompt tokens (%s, %d computed), %d generated", seq.request_id,
+        spec = seq.spec
+        accepted = f" ({spec.accepted} of {spec.proposed} proposed tokens accepted in {spec.verify_steps} verify " \
+                   f"steps)" if spec else ""
+        log.info("request %s %s: %d prompt tokens (%s, %d computed), %d generated%s", seq.request_id,
                  seq.finish_reason, seq.num_prompt_tokens, tiers or "none cached",
-                 seq.num_prompt_tokens - seq.kv.num_cached_tokens, seq.num_output_tokens)
+                 seq.num_prompt_tokens - seq.kv.num_cached_tokens, seq.num_output_tokens, accepted)
 
     def stats(self) -> dict:
         stats = {"num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,
                  "num_cached_blocks": self.pool.num_cached_blocks, "block_size": self.pool.block_size,
                  "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting)}
         stats.update(self.kv.stats())
+        if self.speculator:
+            stats["speculation"] = self.speculator.stats()
         if self.pager:
             stats["residency"] = {**self.pager.stats, "host_reserved_bytes": self.pager.host_reserved}
         return stats

@@ -28,10 +28,16 @@ def slot_runs(block_table: list[int], end: int, block_size: int) -> list[tuple[i
     return runs
 
 
+def decodes(seq: Sequence, n: int) -> bool:
+    """Whether a step of n tokens decodes the sequence: its one uncomputed token (a cached prompt's last token runs
+    alone as well), or a verify step's, that token and a draft."""
+    return (n == 1 and seq.num_computed_tokens > 0) or seq.num_drafted(n) > 0
+
+
 def generates(seq: Sequence, n: int) -> bool:
-    """Whether a step of n tokens feeds the sequence a token the model generated (a decode proper), not a prompt
-    token: a cached prompt's last token runs alone as well."""
-    return n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+    """Whether a decode step of n tokens feeds the sequence tokens the model generated or proposed, not a prompt
+    token (a cached prompt's last token)."""
+    return decodes(seq, n) and seq.num_computed_tokens >= seq.num_prompt_tokens
 
 
 # torch's own thread count, taken before any ggml decode step lowered it
@@ -60,24 +66,25 @@ class ModelRunner:
         return slots
 
     def prepare(self, batch: ScheduledBatch, capture: list[int] | None = None
-                ) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
-        """Flat token ids, metadata, and the row of the last token of each sequence. capture[i]:
-        how many of sequence i's last rows should hand back their queries."""
-        token_ids, positions, slot_mapping, prefills, last_rows, capture_rows = [], [], [], [], [], []
+                ) -> tuple[torch.Tensor, AttentionMetadata, list[range]]:
+        """Flat token ids, metadata, and per sequence the rows whose logits it may sample from: its last one, or
+        a verify step's every row. capture[i]: how many of sequence i's last rows should hand back their
+        queries."""
+        token_ids, positions, slot_mapping, prefills, out_rows, capture_rows = [], [], [], [], [], []
         decode_rows, decode_runs, generated_rows = [], [], []
         bounded = []      # (prompt chunk, its sequence's KV state, its blocks before it): it attends to paged-out ones
         row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            token_ids += seq.token_ids[start:end]
+            token_ids += seq.step_tokens(start, n)
             positions += range(start, end)
             table = seq.kv.block_table
             slot_mapping.append(self._slots(table, start, end))
-            if n == 1 and start > 0:
-                decode_rows.append(row)
+            if decodes(seq, n):       # each row attends as a decode of its own, up to its position
+                decode_rows += range(row, row + n)
                 if generates(seq, n):
-                    generated_rows.append(row)
-                decode_runs.append(slot_runs(table, end, self.pool.block_size))
+                    generated_rows += range(row, row + n)
+                decode_runs += [slot_runs(table, start + j + 1, self.pool.block_size) for j in range(n)]
             else:
                 table = self.kv.step_table(seq.kv)        # blocks whose page-out is in flight are still read in place
                 prefix = slot_runs(table, start, self.pool.block_size)
@@ -85,7 +92,7 @@ class ModelRunner:
                 if seq.kv.residency and start > 0:
                     bounded.append((prefills[-1], seq.kv, table[:start // self.pool.block_size]))
             row += n
-            last_rows.append(row - 1)
+            out_rows.append(range(row - n if seq.num_drafted(n) else row - 1, row))
             if capture and capture[i]:
                 capture_rows += range(row - min(capture[i], n), row)
         if bounded:
@@ -100,15 +107,15 @@ class ModelRunner:
             capture_rows=to_device(torch.tensor(capture_rows, dtype=torch.long), self.device) if capture_rows else None,
             block_size=self.pool.block_size,
         )
-        return to_device(torch.tensor(token_ids, dtype=torch.long), self.device), meta, last_rows
+        return to_device(torch.tensor(token_ids, dtype=torch.long), self.device), meta, out_rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, capture: list[int] | None = None
-            ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """Forward the batch. Returns logits [num_seqs, vocab] at each sequence's last scheduled token (zeros for
-        a prompt chunk that does not end its prompt: nothing samples there), and per sequence its captured queries
-        [rows, layers, heads, head_dim] (None where capture is 0). ggml's decode steps leave torch on one thread
-        (`restore_threads` gives it back)."""
+            ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Forward the batch. Returns per sequence its logits [rows, vocab]: at its last scheduled token (zeros for
+        a prompt chunk that does not end its prompt: nothing samples there), or at every token of a verify step;
+        and per sequence its captured queries [rows, layers, heads, head_dim] (None where capture is 0). ggml's
+        decode steps leave torch on one thread (`restore_threads` gives it back)."""
         capture = capture or [0] * len(batch.seqs)
         graphed = self._graphed(batch, capture)
         if len(graphed) == len(batch.seqs):
@@ -122,11 +129,11 @@ class ModelRunner:
             part.add(batch.seqs[i], batch.num_tokens[i])
         graph_logits = self._run_graphs(batch, graphed)
         eager_logits, eager_queries = self._run_eagerly(part, [capture[i] for i in eager])
-        logits = torch.empty(len(batch.seqs), graph_logits.shape[1], dtype=graph_logits.dtype)
-        logits[eager], logits[graphed] = eager_logits, graph_logits
-        queries = [None] * len(batch.seqs)
-        for i, q in zip(eager, eager_queries):
-            queries[i] = q
+        logits, queries = [None] * len(batch.seqs), [None] * len(batch.seqs)
+        for i, rows in zip(graphed, graph_logits):
+            logits[i] = rows
+        for i, rows, q in zip(eager, eager_logits, eager_queries):
+            logits[i], queries[i] = rows, q
         return logits, queries
 
     def restore_threads(self) -> None:
@@ -134,16 +141,18 @@ class ModelRunner:
         if torch.get_num_threads() != self.torch_threads:
             torch.set_num_threads(self.torch_threads)
 
-    def _run_graphs(self, batch: ScheduledBatch, which: list[int]) -> torch.Tensor:
+    def _run_graphs(self, batch: ScheduledBatch, which: list[int]) -> list[torch.Tensor]:
+        """Per sequence of `which`, its logits [rows, vocab] from the decode graphs."""
         if isinstance(self.graphs, GgmlDecodeSteps) and torch.get_num_threads() != 1:
             # torch's threads spin a while after each parallel region, on the cores ggml's threads need (12 ms a
             # step instead of 5.4 for SmolLM2 on 2 cores): the step's torch work (sampling) runs on one thread
             torch.set_num_threads(1)
-        return self.graphs.run(*self._decode_inputs(batch, which))
+        inputs = self._decode_inputs(batch, which)
+        return list(self.graphs.run(*inputs).split(inputs[-1]))
 
     def _run_eagerly(self, batch: ScheduledBatch, capture: list[int]) -> tuple[torch.Tensor, list]:
         self.restore_threads()
-        token_ids, meta, last_rows = self.prepare(batch, capture)
+        token_ids, meta, out_rows = self.prepare(batch, capture)
         hidden = self.model(token_ids, self.pool.kv_cache, meta)
         if any(seq.paged_out is not None for seq in meta.prefills):
             self.kv.forward_done()      # the gathered paged-out K/V it read may be overwritten after it
@@ -156,14 +165,16 @@ class ModelRunner:
                     rows = min(wanted, n)
                     queries[i] = stacked[offset:offset + rows]
                     offset += rows
-        # logits where a token is sampled next: a decode, or the chunk that ends a prompt
+        # logits where a token is sampled next: a decode or verify step, or the chunk that ends a prompt
         sampled = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                    if seq.num_computed_tokens + n >= len(seq.token_ids)]
         generated = set(meta.generated_rows)
-        rows = [last_rows[i] for i in sampled]
-        logits = torch.zeros(len(batch.seqs), self.model.config.vocab_size, device=hidden.device)
+        rows = [row for i in sampled for row in out_rows[i]]
+        logits = [torch.zeros(1, self.model.config.vocab_size, device=hidden.device)] * len(batch.seqs)
         if rows:
-            logits[sampled] = self.model.logits(hidden[rows], [row in generated for row in rows])
+            computed = self.model.logits(hidden[rows], [row in generated for row in rows])
+            for i, part in zip(sampled, computed.split([len(out_rows[i]) for i in sampled])):
+                logits[i] = part
         return logits, queries
 
     def _graphed(self, batch: ScheduledBatch, capture: list[int]) -> list[int]:
@@ -172,25 +183,29 @@ class ModelRunner:
         mixed step's decodes too, of generated tokens only (a cached prompt's last token is a prompt row)."""
         if self.graphs is None:
             return []
-        decodes = [i for i, (seq, n, wanted) in enumerate(zip(batch.seqs, batch.num_tokens, capture))
-                   if n == 1 and seq.num_computed_tokens > 0 and not wanted]
+        decoding = [i for i, (seq, n, wanted) in enumerate(zip(batch.seqs, batch.num_tokens, capture))
+                    if decodes(seq, n) and not wanted]
         if isinstance(self.graphs, GgmlDecodeSteps):     # a cached prompt's last token is a prompt row
-            return [i for i in decodes if generates(batch.seqs[i], 1)]
-        return decodes if len(decodes) == len(batch.seqs) and self.graphs.bucket(len(decodes)) is not None else []
+            return [i for i in decoding if generates(batch.seqs[i], batch.num_tokens[i])]
+        one_token = [i for i in decoding if batch.num_tokens[i] == 1]     # CUDA graphs hold no verify steps yet
+        return one_token if len(one_token) == len(batch.seqs) and self.graphs.bucket(len(one_token)) is not None \
+            else []
 
     def _decode_inputs(self, batch: ScheduledBatch, which: list[int]) -> tuple[list[int], ...]:
-        """Per sequence of `which`: its token, position and K/V slot, and its context's resident blocks and
-        length."""
+        """Per row of the sequences of `which` (one, or a verify step's several): its token, position and K/V
+        slot; per sequence its context's resident blocks and length after the step, and its rows' count."""
         bs = self.pool.block_size
-        token_ids, positions, slots, tables, lens = [], [], [], [], []
-        for seq in (batch.seqs[i] for i in which):
-            pos, table = seq.num_computed_tokens, seq.kv.block_table
-            token_ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            blocks, length = table[:pos // bs + 1], pos + 1
+        token_ids, positions, slots, tables, lens, rows = [], [], [], [], [], []
+        for seq, n in ((batch.seqs[i], batch.num_tokens[i]) for i in which):
+            start, table = seq.num_computed_tokens, seq.kv.block_table
+            end = start + n
+            token_ids += seq.step_tokens(start, n)
+            positions += range(start, end)
+            slots += [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+            blocks, length = table[:-(-end // bs)], end
             if NOT_RESIDENT in blocks:     # holes (bounded residency) are left out
-                blocks, length = resident_blocks(slot_runs(table, pos + 1, bs), bs)
+                blocks, length = resident_blocks(slot_runs(table, end, bs), bs)
             tables.append(blocks)
             lens.append(length)
-        return token_ids, positions, slots, tables, lens
+            rows.append(n)
+        return token_ids, positions, slots, tables, lens, rows

@@ -16,7 +16,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
         return chosen.tolist()
-    probs = _probs(logits[sampled], [params[i] for i in sampled])
+    probs = probabilities(logits[sampled], [params[i] for i in sampled])
     seeded = [j for j, i in enumerate(sampled) if generators[i] is not None]
     unseeded = [j for j, i in enumerate(sampled) if generators[i] is None]
     if unseeded:
@@ -29,7 +29,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return tokens
 
 
-def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Each row's distribution after its temperature, top-k and top-p."""
     device = logits.device
     logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]

@@ -1,6 +1,7 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
-Each step: running decodes first (one token each, oldest first), then prefill chunks of
+Each step: running decodes first (one token each, oldest first, with the tokens a speculating
+sequence proposed after it: a verify step), then prefill chunks of
 running sequences, then new admissions while budget, sequence slots and free blocks last.
 Beside running decodes, the pacer (pacer.py) sizes the prompt tokens a step may carry so
 that the streams keep their inter-token latency while a long prompt prefills.
@@ -24,7 +25,8 @@ from kvtier.kv.manager import KVManager
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)   # tokens to compute this step, per sequence
-    num_decodes: int = 0                                  # of the sequences, those decoding one token
+    num_decodes: int = 0          # of the sequences, those decoding: one token, or one and its draft (a verify step)
+    num_drafted: int = 0          # the draft tokens those carry
     preempted: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int) -> None:
@@ -60,10 +62,13 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING or seq.kv.waits_for_pages:   # preempted earlier in this step,
                 continue                                                             # or its page-ins are landing
-            if self._reserve(seq, 1, batch):
-                batch.add(seq, 1)
+            del seq.draft[budget - 1:]          # a draft the budget cannot take is cut short
+            n = 1 + len(seq.draft)
+            if self._reserve(seq, n, batch):
+                batch.add(seq, n)
                 batch.num_decodes += 1
-                budget -= 1
+                batch.num_drafted += n - 1
+                budget -= n
             else:
                 self._preempt(seq, batch)
         budget = min(budget, self.pacer.budget(decoding=batch.num_decodes > 0))
@@ -110,6 +115,7 @@ class Scheduler:
         self.kv.release(seq.kv)
         self.running.remove(seq)
         seq.num_computed_tokens = 0
+        seq.draft = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)

@@ -32,6 +32,8 @@ class Sequence:
         self.constraint = None                  # its grammar's state (engine/grammar.py), if it has one
         self.finish_reason: str | None = None
         self.error: str | None = None           # why the engine failed it (finish_reason "error")
+        self.draft: list[int] = []              # tokens proposed for its next step, not yet verified
+        self.spec = None                        # its speculation state (spec/speculator.py), when the server speculates
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -41,6 +43,15 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def step_tokens(self, start: int, n: int) -> list[int]:
+        """The n tokens a step feeds from position start: its own, then its draft's."""
+        tokens = self.token_ids[start:start + n]
+        return tokens + self.draft[:n - len(tokens)]
+
+    def num_drafted(self, n: int) -> int:
+        """How many of a step's n tokens (from the first uncomputed one) are draft tokens: a verify step's."""
+        return max(0, self.num_computed_tokens + n - len(self.token_ids))
 
     @property
     def num_output_tokens(self) -> int:

@@ -5,27 +5,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from kvtier.engine.sampler import sample
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import ScheduledBatch
+from kvtier.engine.sequence import Sequence
 from kvtier.kv.state import KVState
 
 log = logging.getLogger("kvtier.engine")
 
 PROMPT_BLOCKS = 2      # a prompt chunk this long, then a chunk after it (as after a cached prefix), then a decode
-
-
-@dataclass
-class Throwaway:
-    """What the runner reads of a sequence, for forwards whose K/V no one keeps (its blocks are never sealed)."""
-    token_ids: list[int]
-    kv: KVState
-    num_computed_tokens: int = 0
-    num_prompt_tokens: int = 0      # the last chunk's one token stands for a generated one: a decode step
 
 
 def warm_up(engine) -> float:
@@ -38,8 +29,9 @@ def warm_up(engine) -> float:
     chunks = [first, bs - 1, 1]
     tokens = [i % engine.model_config.vocab_size for i in range(sum(chunks))]
     blocks = engine.pool.allocate(engine.pool.blocks_for(len(tokens)))
-    seq = Throwaway(tokens, KVState("warm-up", tokens, len(tokens), block_table=blocks),
-                    num_prompt_tokens=len(tokens) - 1)
+    # a sequence whose K/V no one keeps (its blocks are never sealed); its last token stands for a generated one
+    seq = Sequence("warm-up", tokens, SamplingParams(max_tokens=1), None, arrival=-1)
+    seq.kv, seq.num_prompt_tokens = KVState("warm-up", seq.token_ids, len(tokens), block_table=blocks), len(tokens) - 1
     try:
         with torch.inference_mode():
             for n in chunks:
@@ -47,7 +39,7 @@ def warm_up(engine) -> float:
                 batch.add(seq, n)
                 logits, _ = engine.runner.run(batch)
                 seq.num_computed_tokens += n
-            sample(logits.float(), [SamplingParams(temperature=0.7, top_p=0.9)], [None])
+            sample(logits[0].float(), [SamplingParams(temperature=0.7, top_p=0.9)], [None])
     finally:
         engine.pool.free(blocks)
     engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hello."}])

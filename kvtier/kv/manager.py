@@ -212,6 +212,14 @@ class KVManager:
         state.block_table += self.pool.allocate(need, after=_last_block(state.block_table))
         return True
 
+    def truncate(self, state: KVState, end: int) -> None:
+        """Give back the blocks past the first `end` tokens: a verify step reserved them for a draft that was
+        rejected. Nothing in them was sealed: commit seals only blocks of accepted tokens."""
+        keep = self.pool.blocks_for(end)
+        if len(state.block_table) > keep:
+            self.pool.free([b for b in state.block_table[keep:] if b != NOT_RESIDENT])
+            del state.block_table[keep:]
+
     # --- after a step ----------------------------------------------------------------------------
 
     def commit(self, state: KVState, num_computed: int, queries: torch.Tensor | None, prompt_done: bool,

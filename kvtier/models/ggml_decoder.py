@@ -4,10 +4,11 @@ Run op by op through torch, a decode step of a small model spends as long dispat
 multiplying by its weights. Here the whole step (embedding, per layer the norms, projections over the GGUF blocks,
 RoPE, the K/V write into kvtier's pool, attention, the MLP; the final norm and the LM head) is one ggml graph run on
 ggml's threadpool, as llama.cpp runs it. The graph reads the weights and the pool where torch keeps them, and is
-built once per shape (batch size, context length rounded up to CONTEXT_STEP, where each context starts): a step
-only writes its token ids, positions, K/V slots and attention mask into the graph's inputs.
+built once per shape (rows per sequence, context length rounded up to CONTEXT_STEP, where each context starts): a
+step only writes its token ids, positions, K/V slots and attention mask into the graph's inputs.
 
-Each sequence attends on its own. A context in consecutive pool slots (the pool grows a sequence into the blocks
+A sequence feeds one token, or a verify step's several (its last token and a draft): each row attends up to its
+own position, as if it decoded alone. Each sequence attends on its own. A context in consecutive pool slots (the pool grows a sequence into the blocks
 after its own) is read where it lies; the others are gathered (ggml_get_rows). Padding positions are masked out,
 so what their slots hold is never used.
 """
@@ -29,8 +30,8 @@ CONTEXT_STEP = 256      # context lengths a graph serves, rounded up: one graph 
 
 
 class GgmlDecodeSteps:
-    """run(token_ids, positions, slots, tables, lens) → logits [batch, vocab] of one decode step (the interface of
-    the CUDA graphs, engine/graphs.py)."""
+    """run(token_ids, positions, slots, tables, lens, rows) → logits [rows, vocab] of one decode step (the interface
+    of the CUDA graphs, engine/graphs.py)."""
 
     def __init__(self, model: Decoder, pool: KVPool, threads: int):
         cfg = self.config = model.config
@@ -53,11 +54,12 @@ class GgmlDecodeSteps:
         self._finalizer = weakref.finalize(self, _close, self.weights, self.__dict__)
 
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            lens: list[int]) -> torch.Tensor:
+            lens: list[int], rows: list[int]) -> torch.Tensor:
+        """token_ids, positions, slots: per row; tables, lens (its context after the step), rows: per sequence."""
         bs = self.block_size
         context = -(-max(lens) // CONTEXT_STEP) * CONTEXT_STEP
         starts = tuple(self._start(table, context) for table in tables)
-        key = (len(lens), context, starts)
+        key = (tuple(rows), context, starts)
         if key != self.key:
             if self.step is not None:
                 self.step.close()
@@ -67,10 +69,13 @@ class GgmlDecodeSteps:
         step.ids.numpy()[:] = token_ids
         step.positions.numpy()[:] = positions
         step.slots.numpy()[:] = slots
-        mask = step.mask.numpy()[:, 0, 0]
+        mask = step.mask.numpy()
         mask[:] = -np.inf
-        for i, n in enumerate(lens):
-            mask[i, :n] = 0
+        first = 0
+        for n, r in zip(lens, rows):
+            for j in range(r):       # row j of a sequence's r sees its context up to its own position
+                mask[first + j, :n - (r - 1 - j)] = 0
+            first += r
         if step.gather is not None:
             gathered = [i for i, start in enumerate(starts) if start is None]
             for row, i in zip(step.gather.numpy().reshape(len(gathered), context), gathered):
@@ -124,21 +129,23 @@ def _close(weights: ggml.Context, state: dict) -> None:
 
 
 class _Step:
-    """The graph of a decode step of `batch` sequences over contexts of up to `context` tokens, with its inputs
-    and output in torch tensors. starts: per sequence, where its consecutive context starts (None: gathered)."""
+    """The graph of a decode step of sequences of `rows` rows each over contexts of up to `context` tokens, with its
+    inputs and output in torch tensors. starts: per sequence, where its consecutive context starts (None:
+    gathered)."""
 
-    def __init__(self, steps: GgmlDecodeSteps, batch: int, context: int, starts: tuple[int | None, ...]):
+    def __init__(self, steps: GgmlDecodeSteps, rows: tuple[int, ...], context: int, starts: tuple[int | None, ...]):
         cfg, self.steps = steps.config, steps
-        size = cfg.num_layers * (64 + 8 * batch) + 32        # ops per layer: ~40, and ~5 per sequence's attention
+        batch = sum(rows)
+        size = cfg.num_layers * (64 + 8 * len(rows)) + 32     # ops per layer: ~40, and ~5 per sequence's attention
         ctx = self.ctx = ggml.Context(steps.weights.lib.threads, max_tensors=size, max_nodes=size)
         self.ids = torch.zeros(batch, dtype=torch.int32)
         self.positions = torch.zeros(batch, dtype=torch.int32)
         self.slots = torch.zeros(batch, dtype=torch.int64)
-        self.mask = torch.zeros(batch, 1, 1, context, dtype=torch.float16)
+        self.mask = torch.zeros(batch, context, dtype=torch.float16)
         gathered = starts.count(None)
         self.gather = torch.zeros(gathered * context, dtype=torch.int32) if gathered else None
         self.logits = torch.empty(batch, cfg.vocab_size)
-        self.batch, self.context, self.starts = batch, context, starts
+        self.batch, self.rows, self.context, self.starts = batch, rows, context, starts
         self.inputs = {"pos": ctx.place(self.positions), "slots": ctx.place(self.slots), "mask": ctx.place(self.mask)}
         if self.gather is not None:
             self.inputs["gather"] = ctx.place(self.gather)
@@ -190,24 +197,25 @@ class _Step:
         return ctx.op("add", x, down)
 
     def _attention(self, q: int, k_all: int, v_all: int) -> int:
-        """[heads * head_dim, batch]: each sequence's query (q: [head_dim, heads, batch]) over its context in the
+        """[heads * head_dim, batch]: each sequence's queries (q: [head_dim, heads, batch]) over its context in the
         pool after this step's write, read in place where it lies in consecutive slots, else gathered."""
         cfg, ctx, row, n = self.steps.config, self.ctx, self.steps.row, self.context
         d, heads, kv_heads = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         pool, gathered = (k_all, v_all), None
         if self.gather is not None:      # [row, context * gathered sequences]
             gathered = tuple(ctx.op("get_rows", t, self.inputs["gather"]) for t in pool)
-        outs, g = [], 0
-        for i, start in enumerate(self.starts):
+        outs, g, first = [], 0, 0
+        for start, r in zip(self.starts, self.rows):
             if start is not None:
                 source, offset = pool, start            # in slots of the source
             else:
                 source, offset, g = gathered, g * n, g + 1
             keys, values = (ctx.op("view_4d", t, d, n, kv_heads, 1, row * 4, d * 4, row * 4 * n, offset * row * 4)
                             for t in source)
-            query = ctx.op("view_4d", q, d, 1, heads, 1, d * heads * 4, d * 4, d * heads * 4, i * d * heads * 4)
-            mask = ctx.op("view_4d", self.inputs["mask"], n, 1, 1, 1, n * 2, n * 2, n * 2, i * n * 2)
-            outs.append(ctx.op("flash_attn_ext", query, keys, values, mask, d ** -0.5, 0.0, 0.0))  # [d, heads, 1, 1]
+            query = ctx.op("view_4d", q, d, r, heads, 1, d * heads * 4, d * 4, d * heads * 4 * r, first * d * heads * 4)
+            mask = ctx.op("view_4d", self.inputs["mask"], n, r, 1, 1, n * 2, n * 2 * r, n * 2 * r, first * n * 2)
+            outs.append(ctx.op("flash_attn_ext", query, keys, values, mask, d ** -0.5, 0.0, 0.0))  # [d, heads, r, 1]
+            first += r
         while len(outs) > 1:     # side by side in pairs: each output copied log2(batch) times
             outs = [ctx.op("concat", a, b, 2) for a, b in zip(outs[::2], outs[1::2])] + outs[len(outs) // 2 * 2:]
         return ctx.op("reshape_2d", outs[0], heads * d, self.batch)

@@ -72,10 +72,26 @@ class _EngineCollector:
                                 value=s["num_cached_blocks"])
         yield from self._tiers(s)
         yield from self._residency(s.get("residency"))
+        yield from self._speculation(s.get("speculation"))
         yield GaugeMetricFamily("kvtier_requests_running", "Requests being prefilled or decoded",
                                 value=s["num_running"])
         yield GaugeMetricFamily("kvtier_requests_waiting", "Requests queued for the engine", value=s["num_waiting"])
 
+
+    @staticmethod
+    def _speculation(sp: dict | None):
+        if sp is None:
+            return
+        for name, doc in (("proposed_tokens", "Draft tokens proposed for verify steps"),
+                          ("accepted_tokens", "Draft tokens the target accepted"),
+                          ("verify_steps", "Verify steps (a sequence's last token and its draft, in one step)")):
+            yield _labelled(CounterMetricFamily(f"kvtier_spec_{name}", doc, labels=["method"]), sp["method"],
+                            sp[name])
+        steps = sp["verify_steps"]
+        yield _labelled(GaugeMetricFamily("kvtier_spec_mean_acceptance_length", "Tokens a verify step appends on "
+                                          "average: the accepted draft tokens and the target's own",
+                                          labels=["method"]), sp["method"],
+                        1 + sp["accepted_tokens"] / steps if steps else 0.0)
 
     @staticmethod
     def _residency(r: dict | None):
@@ -173,3 +189,8 @@ class RequestCounter:
                 # an unexpected exception is answered outside this middleware, with no reason left behind
                 reason = scope.get("state", {}).get("error_reason", "server_error" if status >= 500 else "unknown")
                 self.metrics.errors.labels(scope["path"], str(status), reason).inc()
+
+
+def _labelled(family, label: str, value: float):
+    family.add_metric([label], value)
+    return family

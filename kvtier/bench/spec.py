@@ -1,0 +1,179 @@
+"""Speculative decoding on agent-shaped turns: decode speed, acceptance and cache reuse with speculation off and on.
+
+Three workloads, each a few two-turn conversations with new contexts every turn (different files, tool results and
+questions, so no turn's prompt is another's):
+- editing: repeat a 1-2K-token source file with one change (an agent rewriting a file);
+- quoting: answer by quoting a tool result the conversation holds;
+- chat: open questions whose answers are nowhere in the context.
+The second turn of each conversation extends the first (its answer and a follow-up), so its prompt is served from
+the prefix cache: the hit ratio must be the same with speculation on and off, and so must the greedy text. Engines
+with speculation off and on run each turn alternately, in one process.
+
+    python -m kvtier.bench.spec [--conversations 3] [--max-tokens 256] [--no-write]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import time
+
+from kvtier.bench.report import (add_device_args, add_output_args, device_settings, engine_machine, header,
+                                 parse_command, publish, verdict)
+from kvtier.bench.shapes import add_model_args, resolve_model
+from kvtier.config import Config
+from kvtier.engine.engine import LLMEngine
+from kvtier.engine.sampling_params import SamplingParams
+
+SECTION = "## Speculative decoding (prompt lookup)"
+EDIT_TARGET = 2.0      # decode tokens/s with ngram / without, editing workload
+CHAT_TARGET = 0.95     # the same on plain chat
+SOURCES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "**", "*.py")
+QUESTIONS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
+             "Explain how a refrigerator works to a ten-year-old.",
+             "What are the pros and cons of living in a big city? Answer in a few paragraphs.",
+             "Describe your ideal weekend, in detail.",
+             "Why is the sky blue? Give a thorough explanation."]
+
+
+def source_files(tokenizer, num: int, lo: int = 1000, hi: int = 2000) -> list[tuple[str, str, str]]:
+    """(name, text, an identifier in it) of num of kvtier's own files, cut to lo..hi tokens, largest first."""
+    found = []
+    for path in sorted(glob.glob(SOURCES, recursive=True)):
+        text = open(path).read()
+        ids = tokenizer.encode(text)
+        if len(ids) >= lo:
+            text = tokenizer.decode(ids[:hi])
+            names = [w for w in text.replace("(", " ").split() if w.startswith("self.") and len(w) > 8]
+            if names:
+                found.append((os.path.basename(path), text, names[0].rstrip(":,.)")))
+    return found[:num]
+
+
+def conversations(tokenizer, workload: str, num: int) -> list[list[list[dict]]]:
+    """Per conversation, its two turns' follow-up messages (each turn appends its answer and the next)."""
+    if workload == "editing":
+        return [[[{"role": "user", "content": f"Here is {name}:\n\n```python\n{text}\n```\n\nRepeat the whole file "
+                   f"exactly, but rename `{ident}` to `{ident}_renamed`."}],
+                 [{"role": "user", "content": "Now repeat it again, unchanged from your version."}]]
+                for name, text, ident in source_files(tokenizer, num)]
+    if workload == "quoting":
+        return [[[{"role": "user", "content": f"Run the tests of {name}."},
+                  {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                      "name": "read_file", "arguments": f'{{"path": "{name}"}}'}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": text[:3000]},
+                  {"role": "user", "content": "Quote the first function of that file verbatim."}],
+                 [{"role": "user", "content": "Quote the last lines of the file verbatim."}]]
+                for name, text, _ in source_files(tokenizer, num, 600, 1200)]
+    return [[[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+             [{"role": "user", "content": "Now say it again, but shorter."}]] for i in range(num)]
+
+
+def run_turn(eng: LLMEngine, request_id: str, prompt: list[int], max_tokens: int) -> dict:
+    """One greedy turn: its tokens, decode tokens/s after the first, and its cached prompt tokens."""
+    eng.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    tokens, first, cached = [], None, 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.new_token_ids and first is None:
+                first = time.perf_counter()
+            tokens += out.new_token_ids
+            cached = out.num_cached_tokens
+    seconds = time.perf_counter() - first
+    return {"tokens": tokens, "seconds": seconds, "decoded": len(tokens) - 1, "cached": cached,
+            "prompt": len(prompt)}
+
+
+def measure(engines: dict[str, LLMEngine], workload: str, args: argparse.Namespace) -> dict:
+    tok = next(iter(engines.values())).tokenizer
+    totals = {name: {"decoded": 0, "seconds": 0.0, "cached": 0, "prompt": 0, "texts": []} for name in engines}
+    spec = {name: dict(eng.speculator.stats()) for name, eng in engines.items() if eng.speculator}
+    for c, turns in enumerate(conversations(tok, workload, args.conversations)):
+        histories = dict.fromkeys(engines, [])
+        for t, follow_up in enumerate(turns):
+            for name, eng in engines.items():       # alternately, turn by turn
+                history = histories[name] + follow_up
+                prompt = tok.apply_chat_template(history)
+                got = run_turn(eng, f"{workload}-{c}-{t}", prompt, args.max_tokens)
+                histories[name] = history + [{"role": "assistant", "content": tok.decode(got["tokens"])}]
+                total = totals[name]
+                for key in ("decoded", "seconds", "cached", "prompt"):
+                    total[key] += got[key]
+                total["texts"].append(got["tokens"])
+                print(f"  {workload} {c}.{t} {name}: {got['decoded'] / got['seconds']:.1f} tok/s, "
+                      f"{got['cached']}/{got['prompt']} cached", flush=True)
+    for name, eng in engines.items():
+        if eng.speculator:
+            now = eng.speculator.stats()
+            steps = now["verify_steps"] - spec[name]["verify_steps"]
+            accepted = now["accepted_tokens"] - spec[name]["accepted_tokens"]
+            totals[name]["acceptance"] = 1 + accepted / steps if steps else None
+            totals[name]["proposed"] = now["proposed_tokens"] - spec[name]["proposed_tokens"]
+            totals[name]["accepted"] = accepted
+    return totals
+
+
+def table(results: dict, names: list[str]) -> list[str]:
+    off = names[0]
+    lines = ["| workload | speculation | decode tok/s | × off | tokens per verify step | accepted / proposed | "
+             "prefix-cache hit ratio | same text as off |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for workload, totals in results.items():
+        base = totals[off]["decoded"] / totals[off]["seconds"]
+        for name in names:
+            t = totals[name]
+            rate = t["decoded"] / t["seconds"]
+            accept = f"{t['acceptance']:.2f}" if t.get("acceptance") else "–"
+            ratio = f"{t['accepted']}/{t['proposed']}" if "proposed" in t else "–"
+            lines.append(f"| {workload} | {name} | {rate:.1f} | {rate / base:.2f} | {accept} | {ratio} | "
+                         f"{t['cached'] / t['prompt']:.3f} | {'yes' if t['texts'] == totals[off]['texts'] else 'NO'} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, command = parse_command("kvtier.bench.spec", argv, parse_args)
+    resolve_model(args)
+    settings = dict(model=args.model, **device_settings(args), num_threads=args.threads, kv_host_gib=0, kv_disk=False,
+                    num_speculative_tokens=args.num_speculative_tokens)
+    if args.quantize:
+        settings["quantize"] = args.quantize
+    engines = {"off": LLMEngine(Config(**settings)), "ngram": LLMEngine(Config(**settings, speculative="ngram"))}
+    results = {w: measure(engines, w, args) for w in args.workloads.split(",")}
+    names = list(engines)
+    rate = {w: {n: t["decoded"] / t["seconds"] for n, t in totals.items()} for w, totals in results.items()}
+    lines = [*header(SECTION, engine_machine(engines["off"]) + f", weights {engines['off'].weights_mode}", command),
+             f"{args.conversations} two-turn conversations per workload, greedy, up to {args.max_tokens} tokens per "
+             f"turn, --num-speculative-tokens {args.num_speculative_tokens}. Decode tok/s counts the tokens after "
+             "each turn's first over the time after it; the hit ratio is cached prompt tokens over prompt tokens, "
+             "both turns. The draft-model and DFlash proposers are not built yet: no column.", "",
+             *table(results, names), ""]
+    if "editing" in rate:
+        ratio = rate["editing"]["ngram"] / rate["editing"]["off"]
+        lines.append(f"- ngram / off on editing: {ratio:.2f}× (target ≥ {EDIT_TARGET}×: {verdict(ratio >= EDIT_TARGET)})")
+    if "chat" in rate:
+        ratio = rate["chat"]["ngram"] / rate["chat"]["off"]
+        lines.append(f"- ngram / off on plain chat: {ratio:.2f}× (target ≥ {CHAT_TARGET}×: "
+                     f"{verdict(ratio >= CHAT_TARGET)})")
+    same = all(t["ngram"]["texts"] == t["off"]["texts"] and t["ngram"]["cached"] == t["off"]["cached"]
+               for t in results.values())
+    lines += [f"- greedy text and cached tokens identical with and without speculation: {verdict(same)}", ""]
+    for eng in engines.values():
+        eng.shutdown()
+    publish("\n".join(lines), args)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    add_device_args(p)
+    add_output_args(p)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--quantize", default=None, help="the server's --quantize (default: auto)")
+    p.add_argument("--conversations", type=int, default=3, help="conversations per workload")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per turn at most")
+    p.add_argument("--num-speculative-tokens", type=int, default=8)
+    p.add_argument("--workloads", default="editing,quoting,chat")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main()

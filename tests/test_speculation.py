@@ -1,0 +1,366 @@
+"""Speculative decoding (--speculative ngram): proposals verified in one step, output exactly the target's, and only
+accepted tokens ever becoming cache."""
+import asyncio
+
+import pytest
+import torch
+
+from kvtier.config import Config, ConfigError
+from kvtier.engine.async_engine import AsyncEngine
+from kvtier.engine.engine import LLMEngine
+from kvtier.engine.sampler import probabilities
+from kvtier.engine.sampling_params import SamplingParams
+from kvtier.engine.verify import choose
+from kvtier.kv.keys import chain_keys
+from kvtier.spec.ngram import NgramIndex
+from kvtier.spec.speculator import MAX_PAUSE, Speculator
+
+BS = 16
+
+
+def test_ngram_proposes_what_followed_the_longest_earlier_match():
+    index = NgramIndex()
+    tokens = [1, 2, 3, 4, 5, 9, 9, 2, 3, 4, 6, 7, 8, 3, 4]
+    # "3 4" last occurred before the ending at 9..10 (followed by 6 7 8); "2 3 4" does not end the sequence
+    assert index.propose(tokens, 3) == [6, 7, 8]
+    tokens += [6, 7]
+    # the longest ending that occurred before: "3 4 6 7" at 8..12, followed by 8 3 4 6 7 (what was appended since)
+    assert index.propose(tokens, 8) == [8, 3, 4, 6, 7]
+    assert index.propose(tokens + [42], 4) == []          # nothing ends in 42 earlier
+
+
+def test_ngram_index_kept_up_to_date_equals_one_built_at_once():
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 6, (300,), generator=gen).tolist()
+    grown = NgramIndex()
+    for end in range(1, len(tokens) + 1, 7):
+        grown.propose(tokens[:end], 4)
+    fresh = NgramIndex()
+    assert fresh.propose(tokens, 5) == grown.propose(tokens, 5)
+    assert fresh.ends == grown.ends
+
+
+def test_speculator_turns_itself_down_when_nothing_is_accepted():
+    spec = Speculator("ngram", 4)
+    state = spec.new_state()
+    tokens = [1, 2, 3, 1, 2]
+    assert spec.propose(state, tokens, room=10) == [3, 1, 2]
+    spec.verified(state, 3, 0)
+    assert state.pause == 2 and state.k == 1
+    assert spec.propose(state, tokens, 10) == [] and spec.propose(state, tokens, 10) == []
+    assert spec.propose(state, tokens, 10) == [3]        # back, one token at a time
+    for _ in range(8):
+        spec.verified(state, 1, 0)
+    assert state.pause == MAX_PAUSE
+    assert all(spec.propose(state, tokens, 10) == [] for _ in range(MAX_PAUSE))
+    spec.verified(state, 1, 1)
+    assert state.k == 2 and state.misses == 0
+    spec.verified(state, 2, 2)
+    spec.verified(state, 3, 3)
+    assert state.k == 4
+    spec.verified(state, 4, 4)
+    assert state.k == 4                                  # never past --num-speculative-tokens
+    assert spec.propose(state, tokens, room=1) == [3]    # nor past what max_tokens leaves
+    assert spec.stats()["accepted_tokens"] == 10
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
+                                    SamplingParams(temperature=1.2, top_p=0.8)])
+def test_rejection_sampling_keeps_the_target_distribution(params):
+    """Each token chosen at a verified row follows the target's own distribution whatever the draft proposed: the
+    empirical frequencies of 40,000 seeded draws are within a few standard errors of p."""
+    logits = torch.tensor([2.0, 1.5, 0.3, -0.5, 1.0, 0.0, -2.0, 0.8])
+    p = probabilities(logits[None], [params])[0]
+    gen = torch.Generator().manual_seed(1234)
+    draws = 40_000
+    for proposed in (0, 3, 6):        # likely, unlikely, and (under top-k/top-p) impossible proposals
+        counts = torch.zeros_like(p)
+        for _ in range(draws):
+            counts[choose(logits, params, gen, proposed)] += 1
+        freq = counts / draws
+        stderr = (p * (1 - p) / draws).sqrt()
+        assert ((freq - p).abs() <= 5 * stderr + 1e-4).all(), (proposed, freq, p)
+
+
+def test_greedy_choice_takes_the_argmax():
+    logits = torch.tensor([0.1, 3.0, 2.9])
+    assert choose(logits, SamplingParams(temperature=0.0), None, 2) == 1
+    assert choose(logits, SamplingParams(temperature=0.0), None, 1) == 1
+
+
+def test_unknown_methods_are_refused():
+    with pytest.raises(ConfigError, match="draft-model"):
+        Config(speculative="draft")
+    with pytest.raises(ConfigError):
+        Config(speculative="ngram", num_speculative_tokens=0)
+
+
+# --- the engine, on a tiny random model --------------------------------------------------------------------------
+# A random model copies nothing from its context, so prompt lookup would rarely propose what it says. These tests
+# draft with an oracle instead: it proposes the output the model gives without speculation, with every MISTAKE-th
+# proposed token wrong, so verify steps accept runs of tokens and reject others.
+
+MISTAKE = 4
+
+
+def engine_for(model_dir, speculative, **kw):
+    settings = dict(model=model_dir, block_size=BS, kv_pool_tokens=64 * BS, max_batched_tokens=256, kv_host_gib=0,
+                    kv_disk=False, speculative=speculative)
+    return LLMEngine(Config(**{**settings, **kw}))
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    return engine_for(tiny_model_dir, None)
+
+
+@pytest.fixture(scope="module")
+def speculating(tiny_model_dir):
+    return engine_for(tiny_model_dir, "ngram")
+
+
+def prompt(i: int, length: int = 60) -> list[int]:
+    return [(11 * i + 7 * j) % 900 + 20 for j in range(length)]
+
+
+def run(engine, prompts, params, abort_after=None):
+    outs = {f"q{i}": {"tokens": [], "logprobs": []} for i in range(len(prompts))}
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"q{i}", ids, params)
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            o = outs[out.request_id]
+            o["tokens"] += out.new_token_ids
+            o["logprobs"] += out.logprobs or []
+            if out.finished:
+                o["reason"], o["cached"] = out.finish_reason, out.num_cached_tokens
+        steps += 1
+        if abort_after is not None and steps == abort_after:
+            engine.abort_request("q0")
+    return [outs[f"q{i}"] for i in range(len(prompts))]
+
+
+def oracle(monkeypatch, engine, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+    """Make the engine's speculator propose each prompt's known output, every MISTAKE-th token wrong."""
+    def propose(state, tokens, room):
+        for ids, out in zip(prompts, outputs):
+            if tokens[:len(ids)] == ids and tokens[len(ids):] == out[:len(tokens) - len(ids)]:
+                at = len(tokens) - len(ids)
+                draft = out[at:at + min(engine.speculator.max_tokens, room)]
+                return [t + 1 if (at + j) % MISTAKE == MISTAKE - 1 else t for j, t in enumerate(draft)]
+        return []
+    monkeypatch.setattr(engine.speculator, "propose", propose)
+
+
+def same_with_oracle(monkeypatch, plain, speculating, prompts, params, **kw) -> tuple[list[dict], list[dict]]:
+    """The runs without speculation and with the oracle drafting, which must have verified some tokens."""
+    off = run(plain, prompts, params)
+    oracle(monkeypatch, speculating, prompts, [o["tokens"] for o in off])
+    before = dict(speculating.speculator.stats())
+    on = run(speculating, prompts, params, **kw)
+    stats = speculating.speculator.stats()
+    accepted, proposed = (stats[k] - before[k] for k in ("accepted_tokens", "proposed_tokens"))
+    assert 0 < accepted < proposed, "verify steps both accepted and rejected tokens"
+    return off, on
+
+
+def test_greedy_output_is_the_same_with_and_without_speculation(monkeypatch, plain, speculating):
+    prompts = [prompt(i, 20 + 15 * i) for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+    off, on = same_with_oracle(monkeypatch, plain, speculating, prompts, params)
+    assert [o["tokens"] for o in on] == [o["tokens"] for o in off]
+    assert [o["reason"] for o in on] == ["length"] * 4
+    for a, b in zip(on, off):      # a logprob per token, as without speculation
+        assert [lp.token_id for lp in a["logprobs"]] == b["tokens"]
+        assert [lp.logprob for lp in a["logprobs"]] == pytest.approx([lp.logprob for lp in b["logprobs"]], abs=1e-3)
+
+
+def test_penalties_and_logit_bias_apply_at_every_verified_row(monkeypatch, plain, speculating):
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
+                            frequency_penalty=0.5, logit_bias={100: 3.0, 200: -5.0})
+    off, on = same_with_oracle(monkeypatch, plain, speculating, [prompt(2)], params)
+    assert on[0]["tokens"] == off[0]["tokens"]
+
+
+def test_sampled_requests_speculate_with_their_seeds(monkeypatch, plain, speculating):
+    params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    off = run(plain, [prompt(4)], params)
+    oracle(monkeypatch, speculating, [prompt(4)], [off[0]["tokens"]])
+    first, again = run(speculating, [prompt(4)], params), run(speculating, [prompt(4)], params)
+    assert first[0]["tokens"] == again[0]["tokens"] and len(first[0]["tokens"]) == 30
+
+
+def test_only_accepted_tokens_are_sealed(monkeypatch, plain, speculating):
+    """Every block the speculating engine seals holds the request's own final tokens: a rejected proposal's K/V is
+    never published, and the blocks reserved for it are given back."""
+    sealed, truncated = [], []
+    seal, truncate = speculating.pool.seal, speculating.kv.truncate
+    monkeypatch.setattr(speculating.pool, "seal", lambda block, key: (sealed.append(key), seal(block, key)))
+
+    def spy(state, end):
+        truncate(state, end)
+        truncated.append(len(state.block_table) == speculating.pool.blocks_for(end))
+    monkeypatch.setattr(speculating.kv, "truncate", spy)
+    ids = prompt(9, 70)
+    _, (out,) = same_with_oracle(monkeypatch, plain, speculating, [ids],
+                                 SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    tokens = ids + out["tokens"]
+    ns = speculating.pool.namespace
+    full = chain_keys(tokens[:(len(tokens) - 1) // BS * BS], BS, ns, None)    # the last token was never fed
+    assert set(sealed[:-1]) <= set(full) and len(sealed) - 1 == len(full)    # and the finished partial block
+    assert truncated and all(truncated)
+
+
+def test_cache_reuse_is_the_same_with_and_without_speculation(monkeypatch, plain, speculating):
+    """A three-turn conversation: the same outputs, and the same cached prompt tokens at each turn."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    history, prompts, outputs, turns = prompt(21, 50), [], [], []
+    for turn in range(3):
+        (out,) = run(plain, [history], params)
+        prompts.append(history)
+        outputs.append(out["tokens"])
+        turns.append((out["tokens"], out["cached"]))
+        history = history + out["tokens"] + prompt(30 + turn, 20)
+    oracle(monkeypatch, speculating, prompts, outputs)
+    spoken = [run(speculating, [ids], params)[0] for ids in prompts]
+    assert [(o["tokens"], o["cached"]) for o in spoken] == turns
+    assert all(cached > 0 for _, cached in turns[1:])
+
+
+def test_mixed_batches_and_preemption_keep_greedy_output(monkeypatch, tiny_model_dir, plain):
+    """Speculating and plain sequences share steps, in a pool small enough that some are preempted."""
+    small = engine_for(tiny_model_dir, "ngram", kv_pool_tokens=12 * BS)
+    prompts = [prompt(i, 48 + 10 * i) for i in range(5)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    off = run(plain, prompts, params)
+    oracle(monkeypatch, small, prompts[::2], [o["tokens"] for o in off[::2]])     # the others decode plainly
+    assert [o["tokens"] for o in run(small, prompts, params)] == [o["tokens"] for o in off]
+    assert small.speculator.stats()["accepted_tokens"] > 0
+    assert small.pool.num_free_blocks == small.pool.num_blocks
+
+
+def test_stop_strings_and_max_tokens_cut_a_verified_run(monkeypatch, plain, speculating, bundled_tokenizer):
+    ids = prompt(3)
+    (full,) = run(plain, [ids], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    oracle(monkeypatch, speculating, [ids], [full["tokens"]])
+    stop = bundled_tokenizer.decode(full["tokens"][20:22])
+    for params in (SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True),
+                   SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])):
+        (a,), (b,) = run(plain, [ids], params), run(speculating, [ids], params)
+        assert a["tokens"] == b["tokens"] and a["reason"] == b["reason"]
+    assert len(b["tokens"]) <= 22
+
+
+def test_a_grammar_constrained_request_speculates(monkeypatch, plain, speculating):
+    params = SamplingParams(max_tokens=30, temperature=0.0, grammar='start: ("ab" | "cd" | " ")+ "."')
+    off, on = same_with_oracle(monkeypatch, plain, speculating, [prompt(5)], params)
+    assert on[0]["tokens"] == off[0]["tokens"]
+
+
+def test_cancel_during_a_verify_step_frees_its_blocks(monkeypatch, plain, speculating):
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    free = speculating.pool.num_free_blocks
+    same_with_oracle(monkeypatch, plain, speculating, [prompt(7, 100)], params, abort_after=6)
+    assert speculating.pool.num_free_blocks == free
+    assert not speculating.scheduler.has_unfinished()
+
+
+def test_async_engine_streams_a_speculating_request(tiny_model_dir):
+    """Through the engine thread, warmed up as a server is, and cancelled while it speculates."""
+    eng = AsyncEngine(Config(model=tiny_model_dir, block_size=BS, kv_pool_tokens=64 * BS, kv_host_gib=0,
+                             kv_disk=False, speculative="ngram"))
+
+    async def main():
+        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        outs = [o async for o in eng.generate("a", prompt(8), params)]
+        assert sum(len(o.new_token_ids) for o in outs) == 30
+        gen = eng.generate("c", prompt(9), SamplingParams(max_tokens=500, ignore_eos=True))
+        await gen.__anext__()
+        await gen.aclose()
+        for _ in range(100):
+            if eng.stats()["num_running"] == 0:
+                break
+            await asyncio.sleep(0.02)
+    try:
+        asyncio.run(main())
+        stats = eng.stats()
+        assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+        assert "speculation" in stats
+    finally:
+        eng.shutdown()
+
+
+# --- the bundled model, through ggml's decode graphs --------------------------------------------------------------
+
+@pytest.mark.integration
+def test_the_bundled_model_accepts_every_proposal_of_its_own_greedy_output(monkeypatch):
+    """An oracle drafter that proposes the greedy continuation itself: every proposal is accepted, which holds only
+    if a verify step's rows score exactly as one-token decode steps do (ggml's graph, bitwise)."""
+    engine = LLMEngine(Config(kv_host_gib=0, kv_disk=False, speculative="ngram", num_speculative_tokens=5))
+    tok = engine.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that adds two "
+                                                                  "numbers, then explain it."}])
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    monkeypatch.setattr(engine.speculator, "propose", lambda state, tokens, room: [])
+    (plain,) = run(engine, [prompt], params)
+    future = plain["tokens"]
+    monkeypatch.setattr(engine.speculator, "propose",
+                        lambda state, tokens, room: future[len(tokens) - len(prompt):][:min(5, room)])
+    before = engine.speculator.stats()
+    (oracle,) = run(engine, [prompt], params)
+    stats = engine.speculator.stats()
+    assert oracle["tokens"] == future
+    proposed = stats["proposed_tokens"] - before["proposed_tokens"]
+    assert proposed >= 30 and stats["accepted_tokens"] - before["accepted_tokens"] == proposed
+    assert stats["verify_steps"] - before["verify_steps"] <= 48 // 5 + 1
+
+
+@pytest.mark.integration
+def test_the_bundled_model_copies_faster_with_the_same_output():
+    """An editing turn on the bundled model (quantized weights, ggml's graphs): the same greedy text, in fewer
+    steps."""
+    engines = [LLMEngine(Config(kv_host_gib=0, kv_disk=False, speculative=s)) for s in (None, "ngram")]
+    code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(12))
+    prompt = engines[0].tokenizer.apply_chat_template([{"role": "user", "content": "Repeat this code exactly:\n\n"
+                                                        + code}])
+    params = SamplingParams(max_tokens=80, temperature=0.0)
+    outs, steps = [], []
+    for engine in engines:
+        engine.add_request("edit", prompt, params)
+        tokens, n = [], 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.new_token_ids
+            n += 1
+        outs.append(tokens)
+        steps.append(n)
+    assert outs[0] == outs[1]
+    assert steps[1] < 0.7 * steps[0], steps
+
+
+@pytest.mark.integration
+def test_the_server_speculates_and_reports_it(tmp_path):
+    """`kvtier serve --speculative ngram` through the openai client: the same greedy answer as the engine gives
+    without speculation, its counters in /metrics, and the request's log line saying how many tokens were
+    accepted."""
+    import httpx
+    from openai import OpenAI
+
+    from conftest import kvtier_server, scrape
+    log = tmp_path / "server.log"
+    code = "\n".join(f"value_{i} = compute({i}, {i + 1})" for i in range(20))
+    messages = [{"role": "user", "content": f"Repeat these lines exactly:\n\n{code}"}]
+    with kvtier_server(["--speculative", "ngram", "--no-kv-disk", "--kv-host-gib", "0"], log) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0)
+        metrics = scrape(httpx.Client(base_url=url))
+    engine = LLMEngine(Config(kv_host_gib=0, kv_disk=False))
+    (plain,) = run(engine, [engine.tokenizer.apply_chat_template(messages)], SamplingParams(max_tokens=60,
+                                                                                          temperature=0.0))
+    assert answer.usage.completion_tokens == len(plain["tokens"])
+    assert answer.choices[0].message.content.strip() == engine.tokenizer.decode(plain["tokens"]).strip()
+    assert metrics['kvtier_spec_accepted_tokens_total{method="ngram"}'] > 0
+    assert metrics['kvtier_spec_mean_acceptance_length{method="ngram"}'] > 1
+    assert "proposed tokens accepted" in log.read_text()
