@@ -364,3 +364,24 @@ def test_the_server_speculates_and_reports_it(tmp_path):
     assert metrics['kvtier_spec_accepted_tokens_total{method="ngram"}'] > 0
     assert metrics['kvtier_spec_mean_acceptance_length{method="ngram"}'] > 1
     assert "proposed tokens accepted" in log.read_text()
+
+
+@pytest.mark.integration
+def test_a_verify_steps_rows_score_bitwise_as_decode_steps():
+    """ggml's graph of a verify step (9 rows after a 1000-token context, 2 threads) against the same rows decoded
+    one by one: identical logits and identical K/V written into the pool. (ggml's attention over several query rows
+    at once differed here from the 5th row on, for some tokens.)"""
+    engine = LLMEngine(Config(kv_host_gib=0, kv_disk=False, num_threads=2, kv_pool_tokens=4096))
+    steps, kv, bs = engine.runner.graphs, engine.pool.kv_cache, engine.pool.block_size
+    table, start, rows = list(range(engine.pool.blocks_for(1100))), 1000, 9
+
+    def run(ids: list[int], first: int, n: int) -> torch.Tensor:
+        end = first + n
+        return steps.run(ids[first - start:end - start], list(range(first, end)), list(range(first, end)),
+                         [table[:-(-end // bs)]], [end], [n]).clone()
+    for ids in ([100 + i for i in range(rows)], [100 + 37 * i for i in range(rows)], [5000] * rows):
+        verified = run(ids, start, rows)
+        written = kv[:, :, start:start + rows].clone()
+        decoded = torch.cat([run(ids, start + j, 1) for j in range(rows)])
+        assert torch.equal(verified, decoded)
+        assert torch.equal(written, kv[:, :, start:start + rows])

@@ -8,7 +8,8 @@ built once per shape (rows per sequence, context length rounded up to CONTEXT_ST
 step only writes its token ids, positions, K/V slots and attention mask into the graph's inputs.
 
 A sequence feeds one token, or a verify step's several (its last token and a draft): each row attends up to its
-own position, as if it decoded alone. Each sequence attends on its own. A context in consecutive pool slots (the pool grows a sequence into the blocks
+own position in an attention op of its own, exactly as it would decode alone (ggml's attention over several query
+rows, on several threads, sums in another order: greedy output would change with speculation). Each sequence attends on its own. A context in consecutive pool slots (the pool grows a sequence into the blocks
 after its own) is read where it lies; the others are gathered (ggml_get_rows). Padding positions are masked out,
 so what their slots hold is never used.
 """
@@ -136,7 +137,7 @@ class _Step:
     def __init__(self, steps: GgmlDecodeSteps, rows: tuple[int, ...], context: int, starts: tuple[int | None, ...]):
         cfg, self.steps = steps.config, steps
         batch = sum(rows)
-        size = cfg.num_layers * (64 + 8 * len(rows)) + 32     # ops per layer: ~40, and ~5 per sequence's attention
+        size = cfg.num_layers * (64 + 8 * batch) + 32     # ops per layer: ~40, and ~5 per row's attention
         ctx = self.ctx = ggml.Context(steps.weights.lib.threads, max_tensors=size, max_nodes=size)
         self.ids = torch.zeros(batch, dtype=torch.int32)
         self.positions = torch.zeros(batch, dtype=torch.int32)
@@ -212,9 +213,10 @@ class _Step:
                 source, offset, g = gathered, g * n, g + 1
             keys, values = (ctx.op("view_4d", t, d, n, kv_heads, 1, row * 4, d * 4, row * 4 * n, offset * row * 4)
                             for t in source)
-            query = ctx.op("view_4d", q, d, r, heads, 1, d * heads * 4, d * 4, d * heads * 4 * r, first * d * heads * 4)
-            mask = ctx.op("view_4d", self.inputs["mask"], n, r, 1, 1, n * 2, n * 2 * r, n * 2 * r, first * n * 2)
-            outs.append(ctx.op("flash_attn_ext", query, keys, values, mask, d ** -0.5, 0.0, 0.0))  # [d, heads, r, 1]
+            for i in range(first, first + r):     # a row at a time, as it decodes (see the module doc)
+                query = ctx.op("view_4d", q, d, 1, heads, 1, d * heads * 4, d * 4, d * heads * 4, i * d * heads * 4)
+                mask = ctx.op("view_4d", self.inputs["mask"], n, 1, 1, 1, n * 2, n * 2, n * 2, i * n * 2)
+                outs.append(ctx.op("flash_attn_ext", query, keys, values, mask, d ** -0.5, 0.0, 0.0))
             first += r
         while len(outs) > 1:     # side by side in pairs: each output copied log2(batch) times
             outs = [ctx.op("concat", a, b, 2) for a, b in zip(outs[::2], outs[1::2])] + outs[len(outs) // 2 * 2:]
