@@ -13,7 +13,7 @@ from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.verify import choose
 from kvtier.kv.keys import chain_keys
 from kvtier.spec.ngram import NgramIndex
-from kvtier.spec.speculator import MAX_PAUSE, Speculator
+from kvtier.spec.speculator import PROBE_EVERY, Speculator
 
 BS = 16
 
@@ -40,28 +40,35 @@ def test_ngram_index_kept_up_to_date_equals_one_built_at_once():
     assert fresh.ends == grown.ends
 
 
-def test_speculator_turns_itself_down_when_nothing_is_accepted():
+def test_speculator_proposes_what_pays_for_its_rows():
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]        # "1 2" occurred before: 3 4 5 6 7 8 9 1 2 follow
     spec = Speculator("ngram", 4)
+    spec.observe_step(decodes=1, drafted=0, seconds=0.010)
+    spec.observe_step(decodes=1, drafted=4, seconds=0.0104)      # a draft row costs 1% of a decode step
+    assert spec.row_cost == pytest.approx(0.01)
     state = spec.new_state()
-    tokens = [1, 2, 3, 1, 2]
-    assert spec.propose(state, tokens, room=10) == [3, 1, 2]
-    spec.verified(state, 3, 0)
-    assert state.pause == 2 and state.k == 1
-    assert spec.propose(state, tokens, 10) == [] and spec.propose(state, tokens, 10) == []
-    assert spec.propose(state, tokens, 10) == [3]        # back, one token at a time
-    for _ in range(8):
-        spec.verified(state, 1, 0)
-    assert state.pause == MAX_PAUSE
-    assert all(spec.propose(state, tokens, 10) == [] for _ in range(MAX_PAUSE))
-    spec.verified(state, 1, 1)
-    assert state.k == 2 and state.misses == 0
-    spec.verified(state, 2, 2)
-    spec.verified(state, 3, 3)
-    assert state.k == 4
-    spec.verified(state, 4, 4)
-    assert state.k == 4                                  # never past --num-speculative-tokens
-    assert spec.propose(state, tokens, room=1) == [3]    # nor past what max_tokens leaves
-    assert spec.stats()["accepted_tokens"] == 10
+    assert spec.propose(state, tokens, room=10) == [3, 4, 5, 6]    # cheap rows: the whole draft, up to k
+    assert spec.propose(state, tokens, room=2) == [3, 4]           # never past what max_tokens leaves
+    for _ in range(5):
+        spec.verified(state, 4, 4)
+    assert state.acceptance > 0.9
+    costly = Speculator("ngram", 4)
+    costly.observe_step(1, 0, 0.010)
+    costly.observe_step(1, 4, 0.038)          # a draft row costs 70% of a decode step: only a long run pays
+    state = costly.new_state()
+    assert costly.propose(state, tokens, room=10) == [3]        # α = 0.75 at first: one token pays, two do not
+    costly.verified(state, 1, 0)
+    assert costly.propose(state, tokens, room=10) == []                # turned down: it sits out
+    assert state.pause == PROBE_EVERY
+    assert all(costly.propose(state, tokens, 10) == [] for _ in range(PROBE_EVERY))
+    assert costly.propose(state, tokens, room=10) == [3]               # then probes with one token
+    costly.verified(state, 1, 0)
+    assert costly.propose(state, tokens, room=10) == [] and state.pause == PROBE_EVERY
+    for _ in range(3):
+        costly.verified(state, 4, 4)          # (as if) long runs accepted: longer proposals pay again
+    state.pause = 0
+    assert len(costly.propose(state, tokens, room=10)) > 1
+    assert costly.stats()["proposed_tokens"] == 2 + 12
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
@@ -143,7 +150,7 @@ def run(engine, prompts, params, abort_after=None):
 
 def oracle(monkeypatch, engine, prompts: list[list[int]], outputs: list[list[int]]) -> None:
     """Make the engine's speculator propose each prompt's known output, every MISTAKE-th token wrong."""
-    def propose(state, tokens, room):
+    def propose(state, tokens, room, batch=1):
         for ids, out in zip(prompts, outputs):
             if tokens[:len(ids)] == ids and tokens[len(ids):] == out[:len(tokens) - len(ids)]:
                 at = len(tokens) - len(ids)
@@ -302,11 +309,11 @@ def test_the_bundled_model_accepts_every_proposal_of_its_own_greedy_output(monke
     prompt = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that adds two "
                                                                   "numbers, then explain it."}])
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    monkeypatch.setattr(engine.speculator, "propose", lambda state, tokens, room: [])
+    monkeypatch.setattr(engine.speculator, "propose", lambda state, tokens, room, batch=1: [])
     (plain,) = run(engine, [prompt], params)
     future = plain["tokens"]
     monkeypatch.setattr(engine.speculator, "propose",
-                        lambda state, tokens, room: future[len(tokens) - len(prompt):][:min(5, room)])
+                        lambda state, tokens, room, batch=1: future[len(tokens) - len(prompt):][:min(5, room)])
     before = engine.speculator.stats()
     (oracle,) = run(engine, [prompt], params)
     stats = engine.speculator.stats()

@@ -221,6 +221,8 @@ class LLMEngine:
             self.kv.rates.observe_prefill(sum(batch.num_tokens), seconds)
         if batch:      # a verify step counts as the decode it is, at what it cost
             self.scheduler.pacer.observe(batch.num_decodes, prompt_tokens, seconds)
+        if self.speculator and batch and not prompt_tokens:       # what a draft row costs
+            self.speculator.observe_step(batch.num_decodes, batch.num_drafted, seconds)
         self.runner.restore_threads()
         outputs += [self._output(seq) for seq in self._ended]
         self._ended.clear()
@@ -251,11 +253,11 @@ class LLMEngine:
     def _propose(self) -> None:
         """The draft of each sequence whose next step feeds a generated token. A bounded sequence does not
         speculate (yet)."""
-        for seq in self.scheduler.running:
-            if seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens \
-                    and not seq.kv.residency:
-                room = seq.params.max_tokens - seq.num_output_tokens - 1
-                seq.draft = self.speculator.propose(seq.spec, seq.token_ids, room)
+        decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1
+                    and seq.num_computed_tokens >= seq.num_prompt_tokens and not seq.kv.residency]
+        for seq in decoding:
+            room = seq.params.max_tokens - seq.num_output_tokens - 1
+            seq.draft = self.speculator.propose(seq.spec, seq.token_ids, room, len(decoding))
 
     def _verify(self, seq: Sequence, n: int, logits: torch.Tensor) -> None:
         """A verify step computed the sequence's last token and n - 1 draft tokens after it (logits [n, vocab]):

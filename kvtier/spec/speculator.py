@@ -1,10 +1,18 @@
 """Which tokens each decoding sequence proposes for its next step, and how many: `--speculative ngram`.
 
-Each sequence proposes up to its own k tokens, which adapts to how many the target accepted: a full acceptance
-raises it by one (up to `--num-speculative-tokens`), a partial one sets it just past what was accepted. A step that
-accepts nothing sits the sequence out of speculation for a while, twice as long after each such step in a row (up
-to MAX_PAUSE steps), so a conversation whose continuation is nowhere in its context pays for few verify rows and
-decodes at its plain speed.
+A proposal pays off only if what it is expected to add beats what its rows cost, and both vary: a draft row costs
+nearly nothing where the products are memory-bound (a GPU, float weights) and most of a decode step where they
+are compute-bound (ggml's quantized kernels on a small CPU), or where attention over a long context dominates. So
+the speculator measures both:
+- the cost of a draft row, in decode steps' time per token: from the durations of steps that only decode and of
+  steps that also verify (neither carrying prompt tokens);
+- each sequence's acceptance rate α, the chance that a proposed token is accepted given the ones before it were:
+  accepted tokens over proposed positions tried (the accepted ones and the first rejected one), decayed so that it
+  follows the conversation.
+It then proposes the k (up to `--num-speculative-tokens`) that maximizes expected tokens per unit of time:
+(B + α + α² + ... + α^k) / (B + c·k) for B sequences decoding and a row cost c. Where no k pays, the sequence sits
+out PROBE_EVERY steps and then probes with one token, so that its α can recover: a conversation with nothing to copy
+pays for few verify rows and decodes at its plain speed.
 """
 from __future__ import annotations
 
@@ -12,19 +20,28 @@ from dataclasses import dataclass, field
 
 from kvtier.spec.ngram import NgramIndex
 
-MAX_PAUSE = 32      # decode steps a sequence sits out at most after proposals that were all rejected
+PROBE_EVERY = 16       # decode steps a sequence sits out when no proposal pays, before it probes with one token
+DECAY = 0.8            # weight of a sequence's past verify steps in its acceptance rate, per step
+PRIOR = (3.0, 4.0)     # a new sequence's (accepted, tried) before any verify step: α = 0.75
+SMOOTHING = 0.2        # weight of the newest step in the measured step times
+ROW_COST_PRIOR = 0.5   # a draft row's cost in decode tokens' time, until measured
 
 
 @dataclass
 class SpecState:
-    """One sequence's speculation: its proposer's index, its current k, and its counts."""
-    k: int
+    """One sequence's speculation: its proposer's index, its acceptance, and its counts."""
     index: NgramIndex = field(default_factory=NgramIndex)
-    pause: int = 0            # decode steps to sit out before proposing again
-    misses: int = 0           # verify steps in a row that accepted nothing
-    proposed: int = 0         # draft tokens proposed over the request
-    accepted: int = 0         # of those, accepted
+    accepted_weight: float = PRIOR[0]     # decayed accepted tokens
+    tried_weight: float = PRIOR[1]        # decayed proposed positions tried (accepted ones, then the rejected one)
+    pause: int = 0                        # decode steps to sit out before probing again
+    probe: bool = False                   # after the pause, propose one token whatever it is expected to pay
+    proposed: int = 0                     # draft tokens proposed over the request
+    accepted: int = 0                     # of those, accepted
     verify_steps: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_weight / self.tried_weight
 
 
 class Speculator:
@@ -33,17 +50,42 @@ class Speculator:
             raise ValueError(f"unknown speculative method {method!r}")
         self.method, self.max_tokens = method, max_tokens
         self.proposed = self.accepted = self.verify_steps = 0     # over every request, for /metrics
+        self.decode_seconds: float | None = None     # a step that only decodes, per decoding sequence
+        self.row_seconds: float | None = None        # what a draft row adds to a step
 
     def new_state(self) -> SpecState:
-        return SpecState(k=self.max_tokens)
+        return SpecState()
 
-    def propose(self, state: SpecState, tokens: list[int], room: int) -> list[int]:
-        """The draft for a sequence's next step: at most `room` tokens (what its max_tokens leaves after the token
-        the step samples anyway)."""
+    @property
+    def row_cost(self) -> float:
+        """A draft row's cost in units of one sequence's share of a decode-only step."""
+        if self.decode_seconds is None or self.row_seconds is None:
+            return ROW_COST_PRIOR
+        return self.row_seconds / self.decode_seconds
+
+    def propose(self, state: SpecState, tokens: list[int], room: int, batch: int = 1) -> list[int]:
+        """The draft for a sequence's next step, decoding beside batch - 1 others: at most `room` tokens (what its
+        max_tokens leaves after the token the step samples anyway)."""
+        if room <= 0:
+            return []
         if state.pause:
             state.pause -= 1
             return []
-        return state.index.propose(tokens, min(state.k, room)) if room > 0 else []
+        draft = state.index.propose(tokens, min(self.max_tokens, room))
+        k = self._best_length(state.acceptance, len(draft), batch)
+        if draft and not k:
+            k, state.probe = int(state.probe), not state.probe
+            state.pause = 0 if k else PROBE_EVERY
+        return draft[:k]
+
+    def _best_length(self, alpha: float, most: int, batch: int) -> int:
+        best, best_rate, expected = 0, 1.0, 0.0
+        for k in range(1, most + 1):
+            expected += alpha ** k
+            rate = (batch + expected) / (batch + self.row_cost * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
     def verified(self, state: SpecState, proposed: int, accepted: int) -> None:
         """A verify step accepted `accepted` of the `proposed` tokens."""
@@ -51,13 +93,22 @@ class Speculator:
                                                               state.verify_steps + 1)
         self.proposed, self.accepted, self.verify_steps = (self.proposed + proposed, self.accepted + accepted,
                                                            self.verify_steps + 1)
-        if accepted == proposed:
-            state.k, state.misses = min(self.max_tokens, state.k + 1), 0
-        elif accepted:
-            state.k, state.misses = accepted + 1, 0
-        else:
-            state.k, state.misses = 1, state.misses + 1
-            state.pause = min(MAX_PAUSE, 2 ** state.misses)
+        state.accepted_weight = DECAY * state.accepted_weight + accepted
+        state.tried_weight = DECAY * state.tried_weight + accepted + (accepted < proposed)
+
+    def observe_step(self, decodes: int, drafted: int, seconds: float) -> None:
+        """A step that carried `decodes` decoding sequences, `drafted` draft tokens among them, and no prompt
+        tokens."""
+        if not decodes or seconds <= 0:
+            return
+        if not drafted:
+            per_sequence = seconds / decodes
+            self.decode_seconds = per_sequence if self.decode_seconds is None else \
+                (1 - SMOOTHING) * self.decode_seconds + SMOOTHING * per_sequence
+        elif self.decode_seconds is not None:
+            per_row = max(0.0, seconds - decodes * self.decode_seconds) / drafted
+            self.row_seconds = per_row if self.row_seconds is None else \
+                (1 - SMOOTHING) * self.row_seconds + SMOOTHING * per_row
 
     def stats(self) -> dict:
         return {"method": self.method, "proposed_tokens": self.proposed, "accepted_tokens": self.accepted,
