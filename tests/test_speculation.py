@@ -44,8 +44,9 @@ def test_speculator_proposes_what_pays_for_its_rows():
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]        # "1 2" occurred before: 3 4 5 6 7 8 9 1 2 follow
     spec = Speculator("ngram", 4)
     spec.observe_step(decodes=1, drafted=0, seconds=0.010)
-    spec.observe_step(decodes=1, drafted=4, seconds=0.0104)      # a draft row costs 1% of a decode step
-    assert spec.row_cost == pytest.approx(0.01)
+    for k in (2, 3, 4):
+        spec.observe_step(decodes=1, drafted=k, seconds=0.010 + 0.0001 * k)    # a draft row costs 1% of a decode
+    assert spec.draft_cost(4) == pytest.approx(0.04)
     state = spec.new_state()
     assert spec.propose(state, tokens, room=10) == [3, 4, 5, 6]    # cheap rows: the whole draft, up to k
     assert spec.propose(state, tokens, room=2) == [3, 4]           # never past what max_tokens leaves
@@ -54,7 +55,8 @@ def test_speculator_proposes_what_pays_for_its_rows():
     assert state.acceptance > 0.9
     costly = Speculator("ngram", 4)
     costly.observe_step(1, 0, 0.010)
-    costly.observe_step(1, 4, 0.038)          # a draft row costs 70% of a decode step: only a long run pays
+    for k in (1, 2):
+        costly.observe_step(1, k, 0.010 + 0.007 * k)     # a draft row costs 70% of a decode step
     state = costly.new_state()
     assert costly.propose(state, tokens, room=10) == [3]        # α = 0.75 at first: one token pays, two do not
     costly.verified(state, 1, 0)
@@ -271,6 +273,33 @@ def test_cancel_during_a_verify_step_frees_its_blocks(monkeypatch, plain, specul
     same_with_oracle(monkeypatch, plain, speculating, [prompt(7, 100)], params, abort_after=6)
     assert speculating.pool.num_free_blocks == free
     assert not speculating.scheduler.has_unfinished()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_restored_conversation_speculates_from_its_first_step(monkeypatch, tmp_path, tiny_model_dir, plain, tier):
+    """A prefix restored from the host tier (device cache off) or from disk after a restart: its first decode step
+    is already a verify step (prompt lookup needs only the tokens), with the same output and cached tokens."""
+    ids = prompt(40, 150)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    (expected,) = run(plain, [ids], params)
+    settings = dict(kv_disk_dir=str(tmp_path), prefix_cache=tier == "disk", kv_host_gib=0.05 if tier == "host" else 0,
+                    kv_disk=tier == "disk")
+    first = engine_for(tiny_model_dir, "ngram", **settings)
+    run(first, [ids], params)        # stepping until nothing is unfinished waits for its saves too
+    if tier == "disk":
+        first.shutdown()
+    engine = first if tier == "host" else engine_for(tiny_model_dir, "ngram", **settings)
+    oracle(monkeypatch, engine, [ids], [expected["tokens"]])
+    starts = []
+    verify = engine._verify
+    monkeypatch.setattr(engine, "_verify", lambda seq, n, logits: (starts.append(seq.num_computed_tokens),
+                                                                   verify(seq, n, logits)))
+    (restored,) = run(engine, [ids], params)
+    assert restored["tokens"] == expected["tokens"]
+    assert restored["cached"] >= len(ids) // BS * BS - BS
+    assert engine.stats()["tiers"][tier]["hit_blocks"] > 0
+    assert starts and starts[0] == len(ids)       # the step after the prompt's first token
+    engine.shutdown()
 
 
 def test_async_engine_streams_a_speculating_request(tiny_model_dir):

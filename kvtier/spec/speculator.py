@@ -4,13 +4,14 @@ A proposal pays off only if what it is expected to add beats what its rows cost,
 nearly nothing where the products are memory-bound (a GPU, float weights) and most of a decode step where they
 are compute-bound (ggml's quantized kernels on a small CPU), or where attention over a long context dominates. So
 the speculator measures both:
-- the cost of a draft row, in decode steps' time per token: from the durations of steps that only decode and of
-  steps that also verify (neither carrying prompt tokens);
+- what k draft rows add to a step, in decode steps' time per token, for each k: from the durations of steps that
+  only decode and of steps that also verify (neither carrying prompt tokens). It is not linear in k: on a small CPU
+  ggml's products of two rows take about twice one row's, while each further row adds about half of it;
 - each sequence's acceptance rate α, the chance that a proposed token is accepted given the ones before it were:
   accepted tokens over proposed positions tried (the accepted ones and the first rejected one), decayed so that it
   follows the conversation.
 It then proposes the k (up to `--num-speculative-tokens`) that maximizes expected tokens per unit of time:
-(B + α + α² + ... + α^k) / (B + c·k) for B sequences decoding and a row cost c. Where no k pays, the sequence sits
+(B + α + α² + ... + α^k) / (B + c(k)) for B sequences decoding and k rows costing c(k). Where no k pays, the sequence sits
 out PROBE_EVERY steps and then probes with one token, so that its α can recover: a conversation with nothing to copy
 pays for few verify rows and decodes at its plain speed.
 """
@@ -24,7 +25,7 @@ PROBE_EVERY = 16       # decode steps a sequence sits out when no proposal pays,
 DECAY = 0.8            # weight of a sequence's past verify steps in its acceptance rate, per step
 PRIOR = (3.0, 4.0)     # a new sequence's (accepted, tried) before any verify step: α = 0.75
 SMOOTHING = 0.2        # weight of the newest step in the measured step times
-ROW_COST_PRIOR = 0.5   # a draft row's cost in decode tokens' time, until measured
+ROW_COST_PRIOR = 0.3   # a draft row's cost in decode tokens' time, until k rows' is measured: low, so k gets tried
 
 
 @dataclass
@@ -51,17 +52,18 @@ class Speculator:
         self.method, self.max_tokens = method, max_tokens
         self.proposed = self.accepted = self.verify_steps = 0     # over every request, for /metrics
         self.decode_seconds: float | None = None     # a step that only decodes, per decoding sequence
-        self.row_seconds: float | None = None        # what a draft row adds to a step
+        self.draft_seconds: dict[int, float] = {}    # k → what k draft rows add to a step
 
     def new_state(self) -> SpecState:
         return SpecState()
 
-    @property
-    def row_cost(self) -> float:
-        """A draft row's cost in units of one sequence's share of a decode-only step."""
-        if self.decode_seconds is None or self.row_seconds is None:
-            return ROW_COST_PRIOR
-        return self.row_seconds / self.decode_seconds
+    def draft_cost(self, k: int) -> float:
+        """What k draft rows add to a step, in units of one sequence's share of a decode-only step: measured, or
+        scaled from the nearest k measured."""
+        if self.decode_seconds is None or not self.draft_seconds:
+            return ROW_COST_PRIOR * k
+        nearest = min(self.draft_seconds, key=lambda m: (abs(m - k), m))
+        return self.draft_seconds[nearest] * k / nearest / self.decode_seconds
 
     def propose(self, state: SpecState, tokens: list[int], room: int, batch: int = 1) -> list[int]:
         """The draft for a sequence's next step, decoding beside batch - 1 others: at most `room` tokens (what its
@@ -82,7 +84,7 @@ class Speculator:
         best, best_rate, expected = 0, 1.0, 0.0
         for k in range(1, most + 1):
             expected += alpha ** k
-            rate = (batch + expected) / (batch + self.row_cost * k)
+            rate = (batch + expected) / (batch + self.draft_cost(k))
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -105,10 +107,9 @@ class Speculator:
             per_sequence = seconds / decodes
             self.decode_seconds = per_sequence if self.decode_seconds is None else \
                 (1 - SMOOTHING) * self.decode_seconds + SMOOTHING * per_sequence
-        elif self.decode_seconds is not None:
-            per_row = max(0.0, seconds - decodes * self.decode_seconds) / drafted
-            self.row_seconds = per_row if self.row_seconds is None else \
-                (1 - SMOOTHING) * self.row_seconds + SMOOTHING * per_row
+        elif self.decode_seconds is not None and drafted <= self.max_tokens:
+            extra, old = max(0.0, seconds - decodes * self.decode_seconds), self.draft_seconds.get(drafted)
+            self.draft_seconds[drafted] = extra if old is None else (1 - SMOOTHING) * old + SMOOTHING * extra
 
     def stats(self) -> dict:
         return {"method": self.method, "proposed_tokens": self.proposed, "accepted_tokens": self.accepted,
