@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
              "both turns. The draft-model and DFlash proposers are not built yet: no column. "
              "What k draft rows added to a step, in decode steps' time per token, as the speculator measured it "
              "while serving: " + ", ".join(f"k={k} {engines['ngram'].speculator.draft_cost(k):.2f}"
-                                             for k in sorted(engines["ngram"].speculator.draft_seconds)) + ".", "",
+                                             for k in sorted(engines["ngram"].speculator.draft_costs)) + ".", "",
              *table(results, names), ""]
     if "editing" in rate:
         ratio = rate["editing"]["ngram"] / rate["editing"]["off"]

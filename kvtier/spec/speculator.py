@@ -52,7 +52,7 @@ class Speculator:
         self.method, self.max_tokens = method, max_tokens
         self.proposed = self.accepted = self.verify_steps = 0     # over every request, for /metrics
         self.decode_seconds: float | None = None     # a step that only decodes, per decoding sequence
-        self.draft_seconds: dict[int, float] = {}    # k → what k draft rows add to a step
+        self.draft_costs: dict[int, float] = {}      # k → what k draft rows add to a step, in decode_seconds
 
     def new_state(self) -> SpecState:
         return SpecState()
@@ -60,10 +60,10 @@ class Speculator:
     def draft_cost(self, k: int) -> float:
         """What k draft rows add to a step, in units of one sequence's share of a decode-only step: measured, or
         scaled from the nearest k measured."""
-        if self.decode_seconds is None or not self.draft_seconds:
+        if not self.draft_costs:
             return ROW_COST_PRIOR * k
-        nearest = min(self.draft_seconds, key=lambda m: (abs(m - k), m))
-        return self.draft_seconds[nearest] * k / nearest / self.decode_seconds
+        nearest = min(self.draft_costs, key=lambda m: (abs(m - k), m))
+        return self.draft_costs[nearest] * k / nearest
 
     def propose(self, state: SpecState, tokens: list[int], room: int, batch: int = 1) -> list[int]:
         """The draft for a sequence's next step, decoding beside batch - 1 others: at most `room` tokens (what its
@@ -108,8 +108,10 @@ class Speculator:
             self.decode_seconds = per_sequence if self.decode_seconds is None else \
                 (1 - SMOOTHING) * self.decode_seconds + SMOOTHING * per_sequence
         elif self.decode_seconds is not None and drafted <= self.max_tokens:
-            extra, old = max(0.0, seconds - decodes * self.decode_seconds), self.draft_seconds.get(drafted)
-            self.draft_seconds[drafted] = extra if old is None else (1 - SMOOTHING) * old + SMOOTHING * extra
+            # against the latest decode-only steps: both grow with the context
+            cost = max(0.0, seconds - decodes * self.decode_seconds) / self.decode_seconds
+            old = self.draft_costs.get(drafted)
+            self.draft_costs[drafted] = cost if old is None else (1 - SMOOTHING) * old + SMOOTHING * cost
 
     def stats(self) -> dict:
         return {"method": self.method, "proposed_tokens": self.proposed, "accepted_tokens": self.accepted,
