@@ -275,6 +275,32 @@ def test_cancel_during_a_verify_step_frees_its_blocks(monkeypatch, plain, specul
     assert not speculating.scheduler.has_unfinished()
 
 
+@pytest.mark.parametrize("policy", ["lru", "meankey"])
+def test_bounded_sequences_speculate_with_the_resident_sets_of_their_decode_steps(monkeypatch, tiny_model_dir,
+                                                                                  policy):
+    """Under bounded residency (8 blocks of 16 for a 600-token prompt, reselecting every 4 tokens), a verify step's
+    rows attend to the blocks the decode steps would, the pager commits them row by row, and the greedy output is
+    the one decoding without speculation, while blocks are paged out and in along the way."""
+    settings = dict(kv_resident_tokens=8 * BS, kv_policy=policy, kv_reselect_every=4, kv_pool_tokens=120 * BS,
+                    max_batched_tokens=64, kv_host_gib=1)
+    plain_bounded = engine_for(tiny_model_dir, None, **settings)
+    bounded = engine_for(tiny_model_dir, "ngram", **settings)
+    ids = [(13 * i + 5) % 900 + 20 for i in range(600)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    (off,) = run(plain_bounded, [ids], params)
+    oracle(monkeypatch, bounded, [ids], [off["tokens"]])
+    drafts = []
+    verify = bounded._verify
+    monkeypatch.setattr(bounded, "_verify", lambda seq, n, logits, queries: (drafts.append(n - 1),
+                                                                             verify(seq, n, logits, queries)))
+    (on,) = run(bounded, [ids], params)
+    assert on["tokens"] == off["tokens"]
+    stats = bounded.stats()["residency"]
+    assert stats["page_outs"] > 0 and stats["reselects"] > 0
+    assert drafts and max(drafts) < BS and bounded.speculator.stats()["accepted_tokens"] > 0
+    assert bounded.pool.num_free_blocks == bounded.pool.num_blocks
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_a_restored_conversation_speculates_from_its_first_step(monkeypatch, tmp_path, tiny_model_dir, plain, tier):
     """A prefix restored from the host tier (device cache off) or from disk after a restart: its first decode step
@@ -292,8 +318,8 @@ def test_a_restored_conversation_speculates_from_its_first_step(monkeypatch, tmp
     oracle(monkeypatch, engine, [ids], [expected["tokens"]])
     starts = []
     verify = engine._verify
-    monkeypatch.setattr(engine, "_verify", lambda seq, n, logits: (starts.append(seq.num_computed_tokens),
-                                                                   verify(seq, n, logits)))
+    monkeypatch.setattr(engine, "_verify", lambda seq, n, logits, queries: (starts.append(seq.num_computed_tokens),
+                                                                            verify(seq, n, logits, queries)))
     (restored,) = run(engine, [ids], params)
     assert restored["tokens"] == expected["tokens"]
     assert restored["cached"] >= len(ids) // BS * BS - BS

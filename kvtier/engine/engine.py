@@ -208,7 +208,7 @@ class LLMEngine:
                     raise RuntimeError("the model forward failed for this request")
                 logits, queries = result
                 if seq.num_drafted(n):
-                    self._verify(seq, n, logits)
+                    self._verify(seq, n, logits, queries)
                     verified.append(seq)
                 elif self._advance(seq, n, queries):
                     due.append((seq, self._processed(seq, logits[-1]), logits[-1]))
@@ -251,32 +251,40 @@ class LLMEngine:
         return results
 
     def _propose(self) -> None:
-        """The draft of each sequence whose next step feeds a generated token. A bounded sequence does not
-        speculate (yet)."""
+        """The draft of each sequence whose next step feeds a generated token. A bounded sequence's draft stays
+        in its last block: a new block would page a victim out before a decode step would."""
         decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1
-                    and seq.num_computed_tokens >= seq.num_prompt_tokens and not seq.kv.residency]
+                    and seq.num_computed_tokens >= seq.num_prompt_tokens]
+        bs = self.pool.block_size
         for seq in decoding:
             room = seq.params.max_tokens - seq.num_output_tokens - 1
+            if seq.kv.residency:      # and its rows' queries are all handed back for the pager
+                room = min(room, bs - 1 - seq.num_computed_tokens % bs, CAPTURE_ROWS - 1)
             seq.draft = self.speculator.propose(seq.spec, seq.token_ids, room, len(decoding))
 
-    def _verify(self, seq: Sequence, n: int, logits: torch.Tensor) -> None:
+    def _verify(self, seq: Sequence, n: int, logits: torch.Tensor, queries: torch.Tensor | None) -> None:
         """A verify step computed the sequence's last token and n - 1 draft tokens after it (logits [n, vocab]):
         the target's token at each row is taken while it is the draft's, then one more of its own. Only the
         accepted tokens' K/V count as computed: they alone are sealed and saved, and the blocks reserved for the
-        rest are given back."""
+        rest are given back. A bounded sequence commits row by row, as its decode steps would, with each row's
+        queries: once the pager moves blocks, the rows after it attended to a resident set the decode steps would
+        not have, and end the step as a rejection would."""
         draft, start, reason, accepted = seq.draft[:n - 1], seq.num_computed_tokens, None, 0
         seq.draft = []
+        bounded = seq.kv.residency is not None
         for j, row in enumerate(logits):
+            moved = bounded and self.kv.commit(seq.kv, start + j + 1, queries[j:j + 1], False, True)
             proposed = draft[j] if j < len(draft) else None
             token = choose(self._processed(seq, row), seq.params, seq.generator, proposed)
             if seq.params.logprobs is not None:
                 seq.pending_logprobs += token_logprobs(row[None], [token], [seq.params.logprobs])
             reason = self._take_token(seq, token)
             accepted += token == proposed
-            if token != proposed or reason:
+            if token != proposed or reason or moved:
                 break
-        seq.num_computed_tokens = start + 1 + accepted
-        self.kv.commit(seq.kv, seq.num_computed_tokens, None, False, True)
+        seq.num_computed_tokens = len(seq.token_ids) - 1     # all but the last token taken, as after a decode
+        if not bounded:
+            self.kv.commit(seq.kv, seq.num_computed_tokens, None, False, True)
         self.kv.truncate(seq.kv, len(seq.token_ids))
         self.speculator.verified(seq.spec, len(draft), accepted)
         if reason:

@@ -223,14 +223,15 @@ class KVManager:
     # --- after a step ----------------------------------------------------------------------------
 
     def commit(self, state: KVState, num_computed: int, queries: torch.Tensor | None, prompt_done: bool,
-               decoded: bool) -> None:
+               decoded: bool) -> bool:
         """The step computed the sequence's K/V up to num_computed: move blocks as the pager says, then seal
-        and save every block it filled."""
+        and save every block it filled. Returns whether blocks moved (a page-out, or a page-in started)."""
         state.num_computed = num_computed
+        moved = False
         if state.residency:
             out, wanted = self.pager.after_step(state, queries, num_computed, prompt_done, decoded)
             self._page_out(state, out)
-            self._page_in(state, wanted)
+            moved = self._page_in(state, wanted) or bool(out)
         first = len(state.block_keys)
         for i in range(first, num_computed // self.block_size):
             ns = self.pager.namespace_for(state, i) if state.residency else self.pool.namespace
@@ -242,6 +243,7 @@ class KVManager:
             self.pager.sealed(state)
         if len(state.block_keys) > first:
             self._save(state.block_keys[first:], state.block_table[first:len(state.block_keys)])
+        return moved
 
     def _save(self, keys: list[bytes], blocks: list[int]) -> None:
         if self.mover:
@@ -271,17 +273,19 @@ class KVManager:
             state.block_table[i] = NOT_RESIDENT
         self.pager.stats["page_outs"] += len(resident)
 
-    def _page_in(self, state: KVState, blocks: list[int]) -> None:
+    def _page_in(self, state: KVState, blocks: list[int]) -> bool:
         """Bring these paged-out blocks back, as many as the pool has room for, in one copy by the mover's pager,
-        which runs beside the rest of this step. They join the table at the next step (`poll`)."""
+        which runs beside the rest of this step. They join the table at the next step (`poll`). Returns whether a
+        copy started."""
         res = state.residency
         wanted = [i for i in blocks if i not in res.paging_in][:self.pool.num_free_blocks]
         if not wanted:
-            return
+            return False
         job = PageIn((state, res, wanted), [state.block_keys[i] for i in wanted], self.pool.allocate(len(wanted)))
         res.paging_in.update(zip(wanted, job.blocks))
         self.num_paging += 1
         self.mover.page_in(job)
+        return True
 
     def step_table(self, state: KVState) -> list[int]:
         """The block table a prompt chunk reads this step: a block whose page-out is still in flight is read where
