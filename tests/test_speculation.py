@@ -51,7 +51,7 @@ def test_speculator_proposes_what_pays_for_its_rows():
     assert spec.propose(state, tokens, room=10) == [3, 4, 5, 6]    # cheap rows: the whole draft, up to k
     assert spec.propose(state, tokens, room=2) == [3, 4]           # never past what max_tokens leaves
     for _ in range(5):
-        spec.verified(state, 4, 4)
+        spec.verified(state, 4, 4, rejected=False)
     assert state.acceptance > 0.9
     costly = Speculator("ngram", 4)
     costly.observe_step(1, 0, 0.010)
@@ -59,15 +59,15 @@ def test_speculator_proposes_what_pays_for_its_rows():
         costly.observe_step(1, k, 0.010 + 0.007 * k)     # a draft row costs 70% of a decode step
     state = costly.new_state()
     assert costly.propose(state, tokens, room=10) == [3]        # α = 0.75 at first: one token pays, two do not
-    costly.verified(state, 1, 0)
+    costly.verified(state, 1, 0, rejected=True)
     assert costly.propose(state, tokens, room=10) == []                # turned down: it sits out
     assert state.pause == PROBE_EVERY
     assert all(costly.propose(state, tokens, 10) == [] for _ in range(PROBE_EVERY))
     assert costly.propose(state, tokens, room=10) == [3]               # then probes with one token
-    costly.verified(state, 1, 0)
+    costly.verified(state, 1, 0, rejected=True)
     assert costly.propose(state, tokens, room=10) == [] and state.pause == PROBE_EVERY
     for _ in range(3):
-        costly.verified(state, 4, 4)          # (as if) long runs accepted: longer proposals pay again
+        costly.verified(state, 4, 4, rejected=False)          # (as if) long runs accepted: longer proposals pay again
     state.pause = 0
     assert len(costly.propose(state, tokens, room=10)) > 1
     assert costly.stats()["proposed_tokens"] == 2 + 12
@@ -75,26 +75,23 @@ def test_speculator_proposes_what_pays_for_its_rows():
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
                                     SamplingParams(temperature=1.2, top_p=0.8)])
-def test_rejection_sampling_keeps_the_target_distribution(params):
-    """Each token chosen at a verified row follows the target's own distribution whatever the draft proposed: the
-    empirical frequencies of 40,000 seeded draws are within a few standard errors of p."""
+def test_a_verified_rows_token_follows_the_target_distribution(params):
+    """The token taken at a sampled row (the draft's if it is the one drawn, else the one drawn: rejection
+    sampling against a point-mass draft) follows the target's distribution: the frequencies of 40,000 seeded draws
+    are within a few standard errors of p."""
     logits = torch.tensor([2.0, 1.5, 0.3, -0.5, 1.0, 0.0, -2.0, 0.8])
     p = probabilities(logits[None], [params])[0]
     gen = torch.Generator().manual_seed(1234)
     draws = 40_000
-    for proposed in (0, 3, 6):        # likely, unlikely, and (under top-k/top-p) impossible proposals
-        counts = torch.zeros_like(p)
-        for _ in range(draws):
-            counts[choose(logits, params, gen, proposed)] += 1
-        freq = counts / draws
-        stderr = (p * (1 - p) / draws).sqrt()
-        assert ((freq - p).abs() <= 5 * stderr + 1e-4).all(), (proposed, freq, p)
+    counts = torch.zeros_like(p)
+    for _ in range(draws):
+        counts[choose(logits, params, gen)] += 1
+    stderr = (p * (1 - p) / draws).sqrt()
+    assert ((counts / draws - p).abs() <= 5 * stderr + 1e-4).all(), (counts / draws, p)
 
 
 def test_greedy_choice_takes_the_argmax():
-    logits = torch.tensor([0.1, 3.0, 2.9])
-    assert choose(logits, SamplingParams(temperature=0.0), None, 2) == 1
-    assert choose(logits, SamplingParams(temperature=0.0), None, 1) == 1
+    assert choose(torch.tensor([0.1, 3.0, 2.9]), SamplingParams(temperature=0.0), None) == 1
 
 
 def test_unknown_methods_are_refused():
@@ -192,12 +189,11 @@ def test_penalties_and_logit_bias_apply_at_every_verified_row(monkeypatch, plain
     assert on[0]["tokens"] == off[0]["tokens"]
 
 
-def test_sampled_requests_speculate_with_their_seeds(monkeypatch, plain, speculating):
+def test_a_seed_gives_the_same_text_with_and_without_speculation(monkeypatch, plain, speculating):
+    """Each verified row draws its token as a decode step would, from the request's own generator."""
     params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
-    off = run(plain, [prompt(4)], params)
-    oracle(monkeypatch, speculating, [prompt(4)], [off[0]["tokens"]])
-    first, again = run(speculating, [prompt(4)], params), run(speculating, [prompt(4)], params)
-    assert first[0]["tokens"] == again[0]["tokens"] and len(first[0]["tokens"]) == 30
+    off, on = same_with_oracle(monkeypatch, plain, speculating, [prompt(4)], params)
+    assert on[0]["tokens"] == off[0]["tokens"] and len(on[0]["tokens"]) == 30
 
 
 def test_only_accepted_tokens_are_sealed(monkeypatch, plain, speculating):
@@ -247,6 +243,73 @@ def test_mixed_batches_and_preemption_keep_greedy_output(monkeypatch, tiny_model
     assert [o["tokens"] for o in run(small, prompts, params)] == [o["tokens"] for o in off]
     assert small.speculator.stats()["accepted_tokens"] > 0
     assert small.pool.num_free_blocks == small.pool.num_blocks
+
+
+def wrong_drafts(monkeypatch, engine) -> None:
+    """Every sequence proposes 7 tokens, all wrong (the tiny vocabulary's last ids, which it never says)."""
+    monkeypatch.setattr(engine.speculator, "propose", lambda state, tokens, room, batch=1: [49_000] * min(7, room))
+
+
+def test_a_draft_preempts_no_one_and_evicts_no_cached_block(monkeypatch, tiny_model_dir, plain):
+    """In a 6-block pool where two requests just fit, drafts that need new blocks take only empty ones: no
+    preemption, no cached block evicted, the same output."""
+    small = engine_for(tiny_model_dir, "ngram", kv_pool_tokens=6 * BS)
+    prompts = [prompt(50, 40), prompt(51, 40)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)]
+    wrong_drafts(monkeypatch, small)
+    preempted, evicted = [], []
+    preempt, allocate = small.scheduler._preempt, small.pool.allocate
+    monkeypatch.setattr(small.scheduler, "_preempt", lambda seq, batch: (preempted.append(seq), preempt(seq, batch)))
+
+    drafting = []
+    reserve_draft = small.kv.reserve_draft
+
+    def spy_draft(state, end, k):
+        drafting.append(True)
+        try:
+            return reserve_draft(state, end, k)
+        finally:
+            drafting.pop()
+
+    def spy(num_blocks, after=None):      # a block for a draft comes from the empty ones
+        evicted.append(bool(drafting) and num_blocks > small.pool.num_empty_blocks)
+        return allocate(num_blocks, after)
+    monkeypatch.setattr(small.kv, "reserve_draft", spy_draft)
+    monkeypatch.setattr(small.pool, "allocate", spy)
+    for ids, p in zip(prompts, params):
+        small.add_request(f"r{len(preempted)}{ids[0]}", ids, p)
+    outs = {}
+    while small.has_unfinished():
+        for out in small.step():
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    expected = [run(plain, [ids], p)[0]["tokens"] for ids, p in zip(prompts, params)]
+    assert sorted(outs.values()) == sorted(expected)
+    assert not preempted and not any(evicted)
+    assert small.speculator.stats()["proposed_tokens"] > 0
+
+
+def test_drafts_leave_a_small_budget_to_waiting_prompts(monkeypatch, tiny_model_dir):
+    """With 8 tokens a step, a sequence proposing 7 still lets a prompt that arrives prefill beside it."""
+    engine = engine_for(tiny_model_dir, "ngram", max_batched_tokens=8)
+    wrong_drafts(monkeypatch, engine)
+    batches = []
+    run_batch = engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda batch, capture=None: (
+        batches.append([(seq.request_id, n, seq.num_drafted(n)) for seq, n in zip(batch.seqs, batch.num_tokens)]),
+        run_batch(batch, capture))[1])
+    engine.add_request("decoding", prompt(60, 8), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.add_request("prompt", prompt(61, 60), SamplingParams(max_tokens=1, temperature=0.0))
+    finished = []
+    while engine.has_unfinished():
+        finished += [out.request_id for out in engine.step() if out.finished]
+    assert finished == ["prompt", "decoding"]       # it did not wait for the speculating stream to end
+    prefilling = [b for b in batches if any(rid == "prompt" for rid, _, _ in b)]
+    drafting = [b for b in batches if any(d for _, _, d in b)]
+    assert drafting and len(prefilling) <= 60 // 3 + 1      # at least 3 of its tokens a step (of 8)
+    assert all(sum(n for _, n, _ in b) <= 8 for b in batches)
 
 
 def test_stop_strings_and_max_tokens_cut_a_verified_run(monkeypatch, plain, speculating, bundled_tokenizer):

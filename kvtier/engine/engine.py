@@ -269,13 +269,13 @@ class LLMEngine:
         rest are given back. A bounded sequence commits row by row, as its decode steps would, with each row's
         queries: once the pager moves blocks, the rows after it attended to a resident set the decode steps would
         not have, and end the step as a rejection would."""
-        draft, start, reason, accepted = seq.draft[:n - 1], seq.num_computed_tokens, None, 0
+        draft, start, reason, accepted = seq.draft, seq.num_computed_tokens, None, 0
         seq.draft = []
         bounded = seq.kv.residency is not None
         for j, row in enumerate(logits):
             moved = bounded and self.kv.commit(seq.kv, start + j + 1, queries[j:j + 1], False, True)
             proposed = draft[j] if j < len(draft) else None
-            token = choose(self._processed(seq, row), seq.params, seq.generator, proposed)
+            token = choose(self._processed(seq, row), seq.params, seq.generator)
             if seq.params.logprobs is not None:
                 seq.pending_logprobs += token_logprobs(row[None], [token], [seq.params.logprobs])
             reason = self._take_token(seq, token)
@@ -286,7 +286,8 @@ class LLMEngine:
         if not bounded:
             self.kv.commit(seq.kv, seq.num_computed_tokens, None, False, True)
         self.kv.truncate(seq.kv, len(seq.token_ids))
-        self.speculator.verified(seq.spec, len(draft), accepted)
+        # a stop, or the pager, may end the step on an accepted token: that is not a rejection
+        self.speculator.verified(seq.spec, len(draft), accepted, rejected=token != proposed and proposed is not None)
         if reason:
             self.scheduler.finish(seq, reason)
 

@@ -150,7 +150,7 @@ class ModelRunner:
         inputs = self._decode_inputs(batch, which)
         return list(self.graphs.run(*inputs).split(inputs[-1]))
 
-    def _run_eagerly(self, batch: ScheduledBatch, capture: list[int]) -> tuple[torch.Tensor, list]:
+    def _run_eagerly(self, batch: ScheduledBatch, capture: list[int]) -> tuple[list[torch.Tensor], list]:
         self.restore_threads()
         token_ids, meta, out_rows = self.prepare(batch, capture)
         hidden = self.model(token_ids, self.pool.kv_cache, meta)

@@ -57,20 +57,26 @@ class Scheduler:
         budget = self.max_batched_tokens
         decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        for seq in decoding:
+        prompts_pending = bool(prefilling or self.waiting)
+        for i, seq in enumerate(decoding):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING or seq.kv.waits_for_pages:   # preempted earlier in this step,
                 continue                                                             # or its page-ins are landing
-            del seq.draft[budget - 1:]          # a draft the budget cannot take is cut short
-            n = 1 + len(seq.draft)
-            if self._reserve(seq, n, batch):
-                batch.add(seq, n)
-                batch.num_decodes += 1
-                batch.num_drafted += n - 1
-                budget -= n
-            else:
+            if not self._reserve(seq, 1, batch):
                 self._preempt(seq, batch)
+                continue
+            # a draft takes only what costs no one anything: budget the other decodes (and half of what is left,
+            # while prompts wait) do not need, and blocks that are empty
+            room = budget - 1 - (len(decoding) - i - 1)
+            room -= room // 2 if prompts_pending else 0
+            end = seq.num_computed_tokens + 1
+            drafted = self.kv.reserve_draft(seq.kv, end, min(len(seq.draft), room)) if seq.draft and room > 0 else 0
+            del seq.draft[drafted:]
+            batch.add(seq, 1 + drafted)
+            batch.num_decodes += 1
+            batch.num_drafted += drafted
+            budget -= 1 + drafted
         budget = min(budget, self.pacer.budget(decoding=batch.num_decodes > 0))
         for seq in prefilling:
             if budget == 0:

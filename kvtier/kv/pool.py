@@ -90,6 +90,11 @@ class KVPool:
     def num_cached_blocks(self) -> int:
         return len(self.cached)
 
+    @property
+    def num_empty_blocks(self) -> int:
+        """Free blocks that hold no cached block: allocating them evicts nothing."""
+        return int(self._empty.sum())
+
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 

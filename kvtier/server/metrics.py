@@ -77,7 +77,6 @@ class _EngineCollector:
                                 value=s["num_running"])
         yield GaugeMetricFamily("kvtier_requests_waiting", "Requests queued for the engine", value=s["num_waiting"])
 
-
     @staticmethod
     def _speculation(sp: dict | None):
         if sp is None:
@@ -87,11 +86,10 @@ class _EngineCollector:
                           ("verify_steps", "Verify steps (a sequence's last token and its draft, in one step)")):
             yield _labelled(CounterMetricFamily(f"kvtier_spec_{name}", doc, labels=["method"]), sp["method"],
                             sp[name])
-        steps = sp["verify_steps"]
-        yield _labelled(GaugeMetricFamily("kvtier_spec_mean_acceptance_length", "Tokens a verify step appends on "
-                                          "average: the accepted draft tokens and the target's own",
-                                          labels=["method"]), sp["method"],
-                        1 + sp["accepted_tokens"] / steps if steps else 0.0)
+        if steps := sp["verify_steps"]:
+            yield _labelled(GaugeMetricFamily("kvtier_spec_mean_acceptance_length", "Tokens a verify step appends "
+                                              "on average: the accepted draft tokens and the target's own",
+                                              labels=["method"]), sp["method"], 1 + sp["accepted_tokens"] / steps)
 
     @staticmethod
     def _residency(r: dict | None):

@@ -11,9 +11,9 @@ the speculator measures both:
   accepted tokens over proposed positions tried (the accepted ones and the first rejected one), decayed so that it
   follows the conversation.
 It then proposes the k (up to `--num-speculative-tokens`) that maximizes expected tokens per unit of time:
-(B + α + α² + ... + α^k) / (B + c(k)) for B sequences decoding and k rows costing c(k). Where no k pays, the sequence sits
-out PROBE_EVERY steps and then probes with one token, so that its α can recover: a conversation with nothing to copy
-pays for few verify rows and decodes at its plain speed.
+(B + α + α² + ... + α^k) / (B + c(k)) for B sequences decoding and k rows costing c(k). Where no k pays, the
+sequence sits out PROBE_EVERY steps and then probes with one token, so that its α can recover: a conversation
+with nothing to copy pays for few verify rows and decodes at its plain speed.
 """
 from __future__ import annotations
 
@@ -89,14 +89,15 @@ class Speculator:
                 best, best_rate = k, rate
         return best
 
-    def verified(self, state: SpecState, proposed: int, accepted: int) -> None:
-        """A verify step accepted `accepted` of the `proposed` tokens."""
+    def verified(self, state: SpecState, proposed: int, accepted: int, rejected: bool) -> None:
+        """A verify step accepted `accepted` of the `proposed` tokens, and rejected the next one, or ended before
+        it (a stop, the pager)."""
         state.proposed, state.accepted, state.verify_steps = (state.proposed + proposed, state.accepted + accepted,
                                                               state.verify_steps + 1)
         self.proposed, self.accepted, self.verify_steps = (self.proposed + proposed, self.accepted + accepted,
                                                            self.verify_steps + 1)
         state.accepted_weight = DECAY * state.accepted_weight + accepted
-        state.tried_weight = DECAY * state.tried_weight + accepted + (accepted < proposed)
+        state.tried_weight = DECAY * state.tried_weight + accepted + rejected
 
     def observe_step(self, decodes: int, drafted: int, seconds: float) -> None:
         """A step that carried `decodes` decoding sequences, `drafted` draft tokens among them, and no prompt
