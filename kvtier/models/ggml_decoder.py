@@ -4,9 +4,8 @@ Run op by op through torch, a decode step of a small model spends as long dispat
 multiplying by its weights. Here the whole step (embedding, per layer the norms, projections over the GGUF blocks,
 RoPE, the K/V write into kvtier's pool, attention, the MLP; the final norm and the LM head) is one ggml graph run on
 ggml's threadpool, as llama.cpp runs it. The graph reads the weights and the pool where torch keeps them, and is
-built once per shape (rows per sequence, context length rounded up to CONTEXT_STEP, where each context starts) and
-kept while it is among the KEPT_GRAPHS last used: a step only writes its token ids, positions, K/V slots and
-attention mask into the graph's inputs.
+built once per shape (rows per sequence, context length rounded up to CONTEXT_STEP, where each context starts): a
+step only writes its token ids, positions, K/V slots and attention mask into the graph's inputs.
 
 A sequence feeds one token, or a verify step's several (its last token and a draft): each row attends up to its
 own position in an attention op of its own, exactly as it would decode alone (ggml's attention over several query
@@ -18,7 +17,6 @@ slots hold is never used.
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -31,7 +29,6 @@ from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear
 
 
 CONTEXT_STEP = 256      # context lengths a graph serves, rounded up: one graph holds 256 decode steps
-KEPT_GRAPHS = 8         # graphs kept, the most recently used: verify steps of a few lengths take turns (2-3 ms a build)
 
 
 class GgmlDecodeSteps:
@@ -54,7 +51,7 @@ class GgmlDecodeSteps:
         base = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
         # ggml divides each base frequency by a factor: every scaling kvtier knows, as one factor per frequency
         self.freq_factors = self._float((base / rope_inv_freq(cfg)).float())
-        self.graphs: OrderedDict[tuple, _Step] = OrderedDict()     # by shape, least recently used first
+        self.key, self.step = None, None
         self.steps = 0
         self._finalizer = weakref.finalize(self, _close, self.weights, self.__dict__)
 
@@ -65,10 +62,12 @@ class GgmlDecodeSteps:
         context = -(-max(lens) // CONTEXT_STEP) * CONTEXT_STEP
         starts = tuple(self._start(table, context) for table in tables)
         key = (tuple(rows), context, starts)
-        step = self.graphs.pop(key, None) or _Step(self, *key)
-        self.graphs[key] = step
-        while len(self.graphs) > KEPT_GRAPHS:
-            self.graphs.popitem(last=False)[1].close()
+        if key != self.key:
+            if self.step is not None:
+                self.step.close()
+            self.step = self.key = None      # a failed build leaves no closed step behind
+            self.step, self.key = _Step(self, *key), key
+        step = self.step
         step.ids.numpy()[:] = token_ids
         step.positions.numpy()[:] = positions
         step.slots.numpy()[:] = slots
@@ -124,10 +123,10 @@ class GgmlDecodeSteps:
 
 
 def _close(weights: ggml.Context, state: dict) -> None:
-    """Free the kept graphs and the weights' context (once: close, or when the steps are collected)."""
-    for step in state.get("graphs", {}).values():
-        step.close()
-    state["graphs"] = OrderedDict()
+    """Free the current step's graph and the weights' context (once: close, or when the steps are collected)."""
+    if state.get("step") is not None:
+        state["step"].close()
+        state["step"] = None
     weights.close()
 
 
