@@ -1,6 +1,7 @@
 """Shared fixtures: the bundled tokenizer and tiny random-weight Hugging Face models."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -166,6 +167,14 @@ def sse_events(text: str) -> list[dict]:
     lines = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
+
+
+async def until_nothing_runs(engine, polls: int = 100) -> None:
+    """Wait (at most polls x 20 ms) until an AsyncEngine runs no request: a cancelled one has been aborted."""
+    for _ in range(polls):
+        if engine.stats()["num_running"] == 0:
+            return
+        await asyncio.sleep(0.02)
 
 
 def wait_until_idle(http, timeout=10.0) -> dict[str, float]:

@@ -2,6 +2,7 @@
 import asyncio
 
 import pytest
+from conftest import until_nothing_runs
 
 from kvtier.config import Config, ConfigError
 from kvtier.engine.async_engine import AsyncEngine
@@ -150,10 +151,7 @@ def test_async_engine_streams_and_cancels(tiny_model_dir):
         gen = eng.generate("c", prompts(1)[0], SamplingParams(max_tokens=500, ignore_eos=True))
         await gen.__anext__()
         await gen.aclose()              # the caller leaves: the request is aborted
-        for _ in range(100):
-            if eng.stats()["num_running"] == 0:
-                break
-            await asyncio.sleep(0.02)
+        await until_nothing_runs(eng)
     try:
         asyncio.run(main())
         stats = eng.stats()

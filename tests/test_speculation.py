@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 import torch
+from conftest import until_nothing_runs
 
 from kvtier.config import Config, ConfigError
 from kvtier.engine.async_engine import AsyncEngine
@@ -403,10 +404,7 @@ def test_async_engine_streams_a_speculating_request(tiny_model_dir):
         gen = eng.generate("c", prompt(9), SamplingParams(max_tokens=500, ignore_eos=True))
         await gen.__anext__()
         await gen.aclose()
-        for _ in range(100):
-            if eng.stats()["num_running"] == 0:
-                break
-            await asyncio.sleep(0.02)
+        await until_nothing_runs(eng)
     try:
         asyncio.run(main())
         stats = eng.stats()

@@ -215,11 +215,11 @@ class KVManager:
     def reserve_draft(self, state: KVState, end: int, k: int) -> int:
         """Room for up to k draft tokens after the first `end`, in the blocks the sequence holds and in empty ones
         only: a draft evicts no cached block (and, the scheduler's side, preempts no one). Returns how many fit."""
-        bs = self.block_size
-        extra = min(self.pool.blocks_for(end + k) - len(state.block_table), self.pool.num_empty_blocks)
-        if extra > 0 and not state.residency:      # a bounded draft stays in its last block
+        need = self.pool.blocks_for(end + k) - len(state.block_table)
+        if need > 0 and not state.residency:      # a bounded draft stays in its last block
+            extra = min(need, self.pool.num_empty_blocks)     # counted only when needed: a scan of the pool
             state.block_table += self.pool.allocate(extra, after=_last_block(state.block_table))
-        return min(k, len(state.block_table) * bs - end)
+        return min(k, len(state.block_table) * self.block_size - end)
 
     def truncate(self, state: KVState, end: int) -> None:
         """Give back the blocks past the first `end` tokens: a verify step reserved them for a draft that was

@@ -47,8 +47,7 @@ class SpecState:
 
 class Speculator:
     def __init__(self, method: str, max_tokens: int):
-        if method != "ngram":
-            raise ValueError(f"unknown speculative method {method!r}")
+        """method: a Config.speculative it has checked (ngram)."""
         self.method, self.max_tokens = method, max_tokens
         self.proposed = self.accepted = self.verify_steps = 0     # over every request, for /metrics
         self.decode_seconds: float | None = None     # a step that only decodes, per decoding sequence
