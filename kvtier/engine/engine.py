@@ -11,7 +11,7 @@ import torch
 from kvtier.config import Config
 from kvtier.devices import bind_thread
 from kvtier.engine.detokenizer import IncrementalDetokenizer
-from kvtier.engine.graphs import DecodeGraphs
+from kvtier.engine.assembly import build_pool, build_tier_stack, decode_graphs, disk_dir
 from kvtier.engine.outputs import RequestOutput, RequestRejected
 from kvtier.engine.runner import TORCH_THREADS, ModelRunner
 from kvtier.engine.grammar import GrammarCompiler, GrammarError
@@ -25,21 +25,15 @@ from kvtier.kv.keys import namespace, salt_root
 from kvtier.kv.manager import KVManager
 from kvtier.kv.manifest import ManifestStore
 from kvtier.kv.pager import CAPTURE_ROWS, Pager, PinRefused
-from kvtier.kv.pool import KVPool, default_pool_tokens
+from kvtier.kv.pool import KVPool
 from kvtier.kv.rates import rates_path
 from kvtier.kv.tiers.disk import FINGERPRINTS
-from kvtier.kv.tiers.host import HostTier
-from kvtier.kv.tiers.stack import TierStack, extra_tiers
-from kvtier.kv.tiers.staging import Staging
-from kvtier.models.attention import triton_supports
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import load_model, resolve_model_path
 from kvtier.spec.speculator import Speculator
 
 log = logging.getLogger("kvtier.engine")
-
-BUFFER_MAX_BYTES = 1 << 30      # the most host memory each of the mover's read buffers takes
 
 
 class LLMEngine:
@@ -64,14 +58,8 @@ class LLMEngine:
         self.model = Decoder.from_weights(loaded.config, loaded.weights, config.torch_dtype, self.device)
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        mc = loaded.config
-        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
-        pool_tokens = config.kv_pool_tokens or default_pool_tokens(per_token, self.device)
-        ns = namespace(loaded.fingerprint, config.dtype, config.block_size, KVPool.LAYOUT)
-        self.pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size,
-                           pool_tokens, config.torch_dtype, self.device, ns, config.prefix_cache)
-        log.info("KV pool: %d blocks of %d tokens (%.2f GiB)", self.pool.num_blocks, config.block_size,
-                 self.pool.kv_cache.numel() * self.pool.kv_cache.element_size() / 2**30)
+        self.pool = build_pool(config, loaded.config, loaded.fingerprint, self.device)
+        ns = self.pool.namespace
         self.tiers = build_tier_stack(config, self.pool, self.max_model_len)
         self.pager = self._build_pager(config, loaded.fingerprint) if config.resident_blocks else None
         directory = disk_dir(config)
@@ -84,31 +72,14 @@ class LLMEngine:
         self.kv = KVManager(self.pool, self.tiers, self.pager, manifests, beside_disk and beside_disk("partials"),
                             rates_file)
         self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs, config.max_itl_ratio)
-        self.runner = ModelRunner(self.model, self.kv, self.device, self._decode_graphs(config),
+        self.runner = ModelRunner(self.model, self.kv, self.device,
+                                  decode_graphs(config, self.model, self.pool, self.max_model_len),
                                   config.num_threads or TORCH_THREADS)
         self.grammars = GrammarCompiler(self.tokenizer.hf)
         self.speculator = Speculator(config.speculative, config.num_speculative_tokens) if config.speculative \
             else None
         self._arrivals = itertools.count()
         self._ended: list[Sequence] = []     # finished outside a step (aborted, failed): reported by the next step
-
-    def _decode_graphs(self, config: Config) -> DecodeGraphs | GgmlDecodeSteps | None:
-        """Decode steps captured as CUDA graphs, where the device and the Triton decode kernel allow them; on CPU
-        with quantized weights, decode steps as ggml graphs."""
-        if config.enforce_eager:
-            return None
-        if self.device.type == "cpu":
-            return GgmlDecodeSteps(self.model, self.pool, config.num_threads or TORCH_THREADS) \
-                if self.model.quantized else None
-        if not triton_supports(self.model_config.head_dim, config.block_size):
-            log.warning("decode runs eagerly: the Triton decode kernel cannot tile head size %d and block size %d "
-                        "(or Triton is missing)", self.model_config.head_dim, config.block_size)
-            return None
-        try:
-            return DecodeGraphs(self.model, self.pool, config.max_num_seqs, self.max_model_len)
-        except Exception:   # serve anyway, eagerly: slower, never wrong
-            log.exception("capturing the decode graphs failed: decode runs eagerly")
-            return None
 
     def _build_pager(self, config: Config, fingerprint: str) -> Pager:
         mode = (f"bounded(blocks={config.resident_blocks},sink={config.kv_sink_blocks},tail={config.kv_tail_blocks},"
@@ -406,35 +377,3 @@ class LLMEngine:
         if self.pager:
             stats["residency"] = {**self.pager.stats, "host_reserved_bytes": self.pager.host_reserved}
         return stats
-
-
-def disk_dir(config: Config) -> str | None:
-    """The disk tier's directory, None when the config leaves the tier out (manifests, partial blocks and rates are
-    kept beside it)."""
-    return os.path.expanduser(config.kv_disk_dir) if config.kv_disk and config.kv_disk_gib > 0 else None
-
-
-def build_tier_stack(config: Config, pool: KVPool, max_model_len: int) -> TierStack:
-    """The tiers below the device that the config asks for, fastest first, and the mover's read buffers."""
-    tiers = []
-    host = None
-    if config.kv_host_gib > 0:
-        host = HostTier(int(config.kv_host_gib * 2**30), pool.block_shape, pool.kv_cache.dtype,
-                        pin_memory=pool.kv_cache.device.type == "cuda")
-        tiers.append(host)
-    if directory := disk_dir(config):
-        from kvtier.kv.tiers.disk import DiskTier
-        tiers.append(DiskTier(directory, int(config.kv_disk_gib * 2**30),
-                              pool.namespace, pool.block_shape, pool.kv_cache.dtype))
-    tiers += extra_tiers(config, pool)
-    below_host = len(tiers) - (host is not None)
-    # each read buffer holds a whole context's blocks (a longer read goes to fresh memory), carved from the host tier,
-    # each at most an eighth of its budget; with the host tier off, the tiers below read into one buffer of their own
-    size = min(BUFFER_MAX_BYTES, pool.blocks_for(max_model_len) * pool.block_bytes)
-    if host is None:
-        cuda = pool.kv_cache.device.type == "cuda"
-        return TierStack(tiers, Staging(torch.empty(size, dtype=torch.uint8, pin_memory=cuda)) if below_host else None)
-    size = min(size, host.budget_bytes // 8 // pool.block_bytes * pool.block_bytes)
-    staging = Staging(host.carve(size)) if size and below_host else None
-    gather = Staging(host.carve(size)) if size and config.resident_blocks else None
-    return TierStack(tiers, staging, gather)

@@ -45,9 +45,11 @@ class Sequence:
         return len(self.token_ids)
 
     def step_tokens(self, start: int, n: int) -> list[int]:
-        """The n tokens a step feeds from position start: its own, then its draft's."""
+        """The n tokens a step feeds from position start: its own, then its draft's (whose first token stands at
+        position len(token_ids))."""
         tokens = self.token_ids[start:start + n]
-        return tokens + self.draft[:n - len(tokens)]
+        first = max(0, start - len(self.token_ids))
+        return tokens + self.draft[first:first + n - len(tokens)]
 
     def num_drafted(self, n: int) -> int:
         """How many of a step's n tokens (from the first uncomputed one) are draft tokens: a verify step's."""

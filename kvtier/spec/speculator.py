@@ -1,4 +1,5 @@
-"""Which tokens each decoding sequence proposes for its next step, and how many: `--speculative ngram`.
+"""Which tokens each decoding sequence proposes for its next step, and how many: `--speculative ngram` (prompt
+lookup, here) or `draft` (a draft model decodes them: draft_model.py; this says how many).
 
 A proposal pays off only if what it is expected to add beats what its rows cost, and both vary: a draft row costs
 nearly nothing where the products are memory-bound (a GPU, float weights) and most of a decode step where they
@@ -47,7 +48,7 @@ class SpecState:
 
 class Speculator:
     def __init__(self, method: str, max_tokens: int):
-        """method: a Config.speculative it has checked (ngram)."""
+        """method: a Config.speculative it has checked (ngram, draft)."""
         self.method, self.max_tokens = method, max_tokens
         self.proposed = self.accepted = self.verify_steps = 0     # over every request, for /metrics
         self.decode_seconds: float | None = None     # a step that only decodes, per decoding sequence
@@ -65,19 +66,34 @@ class Speculator:
         return self.draft_costs[nearest] * k / nearest
 
     def propose(self, state: SpecState, tokens: list[int], room: int, batch: int = 1) -> list[int]:
-        """The draft for a sequence's next step, decoding beside batch - 1 others: at most `room` tokens (what its
-        max_tokens leaves after the token the step samples anyway)."""
-        if room <= 0:
-            return []
-        if state.pause:
-            state.pause -= 1
+        """By prompt lookup, the draft for a sequence's next step, decoding beside batch - 1 others: at most `room`
+        tokens (what its max_tokens leaves after the token the step samples anyway)."""
+        if room <= 0 or self._sits_out(state):
             return []
         draft = state.index.propose(tokens, min(self.max_tokens, room))
-        k = self._best_length(state.acceptance, len(draft), batch)
-        if draft and not k:
+        return draft[:self._length(state, len(draft), batch)]
+
+    def plan(self, state: SpecState, room: int, batch: int = 1) -> int:
+        """For a draft model: how many tokens the sequence proposes for its next step (0 for none)."""
+        if room <= 0 or self._sits_out(state):
+            return 0
+        return self._length(state, min(self.max_tokens, room), batch)
+
+    def _sits_out(self, state: SpecState) -> bool:
+        """Whether the sequence sits this step out, counting its pause down."""
+        if state.pause:
+            state.pause -= 1
+            return True
+        return False
+
+    def _length(self, state: SpecState, most: int, batch: int) -> int:
+        """The draft length that pays best, of at most `most` tokens; where none pays, a probe of one token every
+        PROBE_EVERY steps."""
+        k = self._best_length(state.acceptance, most, batch)
+        if most and not k:
             k, state.probe = int(state.probe), not state.probe
             state.pause = 0 if k else PROBE_EVERY
-        return draft[:k]
+        return k
 
     def _best_length(self, alpha: float, most: int, batch: int) -> int:
         best, best_rate, expected = 0, 1.0, 0.0

@@ -1,0 +1,92 @@
+"""What serving one model is built of, besides its weights: its KV pool, the tiers below it and its decode graphs.
+The engine builds them for its model, and the draft model (spec/draft_model.py) for its own."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvtier.config import Config
+from kvtier.engine.graphs import DecodeGraphs
+from kvtier.engine.runner import TORCH_THREADS
+from kvtier.kv.keys import namespace
+from kvtier.kv.pool import KVPool, default_pool_tokens
+from kvtier.kv.tiers.host import HostTier
+from kvtier.kv.tiers.stack import TierStack, extra_tiers
+from kvtier.kv.tiers.staging import Staging
+from kvtier.models.attention import triton_supports
+from kvtier.models.config import ModelConfig
+from kvtier.models.decoder import Decoder
+from kvtier.models.ggml_decoder import GgmlDecodeSteps
+
+log = logging.getLogger("kvtier.engine")
+
+BUFFER_MAX_BYTES = 1 << 30      # the most host memory each of the mover's read buffers takes
+
+
+def build_pool(config: Config, mc: ModelConfig, fingerprint: str, device: torch.device, role: str = "exact",
+               pool_tokens: int | None = None) -> KVPool:
+    """A model's device pool: pool_tokens tokens (by default --kv-pool-tokens, else a share of free memory). role
+    enters the namespace: the target's exact attention, or a drafter's blocks, which never share a key with it."""
+    per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
+    pool_tokens = pool_tokens or config.kv_pool_tokens or default_pool_tokens(per_token, device)
+    ns = namespace(fingerprint, config.dtype, config.block_size, KVPool.LAYOUT, role)
+    pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size,
+                  pool_tokens, config.torch_dtype, device, ns, config.prefix_cache)
+    log.info("KV pool%s: %d blocks of %d tokens (%.2f GiB)", "" if role == "exact" else f" ({role})",
+             pool.num_blocks, config.block_size, pool.kv_cache.numel() * pool.kv_cache.element_size() / 2**30)
+    return pool
+
+
+def decode_graphs(config: Config, model: Decoder, pool: KVPool, max_model_len: int
+                  ) -> DecodeGraphs | GgmlDecodeSteps | None:
+    """Decode steps captured as CUDA graphs, where the device and the Triton decode kernel allow them; on CPU
+    with quantized weights, decode steps as ggml graphs."""
+    if config.enforce_eager:
+        return None
+    if pool.kv_cache.device.type == "cpu":
+        return GgmlDecodeSteps(model, pool, config.num_threads or TORCH_THREADS) \
+            if model.quantized else None
+    if not triton_supports(model.config.head_dim, config.block_size):
+        log.warning("decode runs eagerly: the Triton decode kernel cannot tile head size %d and block size %d "
+                    "(or Triton is missing)", model.config.head_dim, config.block_size)
+        return None
+    try:
+        return DecodeGraphs(model, pool, config.max_num_seqs, max_model_len)
+    except Exception:   # serve anyway, eagerly: slower, never wrong
+        log.exception("capturing the decode graphs failed: decode runs eagerly")
+        return None
+
+
+def disk_dir(config: Config) -> str | None:
+    """The disk tier's directory, None when the config leaves the tier out (manifests, partial blocks and rates are
+    kept beside it)."""
+    return os.path.expanduser(config.kv_disk_dir) if config.kv_disk and config.kv_disk_gib > 0 else None
+
+
+def build_tier_stack(config: Config, pool: KVPool, max_model_len: int, share: float = 1.0) -> TierStack:
+    """The tiers below the device that the config asks for, fastest first, and the mover's read buffers. share: the
+    part of the host and disk budgets this pool's blocks may take (a draft model's pool takes the rest)."""
+    tiers = []
+    host = None
+    if config.kv_host_gib > 0:
+        host = HostTier(int(config.kv_host_gib * share * 2**30), pool.block_shape, pool.kv_cache.dtype,
+                        pin_memory=pool.kv_cache.device.type == "cuda")
+        tiers.append(host)
+    if directory := disk_dir(config):
+        from kvtier.kv.tiers.disk import DiskTier
+        tiers.append(DiskTier(directory, int(config.kv_disk_gib * share * 2**30),
+                              pool.namespace, pool.block_shape, pool.kv_cache.dtype))
+    tiers += extra_tiers(config, pool)
+    below_host = len(tiers) - (host is not None)
+    # each read buffer holds a whole context's blocks (a longer read goes to fresh memory), carved from the host tier,
+    # each at most an eighth of its budget; with the host tier off, the tiers below read into one buffer of their own
+    size = min(BUFFER_MAX_BYTES, pool.blocks_for(max_model_len) * pool.block_bytes)
+    if host is None:
+        cuda = pool.kv_cache.device.type == "cuda"
+        return TierStack(tiers, Staging(torch.empty(size, dtype=torch.uint8, pin_memory=cuda)) if below_host else None)
+    size = min(size, host.budget_bytes // 8 // pool.block_bytes * pool.block_bytes)
+    staging = Staging(host.carve(size)) if size and below_host else None
+    gather = Staging(host.carve(size)) if size and config.resident_blocks else None
+    return TierStack(tiers, staging, gather)
