@@ -31,6 +31,7 @@ from kvtier.kv.tiers.disk import FINGERPRINTS
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import load_model, resolve_model_path
+from kvtier.spec.draft_model import DraftModel, kv_share, load_draft
 from kvtier.spec.speculator import Speculator
 
 log = logging.getLogger("kvtier.engine")
@@ -56,11 +57,14 @@ class LLMEngine:
             with open(config.chat_template) as f:
                 self.tokenizer.use_chat_template(f.read())
         self.model = Decoder.from_weights(loaded.config, loaded.weights, config.torch_dtype, self.device)
+        mc = loaded.config
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.pool = build_pool(config, loaded.config, loaded.fingerprint, self.device)
         ns = self.pool.namespace
-        self.tiers = build_tier_stack(config, self.pool, self.max_model_len)
+        draft = load_draft(config, loaded) if config.draft_model else None
+        share = kv_share(loaded, draft) if draft else 0.0       # the draft model's part of the tiers' budgets
+        self.tiers = build_tier_stack(config, self.pool, self.max_model_len, 1 - share)
         self.pager = self._build_pager(config, loaded.fingerprint) if config.resident_blocks else None
         directory = disk_dir(config)
         beside_disk = (lambda name: os.path.join(directory, name)) if directory else None
@@ -78,6 +82,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer.hf)
         self.speculator = Speculator(config.speculative, config.num_speculative_tokens) if config.speculative \
             else None
+        self.drafter = DraftModel(config, draft, share, self.device, self.pool.num_blocks * self.pool.block_size,
+                                  self.max_model_len, mc.vocab_size) if draft else None
         self._arrivals = itertools.count()
         self._ended: list[Sequence] = []     # finished outside a step (aborted, failed): reported by the next step
 
@@ -140,6 +146,8 @@ class LLMEngine:
                                        salt_root(cache_salt), pins)
         except PinRefused as e:
             raise RequestRejected(str(e)) from None
+        if self.drafter:
+            self.drafter.attach(seq, salt_root(cache_salt))
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -151,11 +159,14 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         # pinned blocks count until their copy lands
-        return self.scheduler.has_unfinished() or bool(self._ended) or self.kv.busy
+        return self.scheduler.has_unfinished() or bool(self._ended) or self.kv.busy or \
+            bool(self.drafter and self.drafter.kv.busy)
 
     def shutdown(self) -> None:
         """Stop the transfer workers (after the copies already queued); free ggml's decode graphs."""
         self.kv.shutdown()
+        if self.drafter:
+            self.drafter.shutdown()
         if isinstance(self.runner.graphs, GgmlDecodeSteps):
             self.runner.graphs.close()
             self.runner.graphs = None
@@ -166,8 +177,7 @@ class LLMEngine:
             if seq is not None:       # not failed meanwhile
                 self._end(seq, "abort")
         self.kv.start_loads([seq.kv for seq in self.scheduler.waiting])
-        if self.speculator:
-            self._propose()
+        drafting = self._propose() if self.speculator else 0.0
         batch = self.scheduler.schedule()
         start = time.perf_counter()
         results = self._forward(batch) if batch else []
@@ -190,6 +200,8 @@ class LLMEngine:
         prompt_tokens = sum(batch.num_tokens) - batch.num_decodes - batch.num_drafted
         if prompt_tokens:    # a prefill step: the rate of compute
             self.kv.rates.observe_prefill(sum(batch.num_tokens), seconds)
+        if batch.num_drafted:       # a verify step costs its draft too
+            seconds += drafting
         if batch:      # a verify step counts as the decode it is, at what it cost
             self.scheduler.pacer.observe(batch.num_decodes, prompt_tokens, seconds)
         if self.speculator and batch and not prompt_tokens:       # what a draft row costs
@@ -221,17 +233,25 @@ class LLMEngine:
                 results.append(None)
         return results
 
-    def _propose(self) -> None:
+    def _propose(self) -> float:
         """The draft of each sequence whose next step feeds a generated token. A bounded sequence's draft stays
-        in its last block: a new block would page a victim out before a decode step would."""
+        in its last block: a new block would page a victim out before a decode step would. Returns the seconds a
+        draft model's decode rounds took."""
         decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1
                     and seq.num_computed_tokens >= seq.num_prompt_tokens]
         bs = self.pool.block_size
+        rooms = []
         for seq in decoding:
             room = seq.params.max_tokens - seq.num_output_tokens - 1
             if seq.kv.residency:      # and its rows' queries are all handed back for the pager
                 room = min(room, bs - 1 - seq.num_computed_tokens % bs, CAPTURE_ROWS - 1)
+            rooms.append(room)
+        if self.drafter:
+            return self.drafter.propose([(seq, self.speculator.plan(seq.spec, room, len(decoding)))
+                                         for seq, room in zip(decoding, rooms)])
+        for seq, room in zip(decoding, rooms):
             seq.draft = self.speculator.propose(seq.spec, seq.token_ids, room, len(decoding))
+        return 0.0
 
     def _verify(self, seq: Sequence, n: int, logits: torch.Tensor, queries: torch.Tensor | None) -> None:
         """A verify step computed the sequence's last token and n - 1 draft tokens after it (logits [n, vocab]):
@@ -356,6 +376,8 @@ class LLMEngine:
         seq.pending_token_ids, seq.pending_logprobs = [], []
         if seq.is_finished:
             self._log_finished(seq)
+            if self.drafter:
+                self.drafter.end(seq)
         return out
 
     def _log_finished(self, seq: Sequence) -> None:
@@ -374,6 +396,8 @@ class LLMEngine:
         stats.update(self.kv.stats())
         if self.speculator:
             stats["speculation"] = self.speculator.stats()
+        if self.drafter:
+            stats["speculation"]["draft_model"] = self.drafter.stats()
         if self.pager:
             stats["residency"] = {**self.pager.stats, "host_reserved_bytes": self.pager.host_reserved}
         return stats

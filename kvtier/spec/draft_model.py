@@ -1,0 +1,184 @@
+"""`--speculative draft --draft-model PATH`: a smaller model with the target's tokenizer proposes each decoding
+sequence's next tokens by decoding them greedily itself.
+
+The draft model is served as the target is: its own pool, whose namespace says "draft" (its blocks never share a
+key with the target's, even when it is the same model), its own KV manager over its own host and disk tiers (in the
+same directory, with a share of their budgets), and its own runner (ggml decode graphs on CPU with quantized
+weights, CUDA graphs on a GPU). So its KV is content-addressed like the target's: a prefix it computed in an
+earlier turn, before an eviction or before a restart is restored from the tiers, and a restored conversation
+proposes from its first decode step with what the uninterrupted one would have.
+
+Each sequence has a shadow: a Sequence over the target's tokens but the last (its own list, which the draft's KV
+manager hashes), whose `draft` is the target's last token and then the tokens it proposes. A proposal:
+1. sync: the shadow takes the target's new tokens; of its K/V, what follows the target's last token was computed
+   for proposals, and only the accepted ones' stays (the first `len(target) - 1` positions): the rest is given back
+   and only blocks of the target's tokens are ever sealed and saved;
+2. catch up: a shadow far behind (its prompt, the first time) prefills its own tokens in chunks, at most
+   `max_batched_tokens` a step over all shadows; it proposes once it is within CATCH_UP_ROWS of the end;
+3. rounds: the first feeds the rest of its own tokens and the target's last one as decode rows, each later one the
+   token proposed before; each takes the argmax of its last row. Every shadow of the step decodes in one batch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from kvtier.config import Config
+from kvtier.engine.assembly import build_pool, build_tier_stack, decode_graphs, disk_dir
+from kvtier.engine.runner import TORCH_THREADS, ModelRunner
+from kvtier.engine.scheduler import ScheduledBatch
+from kvtier.engine.sequence import Sequence, SequenceStatus
+from kvtier.kv.manager import KVManager
+from kvtier.kv.rates import rates_path
+from kvtier.kv.tiers.disk import FINGERPRINTS
+from kvtier.models.decoder import Decoder
+from kvtier.models.loader import LoadedModel, load_model
+from kvtier.models.ggml_decoder import GgmlDecodeSteps
+
+log = logging.getLogger("kvtier.spec")
+
+CATCH_UP_ROWS = 8      # a shadow this close to the end feeds the rest as decode rows of its first round
+
+
+def load_draft(config: Config, target: LoadedModel) -> LoadedModel:
+    """The draft model's weights, checked against the target's tokenizer: a draft proposes token ids."""
+    path = os.path.expanduser(config.draft_model)
+    digests = os.path.join(disk_dir(config), FINGERPRINTS) if disk_dir(config) else None
+    loaded = load_model(path, config.torch_dtype, digests, config.weights_mode(path))
+    if loaded.tokenizer.hf.get_vocab() != target.tokenizer.hf.get_vocab():
+        raise ValueError(f"the draft model {config.draft_model} has another tokenizer than the model it drafts for: "
+                         "its proposals would be other tokens")
+    return loaded
+
+
+def kv_share(target: LoadedModel, draft: LoadedModel) -> float:
+    """The draft's part of the host and disk budgets: its share of a token's K/V bytes."""
+    def per_token(m):
+        return m.config.num_layers * m.config.num_kv_heads * m.config.head_dim
+    return per_token(draft) / (per_token(target) + per_token(draft))
+
+
+class DraftModel:
+    def __init__(self, config: Config, loaded: LoadedModel, share: float, device: torch.device, pool_tokens: int,
+                 max_model_len: int, vocab_size: int):
+        """share: of the host and disk budgets; pool_tokens: as many as the target's pool holds, so that every
+        sequence the target runs fits; vocab_size: the target's (a draft's padded rows are never proposed)."""
+        self.model = Decoder.from_weights(loaded.config, loaded.weights, config.torch_dtype, device)
+        self.pool = build_pool(config, loaded.config, loaded.fingerprint, device, "draft", pool_tokens)
+        directory = disk_dir(config)
+        self.kv = KVManager(self.pool, build_tier_stack(config, self.pool, max_model_len, share), None, None,
+                            directory and os.path.join(directory, "partials"),
+                            directory and rates_path(os.path.join(directory, "rates"), self.pool.namespace, device))
+        self.runner = ModelRunner(self.model, self.kv, device, decode_graphs(config, self.model, self.pool,
+                                                                             max_model_len),
+                                  config.num_threads or TORCH_THREADS)
+        self.catch_up_tokens = config.max_batched_tokens
+        self.vocab_size = vocab_size
+        self.name = loaded.name
+        self.shadows: dict[str, Sequence] = {}
+
+    def attach(self, seq: Sequence, root_key: bytes | None) -> None:
+        """A new request: its shadow, waiting to be admitted when it first proposes."""
+        shadow = Sequence(seq.request_id, seq.token_ids[:-1], seq.params, None, seq.arrival)
+        shadow.num_prompt_tokens = seq.num_prompt_tokens
+        shadow.kv = self.kv.new_state(seq.request_id, shadow.token_ids, len(seq.token_ids) + seq.params.max_tokens,
+                                      root_key)
+        self.shadows[seq.request_id] = shadow
+
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> float:
+        """Set each sequence's draft: up to k tokens for each (sequence, k). Returns the seconds its rounds took
+        (what proposing costs each step; catching up is a prompt's cost, paid once)."""
+        self.kv.poll()
+        # each new request's draft prefix is looked up below the device as it arrives: it loads while the target's does
+        self.kv.start_loads([s.kv for s in self.shadows.values() if s.status is not SequenceStatus.RUNNING])
+        shadows = {}
+        for seq, k in wanted:
+            shadow = self.shadows[seq.request_id]
+            self._sync(shadow, seq)
+            if k > 0:
+                shadows[seq.request_id] = (shadow, k)
+        ready = self._catch_up([shadow for shadow, _ in shadows.values()])
+        start = time.perf_counter()
+        rounds = {seq.request_id: shadows[seq.request_id] for seq, _ in wanted if seq.request_id in ready}
+        while rounds:
+            batch = ScheduledBatch()
+            for shadow, _ in rounds.values():
+                n = len(shadow.token_ids) + len(shadow.draft) - shadow.num_computed_tokens
+                if self.kv.reserve(shadow.kv, shadow.num_computed_tokens + n):
+                    batch.add(shadow, n)
+            if not batch:
+                break
+            logits, _ = self.runner.run(batch)
+            for shadow, n, rows in zip(batch.seqs, batch.num_tokens, logits):
+                shadow.num_computed_tokens += n
+                shadow.draft.append(int(rows[-1, :self.vocab_size].argmax()))
+            rounds = {rid: (shadow, k) for rid, (shadow, k) in rounds.items()
+                      if shadow in batch.seqs and len(shadow.draft) <= k}
+        self.runner.restore_threads()
+        for seq, k in wanted:
+            seq.draft = self.shadows[seq.request_id].draft[1:1 + k]
+        return time.perf_counter() - start
+
+    def _sync(self, shadow: Sequence, seq: Sequence) -> None:
+        """The target's tokens but its last, and of the K/V computed, that of accepted tokens only."""
+        shadow.token_ids += seq.token_ids[len(shadow.token_ids):-1]
+        shadow.draft = [seq.token_ids[-1]]
+        if shadow.status is not SequenceStatus.RUNNING:
+            return
+        shadow.num_computed_tokens = min(shadow.num_computed_tokens, len(shadow.token_ids))
+        self.kv.commit(shadow.kv, shadow.num_computed_tokens, None, False, False)
+        self.kv.truncate(shadow.kv, len(seq.token_ids))
+
+    def _catch_up(self, shadows: list[Sequence]) -> set[str]:
+        """Admit the shadows not yet running and prefill those far behind, within the step's catch-up budget.
+        Returns the request ids of those close enough to the end to propose now."""
+        batch, budget = ScheduledBatch(), self.catch_up_tokens
+        for shadow in shadows:
+            if shadow.status is SequenceStatus.RUNNING:
+                shadow.num_computed_tokens = self.kv.take_landed(shadow.kv, shadow.num_computed_tokens)
+                behind = len(shadow.token_ids) - shadow.num_computed_tokens
+                n = self.kv.chunk(shadow.kv, shadow.num_computed_tokens, min(behind, budget))
+                if behind < CATCH_UP_ROWS or n == 0 or not self.kv.reserve(shadow.kv, shadow.num_computed_tokens + n):
+                    continue
+            elif shadow.kv.waits_for_load or budget == 0 or (admitted := self.kv.admit(shadow.kv, budget)) is None:
+                continue
+            else:
+                shadow.status = SequenceStatus.RUNNING
+                shadow.num_computed_tokens, n = admitted
+                if len(shadow.token_ids) - shadow.num_computed_tokens < CATCH_UP_ROWS:
+                    continue      # its blocks are reserved: its first round feeds the rest
+            batch.add(shadow, n)
+            budget -= n
+            if budget == 0:
+                break
+        if batch:
+            self.runner.run(batch)
+            for shadow, n in zip(batch.seqs, batch.num_tokens):
+                shadow.num_computed_tokens += n
+                self.kv.commit(shadow.kv, shadow.num_computed_tokens, None, False, False)
+        return {s.request_id for s in shadows if s.status is SequenceStatus.RUNNING and not s.kv.compute_first
+                and len(s.token_ids) - s.num_computed_tokens < CATCH_UP_ROWS}
+
+    def end(self, seq: Sequence) -> None:
+        """The target sequence finished: a shadow that stopped or reached its length leaves its blocks (its last,
+        partly filled one too) for the next turn, as the target does; any other gives them back (a load in flight
+        frees them when it lands)."""
+        shadow = self.shadows.pop(seq.request_id)
+        if shadow.status is SequenceStatus.RUNNING and seq.finish_reason in ("stop", "length"):
+            self._sync(shadow, seq)
+            self.kv.finish(shadow.kv)
+        else:
+            self.kv.release(shadow.kv)
+
+    def shutdown(self) -> None:
+        self.kv.shutdown()
+        if isinstance(self.runner.graphs, GgmlDecodeSteps):
+            self.runner.graphs.close()
+            self.runner.graphs = None
+
+    def stats(self) -> dict:
+        return {"model": self.name, "num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,
+                "num_cached_blocks": self.pool.num_cached_blocks, **self.kv.stats()}

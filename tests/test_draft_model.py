@@ -1,0 +1,235 @@
+"""Speculative decoding with a draft model (--speculative draft --draft-model PATH): the target's output unchanged,
+and the draft model's own KV content-addressed, cached and restored from the tiers as the target's is."""
+import pytest
+import torch
+from test_speculation import BS, engine_for, prompt, run
+
+from kvtier.config import Config, ConfigError
+from kvtier.engine.engine import LLMEngine
+from kvtier.engine.sampling_params import SamplingParams
+from kvtier.kv.keys import chain_keys
+from kvtier.spec.speculator import Speculator
+
+NOISE = 0.3
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with its second layer dropped and noise on every other weight (another shape, the same
+    tokenizer): it proposes what the target says often, not always."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    path = tmp_path_factory.mktemp("draft")
+    for name in os.listdir(tiny_model_dir):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(tiny_model_dir, name), path)
+    with open(path / "config.json") as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = 1
+    with open(path / "config.json", "w") as f:
+        json.dump(config, f)
+    generator = torch.Generator().manual_seed(1)
+    weights = {}
+    for file in os.listdir(tiny_model_dir):
+        if file.endswith(".safetensors"):
+            for name, w in load_file(os.path.join(tiny_model_dir, file)).items():
+                if ".layers.1." not in name:
+                    weights[name] = w + NOISE * w.std() * torch.randn(w.shape, generator=generator)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    return engine_for(tiny_model_dir, None)
+
+
+def drafting(target, draft, **kw):
+    """An engine whose sequences each propose as many tokens as their acceptance pays for with rows that cost
+    nothing: on a tiny model a draft round costs as much as the target's step, and the speculator would turn itself
+    off; and the steps do not depend on timing."""
+    engine = engine_for(target, "draft", draft_model=draft, **kw)
+    engine.speculator.draft_cost = lambda k: 0.0
+    return engine
+
+
+def counts(engine) -> tuple[int, int]:
+    stats = engine.speculator.stats()
+    return stats["accepted_tokens"], stats["proposed_tokens"]
+
+
+def record_drafts(monkeypatch, engine) -> list[tuple[int, list[int]]]:
+    """(the target's length, the draft) of every proposal the engine makes."""
+    drafts = []
+    propose = engine.drafter.propose
+
+    def spy(wanted):
+        seconds = propose(wanted)
+        drafts.extend((len(seq.token_ids), list(seq.draft)) for seq, _ in wanted if seq.draft)
+        return seconds
+    monkeypatch.setattr(engine.drafter, "propose", spy)
+    return drafts
+
+
+def test_a_model_drafting_for_itself_gives_the_same_output_and_most_proposals_accepted(plain, tiny_model_dir):
+    """Greedy proposals of the target's own weights are its own greedy tokens (up to the last bits a decode and a
+    verify row may differ by), and the output is the one without speculation."""
+    prompts = [prompt(i) for i in range(3)]
+    off = run(plain, prompts, GREEDY)
+    engine = drafting(tiny_model_dir, tiny_model_dir)
+    on = run(engine, prompts, GREEDY)
+    assert [o["tokens"] for o in on] == [o["tokens"] for o in off]
+    accepted, proposed = counts(engine)
+    assert proposed > 0 and accepted >= 0.95 * proposed
+    assert engine.drafter.pool.num_free_blocks == engine.drafter.pool.num_blocks
+
+
+def test_another_draft_model_changes_nothing_but_the_steps(plain, tiny_model_dir, other_draft_dir):
+    """A draft of other weights gets tokens rejected; the output, greedy and seeded, is the target's all the same."""
+    prompts = [prompt(i) for i in range(3)]
+    engine = drafting(tiny_model_dir, other_draft_dir)
+    assert [o["tokens"] for o in run(engine, prompts, GREEDY)] == [o["tokens"] for o in run(plain, prompts, GREEDY)]
+    accepted, proposed = counts(engine)
+    assert 0 < accepted < proposed
+    seeded = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=7)
+    assert [o["tokens"] for o in run(engine, prompts, seeded)] == [o["tokens"] for o in run(plain, prompts, seeded)]
+
+
+def test_only_the_targets_tokens_become_draft_cache(monkeypatch, tiny_model_dir, other_draft_dir):
+    """Every block the draft model seals holds the conversation's own tokens under the draft namespace: the K/V of
+    its rejected proposals is never published."""
+    engine = drafting(tiny_model_dir, other_draft_dir)
+    pool = engine.drafter.pool
+    sealed = []
+    seal = pool.seal
+    monkeypatch.setattr(pool, "seal", lambda block, key: (sealed.append(key), seal(block, key)))
+    ids = prompt(9, 70)
+    (out,) = run(engine, [ids], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    accepted, proposed = counts(engine)
+    assert 0 < accepted < proposed
+    tokens = ids + out["tokens"]
+    full = chain_keys(tokens[:(len(tokens) - 1) // BS * BS], BS, pool.namespace, None)   # the last, never fed
+    assert pool.namespace != engine.pool.namespace
+    assert set(sealed[:-1]) <= set(full) and len(set(sealed)) >= len(full)     # and the finished partial block
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_a_conversation_reuses_the_draft_models_cache(monkeypatch, plain, tiny_model_dir, other_draft_dir):
+    """Three turns: the same outputs and cached tokens as without speculation, and the draft model computes only
+    each turn's new tokens."""
+    engine = drafting(tiny_model_dir, other_draft_dir)
+    computed = []
+    run_draft = engine.drafter.runner.run
+    monkeypatch.setattr(engine.drafter.runner, "run", lambda batch, capture=None: (
+        computed.append(sum(n for seq, n in zip(batch.seqs, batch.num_tokens))), run_draft(batch, capture))[1])
+    history = prompt(21, 50)
+    for turn in range(3):
+        (expected,) = run(plain, [history], GREEDY)
+        computed.clear()
+        (out,) = run(engine, [history], GREEDY)
+        assert (out["tokens"], out["cached"]) == (expected["tokens"], expected["cached"])
+        if turn:
+            assert sum(computed) < 40 * 9 + 40     # the new turn's tokens and the rounds, never the whole history
+        history = history + out["tokens"] + prompt(30 + turn, 20)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_restored_conversation_drafts_what_the_uninterrupted_one_does(monkeypatch, tmp_path, tiny_model_dir,
+                                                                         other_draft_dir, tier):
+    """The draft model's blocks of the first turn restored from the host tier (device cache off) or from disk after a
+    restart: the second turn's proposals are the ones an engine that kept everything on the device makes."""
+    first_turn = prompt(40, 150)
+    (answer,) = run(engine_for(tiny_model_dir, None), [first_turn], GREEDY)
+    second_turn = first_turn + answer["tokens"] + prompt(41, 30)
+    kept = drafting(tiny_model_dir, other_draft_dir)
+    run(kept, [first_turn], GREEDY)
+    expected = record_drafts(monkeypatch, kept)
+    (uninterrupted,) = run(kept, [second_turn], GREEDY)
+    settings = dict(kv_disk_dir=str(tmp_path), prefix_cache=tier == "disk", kv_host_gib=0.05 if tier == "host" else 0,
+                    kv_disk=tier == "disk")
+    engine = drafting(tiny_model_dir, other_draft_dir, **settings)
+    run(engine, [first_turn], GREEDY)     # stepping until nothing is unfinished waits for its saves too
+    if tier == "disk":
+        engine.shutdown()
+        engine = drafting(tiny_model_dir, other_draft_dir, **settings)
+    drafts = record_drafts(monkeypatch, engine)
+    (restored,) = run(engine, [second_turn], GREEDY)
+    assert restored["tokens"] == uninterrupted["tokens"]
+    assert engine.drafter.stats()["tiers"][tier]["hit_blocks"] >= len(first_turn) // BS - 1
+    assert drafts == expected and drafts[0][0] == len(second_turn) + 1     # from its first decode step
+    engine.shutdown()
+
+
+def test_cancel_while_drafting_frees_both_pools(tiny_model_dir, other_draft_dir):
+    engine = drafting(tiny_model_dir, other_draft_dir)
+    run(engine, [prompt(7, 100), prompt(8, 90)], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
+        abort_after=6)
+    for pool in (engine.pool, engine.drafter.pool):
+        assert pool.num_free_blocks == pool.num_blocks
+    assert not engine.drafter.shadows and counts(engine)[1] > 0
+
+
+def test_draft_settings_are_checked(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="go together"):
+        Config(speculative="draft")
+    with pytest.raises(ConfigError, match="go together"):
+        Config(speculative="ngram", draft_model=tiny_model_dir)
+    with pytest.raises(ConfigError, match="does not exist"):
+        Config(speculative="draft", draft_model=str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="bounded residency"):
+        Config(speculative="draft", draft_model=tiny_model_dir, kv_resident_tokens=1024, kv_host_gib=1)
+    assert Speculator("draft", 4).plan(Speculator("draft", 4).new_state(), room=0) == 0
+
+
+# --- the bundled model, through ggml's decode graphs --------------------------------------------------------------
+
+@pytest.mark.integration
+def test_the_bundled_model_drafting_for_itself_has_every_proposal_accepted():
+    """The bundled model (quantized, ggml's graphs) as its own draft model: a draft decode row scores as the
+    target's verify row does, so every greedy proposal is accepted, and the output is the one without speculation."""
+    from kvtier.models.loader import BUNDLED_MODEL
+    settings = dict(kv_host_gib=0, kv_disk=False, kv_pool_tokens=4096)
+    plain = LLMEngine(Config(**settings))
+    engine = LLMEngine(Config(**settings, speculative="draft", draft_model=BUNDLED_MODEL, num_speculative_tokens=4))
+    engine.speculator.draft_cost = lambda k: 0.0
+    tok = engine.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that adds two "
+                                                                  "numbers, then explain it."}])
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    (expected,) = run(plain, [prompt], params)
+    (out,) = run(engine, [prompt], params)
+    assert out["tokens"] == expected["tokens"]
+    accepted, proposed = counts(engine)
+    assert proposed >= 30 and accepted == proposed
+    assert engine.speculator.stats()["verify_steps"] <= 48 // 4 + 2
+
+
+@pytest.mark.integration
+def test_the_server_speculates_with_a_draft_model(tmp_path):
+    """`kvtier serve --speculative draft --draft-model` through the openai client: the answer the engine gives
+    without speculation, the draft model's counters in /metrics, and its blocks in the disk tier beside the
+    target's, under their own namespace."""
+    import httpx
+    from conftest import kvtier_server, scrape
+    from openai import OpenAI
+
+    from kvtier.kv.tiers import inventory
+    from kvtier.models.loader import BUNDLED_MODEL
+    messages = [{"role": "user", "content": "List the first ten prime numbers, one per line."}]
+    args = ["--speculative", "draft", "--draft-model", BUNDLED_MODEL, "--kv-disk-dir", str(tmp_path / "kv"),
+            "--kv-host-gib", "0"]
+    with kvtier_server(args, tmp_path / "server.log") as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0)
+        metrics = scrape(httpx.Client(base_url=url))
+    engine = LLMEngine(Config(kv_host_gib=0, kv_disk=False))
+    (plain,) = run(engine, [engine.tokenizer.apply_chat_template(messages)], SamplingParams(max_tokens=60,
+                                                                                          temperature=0.0))
+    assert answer.choices[0].message.content.strip() == engine.tokenizer.decode(plain["tokens"]).strip()
+    assert metrics['kvtier_spec_proposed_tokens_total{method="draft"}'] > 0
+    assert len(inventory.survey(str(tmp_path / "kv"))["namespaces"]) == 2      # the target's and the draft's
