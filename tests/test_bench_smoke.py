@@ -75,3 +75,14 @@ def test_kernels_bench_compares_ggml_with_torch(tmp_path):
     for name in ("torch float32", "torch bfloat16", "ggml q8_0", "ggml q4_1"):
         assert text.count(f"| {name} |") == 2
     assert text.count("| ggml q4_k |") == 1 and "not installed" not in text
+
+
+def test_spec_bench_compares_every_method_on_the_same_turns(tiny_model_dir, tmp_path, capsys):
+    from kvtier.bench import spec
+    out = tmp_path / "BENCHMARKS.md"
+    spec.main(["--model", tiny_model_dir, "--conversations", "1", "--max-tokens", "8", "--workloads", "chat",
+               "--output", str(out)])
+    text = out.read_text()
+    for method in ("off", "ngram", "draft"):
+        assert f"| chat | {method} |" in text
+    assert "draft / off on plain chat" in text and "The draft model is" in text

@@ -67,8 +67,8 @@ def record_drafts(monkeypatch, engine) -> list[tuple[int, list[int]]]:
     drafts = []
     propose = engine.drafter.propose
 
-    def spy(wanted):
-        seconds = propose(wanted)
+    def spy(wanted, prefilling):
+        seconds = propose(wanted, prefilling)
         drafts.extend((len(seq.token_ids), list(seq.draft)) for seq, _ in wanted if seq.draft)
         return seconds
     monkeypatch.setattr(engine.drafter, "propose", spy)

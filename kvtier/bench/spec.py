@@ -1,4 +1,5 @@
-"""Speculative decoding on agent-shaped turns: decode speed, acceptance and cache reuse with speculation off and on.
+"""Speculative decoding on agent-shaped turns: decode speed, acceptance and cache reuse with speculation off, by
+prompt lookup (ngram) and by a draft model (the served model drafting for itself unless --draft-model says otherwise).
 
 Three workloads, each a few two-turn conversations with new contexts every turn (different files, tool results and
 questions, so no turn's prompt is another's):
@@ -9,7 +10,8 @@ The second turn of each conversation extends the first (its answer and a follow-
 the prefix cache: the hit ratio must be the same with speculation on and off, and so must the greedy text. Engines
 with speculation off and on run each turn alternately, in one process.
 
-    python -m kvtier.bench.spec [--conversations 3] [--max-tokens 256] [--no-write]
+    python -m kvtier.bench.spec [--conversations 3] [--max-tokens 256] [--methods off,ngram,draft]
+                                [--draft-model PATH] [--no-write]
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ from kvtier.bench.shapes import add_model_args, resolve_model
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
+from kvtier.models.loader import resolve_model_path
 
-SECTION = "## Speculative decoding (prompt lookup)"     # one section per weights mode (--quantize)
+SECTION = "## Speculative decoding"     # one section per weights mode (--quantize)
 EDIT_TARGET = 2.0      # decode tokens/s with ngram / without, editing workload
 CHAT_TARGET = 0.95     # the same on plain chat
 SOURCES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "**", "*.py")
@@ -136,29 +139,36 @@ def main(argv: list[str] | None = None) -> None:
                     num_speculative_tokens=args.num_speculative_tokens)
     if args.quantize:
         settings["quantize"] = args.quantize
-    engines = {"off": LLMEngine(Config(**settings)), "ngram": LLMEngine(Config(**settings, speculative="ngram"))}
+    draft = {"draft_model": args.draft_model or resolve_model_path(args.model)}
+    engines = {name: LLMEngine(Config(**settings, **(draft if name == "draft" else {}),
+                                      speculative=None if name == "off" else name))
+               for name in args.methods.split(",")}
     results = {w: measure(engines, w, args) for w in args.workloads.split(",")}
     names = list(engines)
     rate = {w: {n: t["decoded"] / t["seconds"] for n, t in totals.items()} for w, totals in results.items()}
     weights = engines["off"].weights_mode
+    costs = "; ".join(f"{name}: " + ", ".join(f"k={k} {eng.speculator.draft_cost(k):.2f}"
+                                              for k in sorted(eng.speculator.draft_costs))
+                      for name, eng in engines.items() if eng.speculator)
+    drafter = f" The draft model is {engines['draft'].drafter.name}." if "draft" in engines else ""
     lines = [*header(f"{SECTION}, weights: {weights}", engine_machine(engines["off"]), command),
              f"{args.conversations} two-turn conversations per workload, greedy, up to {args.max_tokens} tokens per "
              f"turn, --num-speculative-tokens {args.num_speculative_tokens}. Decode tok/s counts the tokens after "
              "each turn's first over the time after it; the hit ratio is cached prompt tokens over prompt tokens, "
-             "both turns. The draft-model and DFlash proposers are not built yet: no column. "
-             "What k draft rows added to a step, in decode steps' time per token, as the speculator measured it "
-             "while serving: " + ", ".join(f"k={k} {engines['ngram'].speculator.draft_cost(k):.2f}"
-                                             for k in sorted(engines["ngram"].speculator.draft_costs)) + ".", "",
-             *table(results, names), ""]
-    if "editing" in rate:
-        ratio = rate["editing"]["ngram"] / rate["editing"]["off"]
-        lines.append(f"- ngram / off on editing: {ratio:.2f}× (target ≥ {EDIT_TARGET}×: {verdict(ratio >= EDIT_TARGET)})")
-    if "chat" in rate:
-        ratio = rate["chat"]["ngram"] / rate["chat"]["off"]
-        lines.append(f"- ngram / off on plain chat: {ratio:.2f}× (target ≥ {CHAT_TARGET}×: "
-                     f"{verdict(ratio >= CHAT_TARGET)})")
-    same = all(t["ngram"]["texts"] == t["off"]["texts"] and t["ngram"]["cached"] == t["off"]["cached"]
-               for t in results.values())
+             f"both turns.{drafter} The DFlash proposer is not built yet: no column. What k draft rows added to a "
+             f"step (the draft model's rounds included), in decode steps' time per token, as each speculator measured "
+             f"it while serving: {costs}.", "", *table(results, names), ""]
+    for name in names[1:]:
+        if "editing" in rate:
+            ratio = rate["editing"][name] / rate["editing"]["off"]
+            lines.append(f"- {name} / off on editing: {ratio:.2f}× (target ≥ {EDIT_TARGET}×: "
+                         f"{verdict(ratio >= EDIT_TARGET)})")
+        if "chat" in rate:
+            ratio = rate["chat"][name] / rate["chat"]["off"]
+            lines.append(f"- {name} / off on plain chat: {ratio:.2f}× (target ≥ {CHAT_TARGET}×: "
+                         f"{verdict(ratio >= CHAT_TARGET)})")
+    same = all(t[name]["texts"] == t["off"]["texts"] and t[name]["cached"] == t["off"]["cached"]
+               for t in results.values() for name in names[1:])
     lines += [f"- greedy text and cached tokens identical with and without speculation: {verdict(same)}", ""]
     for eng in engines.values():
         eng.shutdown()
@@ -176,6 +186,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per turn at most")
     p.add_argument("--num-speculative-tokens", type=int, default=8)
     p.add_argument("--workloads", default="editing,quoting,chat")
+    p.add_argument("--methods", default="off,ngram,draft", help="off first, then the --speculative methods to run")
+    p.add_argument("--draft-model", default=None, help="the draft model (default: the model itself)")
     return p.parse_args(argv)
 
 

@@ -248,7 +248,8 @@ class LLMEngine:
             rooms.append(room)
         if self.drafter:
             return self.drafter.propose([(seq, self.speculator.plan(seq.spec, room, len(decoding)))
-                                         for seq, room in zip(decoding, rooms)])
+                                         for seq, room in zip(decoding, rooms)],
+                                        [seq for seq in self.scheduler.running if seq not in decoding])
         for seq, room in zip(decoding, rooms):
             seq.draft = self.speculator.propose(seq.spec, seq.token_ids, room, len(decoding))
         return 0.0

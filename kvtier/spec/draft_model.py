@@ -13,8 +13,9 @@ manager hashes), whose `draft` is the target's last token and then the tokens it
 1. sync: the shadow takes the target's new tokens; of its K/V, what follows the target's last token was computed
    for proposals, and only the accepted ones' stays (the first `len(target) - 1` positions): the rest is given back
    and only blocks of the target's tokens are ever sealed and saved;
-2. catch up: a shadow far behind (its prompt, the first time) prefills its own tokens in chunks, at most
-   `max_batched_tokens` a step over all shadows; it proposes once it is within CATCH_UP_ROWS of the end;
+2. catch up: a shadow far behind (its prompt) prefills its own tokens in chunks, at most `max_batched_tokens` a
+   step over all shadows, while its sequence prefills its own; it proposes once it is within CATCH_UP_ROWS of the
+   end;
 3. rounds: the first feeds the rest of its own tokens and the target's last one as decode rows, each later one the
    token proposed before; each takes the argmax of its last row. Every shadow of the step decodes in one batch.
 """
@@ -88,9 +89,10 @@ class DraftModel:
                                       root_key)
         self.shadows[seq.request_id] = shadow
 
-    def propose(self, wanted: list[tuple[Sequence, int]]) -> float:
-        """Set each sequence's draft: up to k tokens for each (sequence, k). Returns the seconds its rounds took
-        (what proposing costs each step; catching up is a prompt's cost, paid once)."""
+    def propose(self, wanted: list[tuple[Sequence, int]], prefilling: list[Sequence]) -> float:
+        """Set each decoding sequence's draft: up to k tokens for each (sequence, k); the shadows of those and then
+        of the prefilling ones catch up meanwhile (a prompt's draft prefill goes with its own). Returns the seconds
+        the rounds took: what proposing costs each step (catching up is a prompt's cost, paid once)."""
         self.kv.poll()
         # each new request's draft prefix is looked up below the device as it arrives: it loads while the target's does
         self.kv.start_loads([s.kv for s in self.shadows.values() if s.status is not SequenceStatus.RUNNING])
@@ -100,7 +102,10 @@ class DraftModel:
             self._sync(shadow, seq)
             if k > 0:
                 shadows[seq.request_id] = (shadow, k)
-        ready = self._catch_up([shadow for shadow, _ in shadows.values()])
+        for seq in prefilling:
+            self._sync(self.shadows[seq.request_id], seq)
+        ready = self._catch_up([shadow for shadow, _ in shadows.values()] +
+                               [self.shadows[seq.request_id] for seq in prefilling])
         start = time.perf_counter()
         rounds = {seq.request_id: shadows[seq.request_id] for seq, _ in wanted if seq.request_id in ready}
         while rounds:
