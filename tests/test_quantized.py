@@ -280,3 +280,21 @@ def test_a_cached_prompt_answers_as_a_computed_one():
             for out in engine.step():
                 first[run] = (out.new_token_ids, out.num_cached_tokens)
     assert first["warm"] == (first["cold"][0], len(ids) - 1) and first["cold"][1] == 0
+
+
+@pytest.mark.integration
+def test_a_decode_row_scores_the_same_beside_a_longer_context_as_alone():
+    """ggml's decode steps of two sequences of random K/V, one of 1000 tokens beside one of 300 to 770: each row's
+    logits are bitwise those of its sequence decoded alone (each row attends over its own context rounded up, not
+    the batch's longest)."""
+    engine = LLMEngine(Config(kv_host_gib=0, kv_disk=False, num_threads=2, kv_pool_tokens=4096))
+    steps, kv, bs = engine.runner.graphs, engine.pool.kv_cache, engine.pool.block_size
+    kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(0)))
+    tables = [list(range(0, 13)), list(range(16, 16 + engine.pool.blocks_for(1000)))]
+    for short in range(300, 771, 47):
+        lens, tokens = [short, 1000], [123 + short, 4567]
+        slots = [tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)]
+        together = steps.run(tokens, [n - 1 for n in lens], slots, tables, lens, [1, 1]).clone()
+        for i in range(2):
+            alone = steps.run([tokens[i]], [lens[i] - 1], [slots[i]], [tables[i][:-(-lens[i] // bs)]], [lens[i]], [1])
+            assert torch.equal(together[i], alone[0]), short

@@ -4,13 +4,14 @@ Run op by op through torch, a decode step of a small model spends as long dispat
 multiplying by its weights. Here the whole step (embedding, per layer the norms, projections over the GGUF blocks,
 RoPE, the K/V write into kvtier's pool, attention, the MLP; the final norm and the LM head) is one ggml graph run on
 ggml's threadpool, as llama.cpp runs it. The graph reads the weights and the pool where torch keeps them, and is
-built once per shape (rows per sequence, context length rounded up to CONTEXT_STEP, where each context starts): a
-step only writes its token ids, positions, K/V slots and attention mask into the graph's inputs.
+built once per shape (rows per sequence, each row's context length rounded up to CONTEXT_STEP, where each context
+starts): a step only writes its token ids, positions, K/V slots and attention mask into the graph's inputs.
 
 A sequence feeds one token, or a verify step's several (its last token and a draft): each row attends up to its
-own position in an attention op of its own, exactly as it would decode alone (ggml's attention over several query
-rows, on several threads, sums in another order: greedy output would change with speculation). Each sequence
-attends on its own. A context in consecutive pool slots (the pool grows a sequence into the blocks after its own)
+own position in an attention op of its own, over as many keys (its own context rounded up) as it would decode
+alone, so it scores exactly as it would decode alone: ggml's attention sums in another order over several query
+rows at once, and over another count of keys, even masked ones; greedy output would change with speculation and
+with the batch. Each sequence attends on its own. A context in consecutive pool slots (the pool grows a sequence into the blocks after its own)
 is read where it lies; the others are gathered (ggml_get_rows). Padding positions are masked out, so what their
 slots hold is never used.
 """
@@ -59,9 +60,11 @@ class GgmlDecodeSteps:
             lens: list[int], rows: list[int]) -> torch.Tensor:
         """token_ids, positions, slots: per row; tables, lens (its context after the step), rows: per sequence."""
         bs = self.block_size
-        context = -(-max(lens) // CONTEXT_STEP) * CONTEXT_STEP
-        starts = tuple(self._start(table, context) for table in tables)
-        key = (tuple(rows), context, starts)
+        spans = tuple(-(-(n - (r - 1 - j)) // CONTEXT_STEP) * CONTEXT_STEP
+                      for n, r in zip(lens, rows) for j in range(r))
+        ends = np.cumsum(rows) - 1       # a sequence's last row has its longest span
+        starts = tuple(self._start(table, spans[end]) for table, end in zip(tables, ends))
+        key = (tuple(rows), spans, starts)
         if key != self.key:
             if self.step is not None:
                 self.step.close()
@@ -79,19 +82,21 @@ class GgmlDecodeSteps:
                 mask[first + j, :n - (r - 1 - j)] = 0
             first += r
         if step.gather is not None:
-            gathered = [i for i, start in enumerate(starts) if start is None]
-            for row, i in zip(step.gather.numpy().reshape(len(gathered), context), gathered):
+            gather, offset = step.gather.numpy(), 0
+            for i in (i for i, start in enumerate(starts) if start is None):
                 ctx_slots = (np.asarray(tables[i])[:, None] * bs + np.arange(bs)).ravel()[:lens[i]]
-                row[:lens[i]], row[lens[i]:] = ctx_slots, ctx_slots[0]
+                span = spans[ends[i]]
+                gather[offset:offset + lens[i]], gather[offset + lens[i]:offset + span] = ctx_slots, ctx_slots[0]
+                offset += span
         step.graph.compute()
         self.steps += 1
         return step.logits.clone()
 
-    def _start(self, table: list[int], context: int) -> int | None:
-        """Where a context in consecutive blocks starts, read in place up to `context` slots; None: gathered."""
+    def _start(self, table: list[int], span: int) -> int | None:
+        """Where a context in consecutive blocks starts, read in place up to `span` slots; None: gathered."""
         start = table[0] * self.block_size
         consecutive = np.array_equal(np.diff(table), np.ones(len(table) - 1))
-        return start if consecutive and start + context <= self.num_slots else None
+        return start if consecutive and start + span <= self.num_slots else None
 
     def _linear(self, module: nn.Module) -> tuple[list[int], int | None]:
         """A projection's ggml weights (its parts, stacked along the output) and bias."""
@@ -131,11 +136,12 @@ def _close(weights: ggml.Context, state: dict) -> None:
 
 
 class _Step:
-    """The graph of a decode step of sequences of `rows` rows each over contexts of up to `context` tokens, with its
-    inputs and output in torch tensors. starts: per sequence, where its consecutive context starts (None:
-    gathered)."""
+    """The graph of a decode step of sequences of `rows` rows each, each row over `spans` keys (its context rounded
+    up), with its inputs and output in torch tensors. starts: per sequence, where its consecutive context starts
+    (None: gathered)."""
 
-    def __init__(self, steps: GgmlDecodeSteps, rows: tuple[int, ...], context: int, starts: tuple[int | None, ...]):
+    def __init__(self, steps: GgmlDecodeSteps, rows: tuple[int, ...], spans: tuple[int, ...],
+                 starts: tuple[int | None, ...]):
         cfg, self.steps = steps.config, steps
         batch = sum(rows)
         size = cfg.num_layers * (64 + 8 * batch) + 32     # ops per layer: ~40, and ~5 per row's attention
@@ -143,11 +149,12 @@ class _Step:
         self.ids = torch.zeros(batch, dtype=torch.int32)
         self.positions = torch.zeros(batch, dtype=torch.int32)
         self.slots = torch.zeros(batch, dtype=torch.int64)
-        self.mask = torch.zeros(batch, context, dtype=torch.float16)
-        gathered = starts.count(None)
-        self.gather = torch.zeros(gathered * context, dtype=torch.int32) if gathered else None
+        self.mask = torch.zeros(batch, max(spans), dtype=torch.float16)
+        self.seq_spans = [spans[end] for end in np.cumsum(rows) - 1]
+        gathered = sum(span for span, start in zip(self.seq_spans, starts) if start is None)
+        self.gather = torch.zeros(gathered, dtype=torch.int32) if gathered else None
         self.logits = torch.empty(batch, cfg.vocab_size)
-        self.batch, self.rows, self.context, self.starts = batch, rows, context, starts
+        self.batch, self.rows, self.spans, self.starts = batch, rows, spans, starts
         self.inputs = {"pos": ctx.place(self.positions), "slots": ctx.place(self.slots), "mask": ctx.place(self.mask)}
         if self.gather is not None:
             self.inputs["gather"] = ctx.place(self.gather)
@@ -201,22 +208,24 @@ class _Step:
     def _attention(self, q: int, k_all: int, v_all: int) -> int:
         """[heads * head_dim, batch]: each sequence's queries (q: [head_dim, heads, batch]) over its context in the
         pool after this step's write, read in place where it lies in consecutive slots, else gathered."""
-        cfg, ctx, row, n = self.steps.config, self.ctx, self.steps.row, self.context
-        d, heads, kv_heads = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        cfg, ctx, row = self.steps.config, self.ctx, self.steps.row
+        d, heads, kv_heads, width = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, self.mask.shape[1]
         pool, gathered = (k_all, v_all), None
-        if self.gather is not None:      # [row, context * gathered sequences]
+        if self.gather is not None:      # [row, the gathered sequences' spans]
             gathered = tuple(ctx.op("get_rows", t, self.inputs["gather"]) for t in pool)
         outs, g, first = [], 0, 0
-        for start, r in zip(self.starts, self.rows):
+        for start, r, span in zip(self.starts, self.rows, self.seq_spans):
             if start is not None:
                 source, offset = pool, start            # in slots of the source
             else:
-                source, offset, g = gathered, g * n, g + 1
-            keys, values = (ctx.op("view_4d", t, d, n, kv_heads, 1, row * 4, d * 4, row * 4 * n, offset * row * 4)
-                            for t in source)
-            for i in range(first, first + r):     # a row at a time, as it decodes (see the module doc)
+                source, offset, g = gathered, g, g + span
+            for i in range(first, first + r):     # a row at a time, over its own span, as it decodes (module doc)
+                n = self.spans[i]
+                keys, values = (ctx.op("view_4d", t, d, n, kv_heads, 1, row * 4, d * 4, row * 4 * n, offset * row * 4)
+                                for t in source)
                 query = ctx.op("view_4d", q, d, 1, heads, 1, d * heads * 4, d * 4, d * heads * 4, i * d * heads * 4)
-                mask = ctx.op("view_4d", self.inputs["mask"], n, 1, 1, 1, n * 2, n * 2, n * 2, i * n * 2)
+                mask = ctx.op("view_4d", self.inputs["mask"], n, 1, 1, 1, width * 2, width * 2, width * 2,
+                              i * width * 2)
                 outs.append(ctx.op("flash_attn_ext", query, keys, values, mask, d ** -0.5, 0.0, 0.0))
             first += r
         while len(outs) > 1:     # side by side in pairs: each output copied log2(batch) times
