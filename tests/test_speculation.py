@@ -14,7 +14,7 @@ from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.verify import choose
 from kvtier.kv.keys import chain_keys
 from kvtier.spec.ngram import NgramIndex
-from kvtier.spec.speculator import PROBE_EVERY, Speculator
+from kvtier.spec.speculator import PROBE_EVERY, REMEASURE_EVERY, Speculator
 
 BS = 16
 
@@ -512,3 +512,15 @@ def test_a_verify_steps_rows_score_bitwise_as_decode_steps(start):
         decoded = torch.cat([run(ids, start + j, 1) for j in range(rows)])
         assert torch.equal(verified, decoded)
         assert torch.equal(written, kv[:, :, start:start + rows])
+
+
+def test_a_speculator_that_always_verifies_measures_a_decode_step_now_and_then():
+    spec = Speculator("draft", 8)
+    for _ in range(REMEASURE_EVERY):
+        assert not spec.measuring
+        spec.observe_step(decodes=1, drafted=4, seconds=0.03)
+    assert spec.measuring and spec.decode_seconds is None
+    spec.observe_step(decodes=1, drafted=0, seconds=0.01)
+    assert not spec.measuring and spec.decode_seconds == 0.01
+    spec.observe_step(decodes=1, drafted=4, seconds=0.03)
+    assert spec.draft_cost(4) == pytest.approx(2.0)

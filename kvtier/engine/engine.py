@@ -246,6 +246,8 @@ class LLMEngine:
             if seq.kv.residency:      # and its rows' queries are all handed back for the pager
                 room = min(room, bs - 1 - seq.num_computed_tokens % bs, CAPTURE_ROWS - 1)
             rooms.append(room)
+        if self.speculator.measuring:      # this step only decodes: what a decode step costs now
+            rooms = [0] * len(decoding)
         if self.drafter:
             return self.drafter.propose([(seq, self.speculator.plan(seq.spec, room, len(decoding)))
                                          for seq, room in zip(decoding, rooms)],

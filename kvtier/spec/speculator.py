@@ -14,7 +14,10 @@ the speculator measures both:
 It then proposes the k (up to `--num-speculative-tokens`) that maximizes expected tokens per unit of time:
 (B + α + α² + ... + α^k) / (B + c(k)) for B sequences decoding and k rows costing c(k). Where no k pays, the
 sequence sits out PROBE_EVERY steps and then probes with one token, so that its α can recover: a conversation
-with nothing to copy pays for few verify rows and decodes at its plain speed.
+with nothing to copy pays for few verify rows and decodes at its plain speed. Costs are measured against the
+latest decode-only step; where every step would verify (a draft model always has a proposal), one step in
+REMEASURE_EVERY proposes nothing and measures that again. With a draft model, what k rows add includes its k decode
+rounds.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ DECAY = 0.8            # weight of a sequence's past verify steps in its accepta
 PRIOR = (3.0, 4.0)     # a new sequence's (accepted, tried) before any verify step: α = 0.75
 SMOOTHING = 0.2        # weight of the newest step in the measured step times
 ROW_COST_PRIOR = 0.3   # a draft row's cost in decode tokens' time, until k rows' is measured: low, so k gets tried
+REMEASURE_EVERY = 64   # steps that verify, at most, before one that only decodes measures a decode step again
 
 
 @dataclass
@@ -53,6 +57,13 @@ class Speculator:
         self.proposed = self.accepted = self.verify_steps = 0     # over every request, for /metrics
         self.decode_seconds: float | None = None     # a step that only decodes, per decoding sequence
         self.draft_costs: dict[int, float] = {}      # k → what k draft rows add to a step, in decode_seconds
+        self.steps_since_plain = 0                   # steps that verified since the last that only decoded
+
+    @property
+    def measuring(self) -> bool:
+        """Whether this step should only decode, to measure what a decode step costs now (a new server speculates
+        from its first step, on the prior costs)."""
+        return self.steps_since_plain >= REMEASURE_EVERY
 
     def new_state(self) -> SpecState:
         return SpecState()
@@ -119,6 +130,7 @@ class Speculator:
         tokens."""
         if not decodes or seconds <= 0:
             return
+        self.steps_since_plain = self.steps_since_plain + 1 if drafted else 0
         if not drafted:
             per_sequence = seconds / decodes
             self.decode_seconds = per_sequence if self.decode_seconds is None else \
