@@ -89,14 +89,17 @@ def test_a_model_drafting_for_itself_gives_the_same_output_and_most_proposals_ac
 
 
 def test_another_draft_model_changes_nothing_but_the_steps(plain, tiny_model_dir, other_draft_dir):
-    """A draft of other weights gets tokens rejected; the output, greedy and seeded, is the target's all the same."""
+    """A draft of other weights gets tokens rejected; the output, greedy, seeded or under a grammar, is the target's
+    all the same."""
     prompts = [prompt(i) for i in range(3)]
     engine = drafting(tiny_model_dir, other_draft_dir)
     assert [o["tokens"] for o in run(engine, prompts, GREEDY)] == [o["tokens"] for o in run(plain, prompts, GREEDY)]
     accepted, proposed = counts(engine)
     assert 0 < accepted < proposed
-    seeded = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=7)
-    assert [o["tokens"] for o in run(engine, prompts, seeded)] == [o["tokens"] for o in run(plain, prompts, seeded)]
+    for params in (SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=7),
+                   SamplingParams(max_tokens=30, temperature=0.0, grammar='start: ("ab" | "cd" | " ")+ "."')):
+        assert [o["tokens"] for o in run(engine, prompts, params)] == \
+            [o["tokens"] for o in run(plain, prompts, params)]
 
 
 def test_only_the_targets_tokens_become_draft_cache(monkeypatch, tiny_model_dir, other_draft_dir):

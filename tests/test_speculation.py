@@ -14,7 +14,7 @@ from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.verify import choose
 from kvtier.kv.keys import chain_keys
 from kvtier.spec.ngram import NgramIndex
-from kvtier.spec.speculator import PROBE_EVERY, REMEASURE_EVERY, Speculator
+from kvtier.spec.speculator import MAX_BACKOFF, PROBE_EVERY, REMEASURE_EVERY, Speculator
 
 BS = 16
 
@@ -524,3 +524,23 @@ def test_a_speculator_that_always_verifies_measures_a_decode_step_now_and_then()
     assert not spec.measuring and spec.decode_seconds == 0.01
     spec.observe_step(decodes=1, drafted=4, seconds=0.03)
     assert spec.draft_cost(4) == pytest.approx(2.0)
+
+
+def test_a_draft_model_that_does_not_pay_probes_less_and_less_often():
+    """Its rounds cost more than the tokens they bring: each probe that finds nothing paying doubles the pause."""
+    spec = Speculator("draft", 8)
+    assert spec.draft_cost(1) > 1        # until measured, a round costs a decode step
+    spec.observe_step(1, 0, 0.010)
+    spec.observe_step(1, 1, 0.035)       # one round and one verify row: 2.5 decode steps
+    state = spec.new_state()
+    pauses = []
+    for _ in range(6):
+        assert spec.plan(state, room=100) == 0
+        pauses.append(state.pause)
+        state.pause = 0
+        assert spec.plan(state, room=100) == 1      # the probe
+        spec.verified(state, 1, 1, rejected=False)
+    assert pauses == [PROBE_EVERY << min(i, MAX_BACKOFF) for i in range(6)]
+    for _ in range(30):
+        spec.observe_step(1, 1, 0.0101)  # rounds became cheap: a k pays, and the pauses start over
+    assert spec.plan(state, room=100) > 0 and state.backoff == 0

@@ -17,7 +17,8 @@ sequence sits out PROBE_EVERY steps and then probes with one token, so that its 
 with nothing to copy pays for few verify rows and decodes at its plain speed. Costs are measured against the
 latest decode-only step; where every step would verify (a draft model always has a proposal), one step in
 REMEASURE_EVERY proposes nothing and measures that again. With a draft model, what k rows add includes its k decode
-rounds.
+rounds (assumed to cost a decode step each until measured), and a probe costs the draft model the tokens it skipped
+while paused, so its pauses double after each probe that finds nothing paying (up to 2^MAX_BACKOFF PROBE_EVERY).
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ DECAY = 0.8            # weight of a sequence's past verify steps in its accepta
 PRIOR = (3.0, 4.0)     # a new sequence's (accepted, tried) before any verify step: α = 0.75
 SMOOTHING = 0.2        # weight of the newest step in the measured step times
 ROW_COST_PRIOR = 0.3   # a draft row's cost in decode tokens' time, until k rows' is measured: low, so k gets tried
+ROUND_COST_PRIOR = 1.0  # and a draft model's round, until measured: a decode step of the model itself
+MAX_BACKOFF = 4        # a draft model's pauses double after each probe that pays nothing, up to 2^4 PROBE_EVERY
 REMEASURE_EVERY = 64   # steps that verify, at most, before one that only decodes measures a decode step again
 
 
@@ -41,6 +44,7 @@ class SpecState:
     tried_weight: float = PRIOR[1]        # decayed proposed positions tried (accepted ones, then the rejected one)
     pause: int = 0                        # decode steps to sit out before probing again
     probe: bool = False                   # after the pause, propose one token whatever it is expected to pay
+    backoff: int = 0                      # a draft model's pauses in a row after probes: each doubles the next
     proposed: int = 0                     # draft tokens proposed over the request
     accepted: int = 0                     # of those, accepted
     verify_steps: int = 0
@@ -58,6 +62,7 @@ class Speculator:
         self.decode_seconds: float | None = None     # a step that only decodes, per decoding sequence
         self.draft_costs: dict[int, float] = {}      # k → what k draft rows add to a step, in decode_seconds
         self.steps_since_plain = 0                   # steps that verified since the last that only decoded
+        self.row_cost_prior = ROW_COST_PRIOR + (ROUND_COST_PRIOR if method == "draft" else 0.0)
 
     @property
     def measuring(self) -> bool:
@@ -72,7 +77,7 @@ class Speculator:
         """What k draft rows add to a step, in units of one sequence's share of a decode-only step: measured, or
         scaled from the nearest k measured."""
         if not self.draft_costs:
-            return ROW_COST_PRIOR * k
+            return self.row_cost_prior * k
         nearest = min(self.draft_costs, key=lambda m: (abs(m - k), m))
         return self.draft_costs[nearest] * k / nearest
 
@@ -103,7 +108,12 @@ class Speculator:
         k = self._best_length(state.acceptance, most, batch)
         if most and not k:
             k, state.probe = int(state.probe), not state.probe
-            state.pause = 0 if k else PROBE_EVERY
+            state.pause = 0 if k else PROBE_EVERY << state.backoff
+            # a draft model's probe costs it the tokens it skipped: where probes keep finding nothing that pays, it
+            # probes less and less often
+            state.backoff = min(state.backoff + (not k and self.method == "draft"), MAX_BACKOFF)
+        elif k:
+            state.backoff = 0
         return k
 
     def _best_length(self, alpha: float, most: int, batch: int) -> int:
