@@ -5,7 +5,8 @@ multiplying by its weights. Here the whole step (embedding, per layer the norms,
 RoPE, the K/V write into kvtier's pool, attention, the MLP; the final norm and the LM head) is one ggml graph run on
 ggml's threadpool, as llama.cpp runs it. The graph reads the weights and the pool where torch keeps them, and is
 built once per shape (rows per sequence, each row's context length rounded up to CONTEXT_STEP, where each context
-starts): a step only writes its token ids, positions, K/V slots and attention mask into the graph's inputs.
+starts), the last KEPT_GRAPHS kept: a step only writes its token ids, positions, K/V slots and attention mask into
+the graph's inputs.
 
 A sequence feeds one token, or a verify step's several (its last token and a draft): each row attends up to its
 own position in an attention op of its own, over as many keys (its own context rounded up) as it would decode
@@ -18,6 +19,7 @@ slots hold is never used.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -30,6 +32,7 @@ from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear
 
 
 CONTEXT_STEP = 256      # context lengths a graph serves, rounded up: one graph holds 256 decode steps
+KEPT_GRAPHS = 8         # graphs of the last shapes kept: verify steps of a few lengths take turns with decode steps
 
 
 class GgmlDecodeSteps:
@@ -52,7 +55,7 @@ class GgmlDecodeSteps:
         base = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
         # ggml divides each base frequency by a factor: every scaling kvtier knows, as one factor per frequency
         self.freq_factors = self._float((base / rope_inv_freq(cfg)).float())
-        self.key, self.step = None, None
+        self.built: OrderedDict[tuple, _Step] = OrderedDict()     # the graphs of the last shapes, least recent first
         self.steps = 0
         self._finalizer = weakref.finalize(self, _close, self.weights, self.__dict__)
 
@@ -65,12 +68,12 @@ class GgmlDecodeSteps:
         ends = np.cumsum(rows) - 1       # a sequence's last row has its longest span
         starts = tuple(self._start(table, spans[end]) for table, end in zip(tables, ends))
         key = (tuple(rows), spans, starts)
-        if key != self.key:
-            if self.step is not None:
-                self.step.close()
-            self.step = self.key = None      # a failed build leaves no closed step behind
-            self.step, self.key = _Step(self, *key), key
-        step = self.step
+        step = self.built.get(key)
+        if step is None:
+            if len(self.built) == KEPT_GRAPHS:
+                self.built.popitem(last=False)[1].close()
+            step = self.built[key] = _Step(self, *key)
+        self.built.move_to_end(key)
         step.ids.numpy()[:] = token_ids
         step.positions.numpy()[:] = positions
         step.slots.numpy()[:] = slots
@@ -128,10 +131,10 @@ class GgmlDecodeSteps:
 
 
 def _close(weights: ggml.Context, state: dict) -> None:
-    """Free the current step's graph and the weights' context (once: close, or when the steps are collected)."""
-    if state.get("step") is not None:
-        state["step"].close()
-        state["step"] = None
+    """Free the graphs kept and the weights' context (once: close, or when the steps are collected)."""
+    for step in state["built"].values():
+        step.close()
+    state["built"].clear()
     weights.close()
 
 
