@@ -55,14 +55,16 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--enforce-eager", action="store_true", default=None,
                        help="run decode steps eagerly, op by op, instead of replaying captured CUDA graphs (or, on CPU "
                             "with quantized weights, running each step as one ggml graph)")
-    group.add_argument("--speculative", choices=("ngram", "draft"),      # config.SPECULATIVE_METHODS, torch-free
+    group.add_argument("--speculative", choices=("ngram", "draft", "dflash"),      # config.SPECULATIVE_METHODS, torch-free
                        help="speculative decoding: ngram proposes the tokens that followed the last earlier occurrence "
                             "of a sequence's ending in its own context (prompt lookup); draft has --draft-model "
-                            "decode them; the model verifies them in one step, so output is what it would be without "
-                            "(default: off)")
+                            "decode them; dflash has the DFlash drafter --draft-model propose a block of them from the "
+                            "model's hidden features; the model verifies them in one step, so output is what it would "
+                            "be without (default: off)")
     group.add_argument("--draft-model", metavar="PATH",
                        help="with --speculative draft: a smaller model with the same tokenizer (a Hugging Face "
-                            "directory or a .gguf file); its KV is cached and tiered as the model's is")
+                            "directory or a .gguf file); with dflash: a DFlash drafter directory for this model; its "
+                            "KV is cached and tiered as the model's is")
     group.add_argument("--num-speculative-tokens", type=int, metavar="K",
                        help="the most tokens a sequence proposes per step; each sequence adapts its own to how "
                             "many it gets accepted (default: 8)")

@@ -29,7 +29,7 @@ def default_disk_dir() -> str:
 
 
 QUANTIZE_MODES = ("auto", "none", "int8", "int4")
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "draft", "dflash")
 
 
 class ConfigError(ValueError):
@@ -54,9 +54,10 @@ class Config:
     max_model_len: int | None = None      # None → the model's context length
     num_threads: int | None = None        # torch CPU threads; None → torch's default
     enforce_eager: bool = False           # on CUDA, no decode graphs: every step launches its kernels
-    # ngram: decoding sequences propose tokens by prompt lookup; draft: a draft model decodes them; None: off
+    # ngram: decoding sequences propose tokens by prompt lookup; draft: a draft model decodes them; dflash: a DFlash
+    # block drafter proposes them from the model's hidden features; None: off
     speculative: str | None = None
-    draft_model: str | None = None        # --speculative draft: a smaller model with the same tokenizer
+    draft_model: str | None = None        # the draft model (a smaller one, the same tokenizer) or DFlash drafter
     num_speculative_tokens: int = 8       # the most tokens a sequence proposes for one step
     prefix_cache: bool = True             # reuse cached blocks of earlier requests' prefixes
     kv_host_gib: float = 4.0              # host RAM tier budget; 0 disables it
@@ -102,16 +103,16 @@ class Config:
                               "quantized weights yet)")
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got "
-                              f"{self.speculative!r} (the DFlash drafter is not built yet)")
-        if (self.speculative == "draft") != (self.draft_model is not None):
-            raise ConfigError("--speculative draft and --draft-model PATH go together: the draft model is the "
-                              "drafter")
+                              f"{self.speculative!r}")
+        if (self.speculative in ("draft", "dflash")) != (self.draft_model is not None):
+            raise ConfigError("--speculative draft or dflash and --draft-model PATH go together: the draft model "
+                              "or the DFlash drafter proposes the tokens")
         if self.draft_model is not None and not os.path.exists(os.path.expanduser(self.draft_model)):
             raise ConfigError(f"draft model path {self.draft_model!r} does not exist: point --draft-model at a local "
                               "Hugging Face directory or a .gguf file")
         if self.draft_model is not None and self.kv_resident_tokens is not None:
-            raise ConfigError("--speculative draft does not run under bounded residency yet (the draft model's KV "
-                              "is not bounded): use --speculative ngram with --kv-resident-tokens")
+            raise ConfigError(f"--speculative {self.speculative} does not run under bounded residency yet (the "
+                              "drafter's KV is not bounded): use --speculative ngram with --kv-resident-tokens")
         if self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if self.block_size is None:

@@ -31,6 +31,7 @@ from kvtier.kv.tiers.disk import FINGERPRINTS
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import load_model, resolve_model_path
+from kvtier.spec.dflash import DFlashDrafter, dflash_share
 from kvtier.spec.draft_model import DraftModel, kv_share, load_draft
 from kvtier.spec.speculator import Speculator
 
@@ -62,8 +63,10 @@ class LLMEngine:
                                  loaded.config.max_position_embeddings)
         self.pool = build_pool(config, loaded.config, loaded.fingerprint, self.device)
         ns = self.pool.namespace
-        draft = load_draft(config, loaded) if config.draft_model else None
-        share = kv_share(loaded, draft) if draft else 0.0       # the draft model's part of the tiers' budgets
+        dflash = config.speculative == "dflash"
+        draft = load_draft(config, loaded) if config.speculative == "draft" else None
+        # the draft model's or the drafter's part of the tiers' budgets
+        share = kv_share(loaded, draft) if draft else dflash_share(self.model, config.draft_model) if dflash else 0.0
         self.tiers = build_tier_stack(config, self.pool, self.max_model_len, 1 - share)
         self.pager = self._build_pager(config, loaded.fingerprint) if config.resident_blocks else None
         directory = disk_dir(config)
@@ -76,14 +79,20 @@ class LLMEngine:
         self.kv = KVManager(self.pool, self.tiers, self.pager, manifests, beside_disk and beside_disk("partials"),
                             rates_file)
         self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs, config.max_itl_ratio)
+        # a DFlash drafter reads hidden features that only eager steps hand back
         self.runner = ModelRunner(self.model, self.kv, self.device,
-                                  decode_graphs(config, self.model, self.pool, self.max_model_len),
+                                  None if dflash else decode_graphs(config, self.model, self.pool, self.max_model_len),
                                   config.num_threads or TORCH_THREADS)
         self.grammars = GrammarCompiler(self.tokenizer.hf)
         self.speculator = Speculator(config.speculative, config.num_speculative_tokens) if config.speculative \
             else None
-        self.drafter = DraftModel(config, draft, share, self.device, self.pool.num_blocks * self.pool.block_size,
-                                  self.max_model_len, mc.vocab_size) if draft else None
+        pool_tokens = self.pool.num_blocks * self.pool.block_size
+        self.drafter = DraftModel(config, draft, share, self.device, pool_tokens, self.max_model_len,
+                                  mc.vocab_size) if draft else None
+        if dflash:
+            self.drafter = DFlashDrafter(config, self.model, loaded.fingerprint, share, self.device, pool_tokens,
+                                         self.max_model_len)
+            self.runner.feature_layers = self.drafter.feature_layers
         self._arrivals = itertools.count()
         self._ended: list[Sequence] = []     # finished outside a step (aborted, failed): reported by the next step
 
@@ -183,16 +192,20 @@ class LLMEngine:
         results = self._forward(batch) if batch else []
         due = []       # sequences whose next token is to be sampled, with their logits
         verified = []  # sequences whose verify step appended their tokens
-        for seq, n, result in zip(batch.seqs, batch.num_tokens, results):
+        features = self.runner.features if len(self.runner.features or ()) == len(results) else None
+        for i, (seq, n, result) in enumerate(zip(batch.seqs, batch.num_tokens, results)):
             try:
                 if result is None:
                     raise RuntimeError("the model forward failed for this request")
                 logits, queries = result
+                start = seq.num_computed_tokens
                 if seq.num_drafted(n):
                     self._verify(seq, n, logits, queries)
                     verified.append(seq)
                 elif self._advance(seq, n, queries):
                     due.append((seq, self._processed(seq, logits[-1]), logits[-1]))
+                if features is not None:      # the DFlash drafter's state over what the step computed
+                    self.drafter.observe(seq, start, features[i])
             except Exception as e:     # it belongs to this request: fail it alone, the others go on
                 self._fail(seq, e)
         outputs = [self._output(seq) for seq in self._append_tokens(due) + verified]
@@ -248,6 +261,8 @@ class LLMEngine:
             rooms.append(room)
         if self.speculator.measuring:      # this step only decodes: what a decode step costs now
             rooms = [0] * len(decoding)
+        if isinstance(self.drafter, DFlashDrafter):
+            self.drafter.poll(list(self.scheduler.waiting))
         if self.drafter:
             return self.drafter.propose([(seq, self.speculator.plan(seq.spec, room, len(decoding)))
                                          for seq, room in zip(decoding, rooms)],

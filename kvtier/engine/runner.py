@@ -54,6 +54,8 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs     # decode steps captured as CUDA graphs (or ggml's); None runs every step eagerly
         self.torch_threads = torch_threads
+        self.feature_layers: tuple[int, ...] = ()    # layers whose outputs a drafter reads (eager steps only)
+        self.features: list[torch.Tensor] | None = None   # the last step's, per sequence [its rows, features]
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Pool slots of positions start..end-1 of a sequence, leaving out blocks that are not resident."""
@@ -117,6 +119,7 @@ class ModelRunner:
         and per sequence its captured queries [rows, layers, heads, head_dim] (None where capture is 0). ggml's
         decode steps leave torch on one thread (`restore_threads` gives it back)."""
         capture = capture or [0] * len(batch.seqs)
+        self.features = None
         graphed = self._graphed(batch, capture)
         if len(graphed) == len(batch.seqs):
             return self._run_graphs(batch, graphed), [None] * len(batch.seqs)
@@ -153,7 +156,10 @@ class ModelRunner:
     def _run_eagerly(self, batch: ScheduledBatch, capture: list[int]) -> tuple[list[torch.Tensor], list]:
         self.restore_threads()
         token_ids, meta, out_rows = self.prepare(batch, capture)
+        meta.feature_layers = self.feature_layers
         hidden = self.model(token_ids, self.pool.kv_cache, meta)
+        if meta.features:
+            self.features = list(torch.cat(meta.features, -1).split(batch.num_tokens))
         if any(seq.paged_out is not None for seq in meta.prefills):
             self.kv.forward_done()      # the gathered paged-out K/V it read may be overwritten after it
         queries = [None] * len(batch.seqs)

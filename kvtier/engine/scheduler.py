@@ -93,7 +93,7 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs or batch.preempted:
                 break
-            if seq.kv.waits_for_load:
+            if seq.kv.waits_for_load or seq.drafter_loading:
                 continue
             admitted = self.kv.admit(seq.kv, budget)
             if admitted is None:

@@ -221,6 +221,8 @@ class Decoder(nn.Module):
             for i, layer in enumerate(self.model.layers):
                 meta.layer = i
                 x = layer(x, rope, kv_cache[0, i], kv_cache[1, i], meta)
+                if i in meta.feature_layers:
+                    meta.features.append(x)
             return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor, decode_rows: list[bool] | None = None) -> torch.Tensor:

@@ -1,0 +1,156 @@
+"""`--speculative dflash --draft-model DIR`: a DFlash block drafter (models/dflash.py) proposes each decoding
+sequence's next tokens in one forward, from the target's hidden features over its context.
+
+The drafter's state over a context is the K/V its layers take from the target's features there: written as the
+target computes the tokens (prompt chunks, decode and verify steps; of a verify step only the rows of tokens it
+accepted), into a pool of the drafter's own under a namespace of the drafter's and the target's weights, sealed,
+saved to the host and disk tiers and restored from them as the target's blocks are (its own KV manager, as
+spec/draft_model.py has). So a conversation restored from a tier proposes from its first decode step what the
+uninterrupted one would.
+
+A shadow Sequence per request holds the drafter's state over the target's tokens. It looks its cached
+prefix up as the request arrives (the target's admission waits for a load of it in flight: `waits`), and takes up
+the target's features from where its cached prefix ends. The features of tokens the target did not compute (its
+own cache held them) cannot be had: where the drafter's cached prefix is shorter than the target's, the request is
+not drafted for (`lost`) and decodes as without speculation.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from kvtier.config import Config
+from kvtier.engine.assembly import build_pool, build_tier_stack, disk_dir
+from kvtier.engine.sequence import Sequence, SequenceStatus
+from kvtier.kv.manager import KVManager
+from kvtier.kv.rates import rates_path
+from kvtier.kv.tiers.disk import FINGERPRINTS
+from kvtier.models.decoder import Decoder
+from kvtier.models.dflash import load_dflash
+
+log = logging.getLogger("kvtier.spec")
+
+
+def dflash_share(target: Decoder, path: str) -> float:
+    """The drafter's part of the host and disk budgets: its share of a token's K/V bytes."""
+    from kvtier.models.loader import hf_config
+    layers, mc = hf_config(path), target.config
+    drafter = layers.num_layers * layers.num_kv_heads * layers.head_dim
+    return drafter / (drafter + mc.num_layers * mc.num_kv_heads * mc.head_dim)
+
+
+class DFlashDrafter:
+    def __init__(self, config: Config, target: Decoder, fingerprint: str, share: float, device: torch.device,
+                 pool_tokens: int, max_model_len: int):
+        directory = disk_dir(config)
+        self.model, own = load_dflash(os.path.expanduser(config.draft_model), target.config, config.torch_dtype,
+                                      device, directory and os.path.join(directory, FINGERPRINTS))
+        self.target = target
+        cfg = self.model.config
+        self.block_size, self.mask_token_id, self.feature_layers = cfg.block_size, cfg.mask_token_id, \
+            cfg.target_layer_ids
+        # its K/V depend on the target's weights too
+        self.pool = build_pool(config, cfg.layers, f"{own}+{fingerprint}", device, "dflash", pool_tokens)
+        self.kv = KVManager(self.pool, build_tier_stack(config, self.pool, max_model_len, share), None, None,
+                            directory and os.path.join(directory, "partials"),
+                            directory and rates_path(os.path.join(directory, "rates"), self.pool.namespace, device))
+        self.name = os.path.basename(os.path.abspath(config.draft_model))
+        self.shadows: dict[str, Sequence] = {}
+        self.lost: set[str] = set()       # requests whose target computed past a gap in the drafter's context
+
+    def attach(self, seq: Sequence, root_key: bytes | None) -> None:
+        shadow = Sequence(seq.request_id, seq.token_ids, seq.params, None, seq.arrival)
+        shadow.kv = self.kv.new_state(seq.request_id, shadow.token_ids, len(seq.token_ids) + seq.params.max_tokens,
+                                      root_key)
+        self.shadows[seq.request_id] = shadow
+
+    def poll(self, waiting: list[Sequence]) -> None:
+        """Each step: landed copies, and lookups of the waiting requests' drafter prefixes below the device; a
+        request waits to be admitted while its drafter prefix loads (`Sequence.drafter_loading`)."""
+        self.kv.poll()
+        shadows = [self.shadows[s.request_id] for s in waiting]
+        self.kv.start_loads([shadow.kv for shadow in shadows])
+        for seq, shadow in zip(waiting, shadows):
+            seq.drafter_loading = shadow.kv.loading
+
+    def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
+        """The target computed the sequence's tokens from `start` to its num_computed_tokens, these rows' features
+        [rows, F] (a verify step's rejected rows among them, past num_computed_tokens): the drafter's K/V there."""
+        shadow = self.shadows.get(seq.request_id)
+        if shadow is None or seq.request_id in self.lost:
+            return
+        shadow.token_ids += seq.token_ids[len(shadow.token_ids):]
+        if shadow.status is not SequenceStatus.RUNNING:
+            self._admit(shadow)
+        end = seq.num_computed_tokens
+        if not start <= shadow.num_computed_tokens or shadow.kv.compute_first:
+            self.lost.add(seq.request_id)     # a gap: the features before `start` are nowhere
+            return
+        first = shadow.num_computed_tokens
+        if first >= end:
+            return
+        if not self.kv.reserve(shadow.kv, end):
+            self.lost.add(seq.request_id)     # the drafter's pool is full: this request goes on without it
+            return
+        positions = torch.arange(first, end, device=features.device)
+        slots = torch.tensor([shadow.kv.block_table[p // self.pool.block_size] * self.pool.block_size +
+                              p % self.pool.block_size for p in range(first, end)], device=features.device)
+        with torch.inference_mode():
+            for i, (k, v) in enumerate(self.model.context_kv(features[first - start:end - start], positions)):
+                self.pool.kv_cache[0, i].index_copy_(0, slots, k.to(self.pool.kv_cache.dtype))
+                self.pool.kv_cache[1, i].index_copy_(0, slots, v.to(self.pool.kv_cache.dtype))
+        shadow.num_computed_tokens = end
+        self.kv.commit(shadow.kv, end, None, False, False)
+
+    def _admit(self, shadow: Sequence) -> None:
+        """Its cached prefix (device cache, or a load that landed), as the target is admitted."""
+        admitted = self.kv.admit(shadow.kv, 0)
+        if admitted is not None:
+            shadow.status, shadow.num_computed_tokens = SequenceStatus.RUNNING, admitted[0]
+
+    def propose(self, wanted: list[tuple[Sequence, int]], prefilling: list[Sequence]) -> float:
+        """Set each sequence's draft (up to k tokens) from one block forward each. Returns the seconds it took (the
+        prefilling sequences' drafter state is written from their own steps' features: `observe`)."""
+        start = time.perf_counter()
+        for seq, k in wanted:
+            shadow = self.shadows.get(seq.request_id)
+            seq.draft = []
+            if k <= 0 or shadow is None or seq.request_id in self.lost or \
+                    shadow.num_computed_tokens != len(seq.token_ids) - 1:
+                continue
+            seq.draft = self._block(shadow, seq)[:k]
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _block(self, shadow: Sequence, seq: Sequence) -> list[int]:
+        n, bs = shadow.num_computed_tokens, self.pool.block_size
+        table = torch.tensor(shadow.kv.block_table[:-(-n // bs)], dtype=torch.long)
+        slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:n].to(self.pool.kv_cache.device)
+        context = [(self.pool.kv_cache[0, i][slots], self.pool.kv_cache[1, i][slots])
+                   for i in range(len(self.model.layers))]
+        device = self.pool.kv_cache.device
+        ids = torch.tensor([seq.token_ids[-1]] + [self.mask_token_id] * (self.block_size - 1), device=device)
+        embedded = self.target.model.embed_tokens(ids)
+        hidden = self.model.block(embedded, torch.arange(n, n + self.block_size, device=device), context)
+        return self.target.logits(hidden[1:]).argmax(-1).tolist()
+
+    def end(self, seq: Sequence) -> None:
+        """The request finished: as the target's, its drafter state is kept for a next turn if it stopped or reached
+        its length, else given back."""
+        shadow = self.shadows.pop(seq.request_id)
+        self.lost.discard(seq.request_id)
+        if shadow.status is SequenceStatus.RUNNING and seq.finish_reason in ("stop", "length"):
+            shadow.token_ids += seq.token_ids[len(shadow.token_ids):]
+            self.kv.finish(shadow.kv)
+        else:
+            self.kv.release(shadow.kv)
+
+    def shutdown(self) -> None:
+        self.kv.shutdown()
+
+    def stats(self) -> dict:
+        return {"model": self.name, "num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,
+                "num_cached_blocks": self.pool.num_cached_blocks, "lost_requests": len(self.lost), **self.kv.stats()}

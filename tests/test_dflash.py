@@ -1,0 +1,137 @@
+"""Speculative decoding with a DFlash block drafter (--speculative dflash --draft-model DIR), random weights: the
+target's output unchanged, and the drafter's state over a conversation (K/V from the target's hidden features)
+cached, saved and restored from the tiers, so a restored conversation proposes what the uninterrupted one does."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_draft_model import counts, record_drafts
+from test_speculation import BS, engine_for, prompt, run
+
+from kvtier.config import Config, ConfigError
+from kvtier.engine.sampling_params import SamplingParams
+from kvtier.kv.keys import chain_keys
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+BLOCK = 5          # the drafter proposes 4 tokens after the last one
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(tmp_path_factory, tiny_model_dir):
+    """A one-layer DFlash drafter of random weights for the tiny model, as z-lab lays a checkpoint out."""
+    with open(f"{tiny_model_dir}/config.json") as f:
+        target = json.load(f)
+    hidden, heads, kv_heads, head_dim, ff = target["hidden_size"], 4, 2, 16, 128
+    path = tmp_path_factory.mktemp("dflash")
+    config = {"model_type": "qwen3", "architectures": ["DFlashDraftModel"], "hidden_size": hidden,
+              "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "head_dim": head_dim, "intermediate_size": ff, "vocab_size": target["vocab_size"],
+              "max_position_embeddings": target["max_position_embeddings"], "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "block_size": BLOCK, "num_target_layers": target["num_hidden_layers"],
+              "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": 3}}
+    (path / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(3)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * shape[-1] ** -0.5
+    layer = {"self_attn.q_proj.weight": w(heads * head_dim, hidden), "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+             "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden), "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+             "self_attn.q_norm.weight": torch.ones(head_dim), "self_attn.k_norm.weight": torch.ones(head_dim),
+             "input_layernorm.weight": torch.ones(hidden), "post_attention_layernorm.weight": torch.ones(hidden),
+             "mlp.gate_proj.weight": w(ff, hidden), "mlp.up_proj.weight": w(ff, hidden), "mlp.down_proj.weight": w(hidden, ff)}
+    weights = {f"layers.0.{name}": t for name, t in layer.items()} | {
+        "fc.weight": w(hidden, 2 * hidden), "hidden_norm.weight": torch.ones(hidden), "norm.weight": torch.ones(hidden)}
+    save_file(weights, path / "model.safetensors")
+    return str(path)
+
+
+def drafting(target, drafter, **kw):
+    """Every sequence proposes all the drafter gives (rows that cost nothing): steps that do not depend on timing."""
+    engine = engine_for(target, "dflash", draft_model=drafter, num_speculative_tokens=BLOCK - 1, **kw)
+    engine.speculator.draft_cost = lambda k: 0.0
+    return engine
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    return engine_for(tiny_model_dir, None)
+
+
+def test_the_drafter_changes_nothing_but_the_steps(plain, tiny_model_dir, dflash_dir):
+    prompts = [prompt(i) for i in range(3)]
+    engine = drafting(tiny_model_dir, dflash_dir)
+    for params in (GREEDY, SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=7)):
+        assert [o["tokens"] for o in run(engine, prompts, params)] == \
+            [o["tokens"] for o in run(plain, prompts, params)]
+    assert counts(engine)[1] > 0 and engine.stats()["speculation"]["method"] == "dflash"
+    assert engine.drafter.pool.num_free_blocks == engine.drafter.pool.num_blocks
+
+
+def test_the_drafters_state_is_sealed_for_the_conversations_tokens(monkeypatch, tiny_model_dir, dflash_dir):
+    """Its blocks hold the K/V of the target's features at the conversation's own tokens, under a namespace of its
+    own; a next turn writes only its new tokens' K/V."""
+    engine = drafting(tiny_model_dir, dflash_dir)
+    pool = engine.drafter.pool
+    sealed, written = [], []
+    seal, context_kv = pool.seal, engine.drafter.model.context_kv
+    monkeypatch.setattr(pool, "seal", lambda block, key: (sealed.append(key), seal(block, key)))
+    monkeypatch.setattr(engine.drafter.model, "context_kv", lambda f, p: (written.append(len(p)), context_kv(f, p))[1])
+    ids = prompt(9, 70)
+    (out,) = run(engine, [ids], GREEDY)
+    tokens = ids + out["tokens"]
+    full = chain_keys(tokens[:(len(tokens) - 1) // BS * BS], BS, pool.namespace, None)
+    assert pool.namespace not in (engine.pool.namespace,)
+    assert set(sealed[:-1]) == set(full)     # and the finished partial block
+    assert sum(written) == len(tokens) - 1
+    written.clear()
+    follow_up = tokens + prompt(10, 20)
+    run(engine, [follow_up], GREEDY)
+    assert sum(written) < 20 + 40 + BS       # the new message and the answer, not the history
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_restored_conversation_drafts_what_the_uninterrupted_one_does(monkeypatch, tmp_path, tiny_model_dir,
+                                                                         dflash_dir, tier):
+    first_turn = prompt(40, 150)
+    (answer,) = run(engine_for(tiny_model_dir, None), [first_turn], GREEDY)
+    second_turn = first_turn + answer["tokens"] + prompt(41, 30)
+    kept = drafting(tiny_model_dir, dflash_dir)
+    run(kept, [first_turn], GREEDY)
+    expected = record_drafts(monkeypatch, kept)
+    (uninterrupted,) = run(kept, [second_turn], GREEDY)
+    settings = dict(kv_disk_dir=str(tmp_path), prefix_cache=tier == "disk", kv_host_gib=0.05 if tier == "host" else 0,
+                    kv_disk=tier == "disk")
+    engine = drafting(tiny_model_dir, dflash_dir, **settings)
+    run(engine, [first_turn], GREEDY)
+    if tier == "disk":
+        engine.shutdown()
+        engine = drafting(tiny_model_dir, dflash_dir, **settings)
+    drafts = record_drafts(monkeypatch, engine)
+    (restored,) = run(engine, [second_turn], GREEDY)
+    assert restored["tokens"] == uninterrupted["tokens"]
+    assert engine.drafter.stats()["tiers"][tier]["hit_blocks"] >= len(first_turn) // BS - 1
+    assert drafts == expected and drafts[0][0] == len(second_turn) + 1     # from its first decode step
+    assert not engine.drafter.lost
+    engine.shutdown()
+
+
+def test_cancel_while_drafting_frees_both_pools(tiny_model_dir, dflash_dir):
+    engine = drafting(tiny_model_dir, dflash_dir)
+    run(engine, [prompt(7, 100), prompt(8, 90)], GREEDY, abort_after=6)
+    for pool in (engine.pool, engine.drafter.pool):
+        assert pool.num_free_blocks == pool.num_blocks
+    assert not engine.drafter.shadows
+
+
+def test_a_drafter_for_another_model_is_refused(tmp_path, tiny_model_dir, dflash_dir):
+    config = json.loads(open(f"{dflash_dir}/config.json").read())
+    config["dflash_config"]["target_layer_ids"] = [0, 7]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(config))
+    (other / "model.safetensors").write_bytes(open(f"{dflash_dir}/model.safetensors", "rb").read())
+    with pytest.raises(ValueError, match="another target"):
+        drafting(tiny_model_dir, str(other))
+    with pytest.raises(ConfigError, match="go together"):
+        Config(speculative="dflash")
