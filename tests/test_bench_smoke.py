@@ -85,4 +85,4 @@ def test_spec_bench_compares_every_method_on_the_same_turns(tiny_model_dir, tmp_
     text = out.read_text()
     for method in ("off", "ngram", "draft"):
         assert f"| chat | {method} |" in text
-    assert "draft / off on plain chat" in text and "The draft model is" in text
+    assert "draft / off (a model drafting for itself: no target): chat" in text and "The draft model is" in text

@@ -155,10 +155,14 @@ def main(argv: list[str] | None = None) -> None:
              f"{args.conversations} two-turn conversations per workload, greedy, up to {args.max_tokens} tokens per "
              f"turn, --num-speculative-tokens {args.num_speculative_tokens}. Decode tok/s counts the tokens after "
              "each turn's first over the time after it; the hit ratio is cached prompt tokens over prompt tokens, "
-             f"both turns.{drafter} The DFlash proposer is not built yet: no column. What k draft rows added to a "
+             f"both turns.{drafter} No DFlash column: there are no DFlash drafter weights for this model here (a "
+             "random-weight drafter is tested for what it must keep, not timed). What k draft rows added to a "
              f"step (the draft model's rounds included), in decode steps' time per token, as each speculator measured "
              f"it while serving: {costs}.", "", *table(results, names), ""]
-    for name in names[1:]:
+    if "draft" in names:       # the issue's targets are prompt lookup's; a draft model's ratios are measured only
+        lines.append("- draft / off (a model drafting for itself: no target): " + ", ".join(
+            f"{w} {rate[w]['draft'] / rate[w]['off']:.2f}×" for w in rate))
+    for name in (n for n in names[1:] if n != "draft"):
         if "editing" in rate:
             ratio = rate["editing"][name] / rate["editing"]["off"]
             lines.append(f"- {name} / off on editing: {ratio:.2f}× (target ≥ {EDIT_TARGET}×: "
