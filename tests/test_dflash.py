@@ -135,3 +135,12 @@ def test_a_drafter_for_another_model_is_refused(tmp_path, tiny_model_dir, dflash
         drafting(tiny_model_dir, str(other))
     with pytest.raises(ConfigError, match="go together"):
         Config(speculative="dflash")
+
+
+def test_steps_are_timed_as_they_ran(tiny_model_dir, dflash_dir):
+    """The pacer and the speculator measure steps of a few milliseconds, as they are (the features' bookkeeping
+    once clobbered the step's start time)."""
+    engine = drafting(tiny_model_dir, dflash_dir)
+    run(engine, [prompt(3)], GREEDY)
+    assert 0 < engine.scheduler.pacer.decode_seconds < 1
+    assert all(cost < 100 for cost in engine.speculator.draft_costs.values())

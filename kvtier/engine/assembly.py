@@ -39,6 +39,13 @@ def build_pool(config: Config, mc: ModelConfig, fingerprint: str, device: torch.
     return pool
 
 
+def tier_share(drafter: ModelConfig, target: ModelConfig) -> float:
+    """A drafter's part of the host and disk budgets beside its target's: its share of a token's K/V bytes."""
+    def per_token(mc: ModelConfig) -> int:
+        return mc.num_layers * mc.num_kv_heads * mc.head_dim
+    return per_token(drafter) / (per_token(drafter) + per_token(target))
+
+
 def decode_graphs(config: Config, model: Decoder, pool: KVPool, max_model_len: int
                   ) -> DecodeGraphs | GgmlDecodeSteps | None:
     """Decode steps captured as CUDA graphs, where the device and the Triton decode kernel allow them; on CPU

@@ -11,7 +11,7 @@ import torch
 from kvtier.config import Config
 from kvtier.devices import bind_thread
 from kvtier.engine.detokenizer import IncrementalDetokenizer
-from kvtier.engine.assembly import build_pool, build_tier_stack, decode_graphs, disk_dir
+from kvtier.engine.assembly import build_pool, build_tier_stack, decode_graphs, disk_dir, tier_share
 from kvtier.engine.outputs import RequestOutput, RequestRejected
 from kvtier.engine.runner import TORCH_THREADS, ModelRunner
 from kvtier.engine.grammar import GrammarCompiler, GrammarError
@@ -30,9 +30,9 @@ from kvtier.kv.rates import rates_path
 from kvtier.kv.tiers.disk import FINGERPRINTS
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.decoder import Decoder
-from kvtier.models.loader import load_model, resolve_model_path
-from kvtier.spec.dflash import DFlashDrafter, dflash_share
-from kvtier.spec.draft_model import DraftModel, kv_share, load_draft
+from kvtier.models.loader import hf_config, load_model, resolve_model_path
+from kvtier.spec.dflash import DFlashDrafter
+from kvtier.spec.draft_model import DraftModel, load_draft
 from kvtier.spec.speculator import Speculator
 
 log = logging.getLogger("kvtier.engine")
@@ -66,7 +66,8 @@ class LLMEngine:
         dflash = config.speculative == "dflash"
         draft = load_draft(config, loaded) if config.speculative == "draft" else None
         # the draft model's or the drafter's part of the tiers' budgets
-        share = kv_share(loaded, draft) if draft else dflash_share(self.model, config.draft_model) if dflash else 0.0
+        drafter_config = draft.config if draft else hf_config(config.draft_model) if dflash else None
+        share = tier_share(drafter_config, loaded.config) if drafter_config else 0.0
         self.tiers = build_tier_stack(config, self.pool, self.max_model_len, 1 - share)
         self.pager = self._build_pager(config, loaded.fingerprint) if config.resident_blocks else None
         directory = disk_dir(config)
@@ -198,14 +199,14 @@ class LLMEngine:
                 if result is None:
                     raise RuntimeError("the model forward failed for this request")
                 logits, queries = result
-                start = seq.num_computed_tokens
+                first = seq.num_computed_tokens
                 if seq.num_drafted(n):
                     self._verify(seq, n, logits, queries)
                     verified.append(seq)
                 elif self._advance(seq, n, queries):
                     due.append((seq, self._processed(seq, logits[-1]), logits[-1]))
                 if features is not None:      # the DFlash drafter's state over what the step computed
-                    self.drafter.observe(seq, start, features[i])
+                    self.drafter.observe(seq, first, features[i])
             except Exception as e:     # it belongs to this request: fail it alone, the others go on
                 self._fail(seq, e)
         outputs = [self._output(seq) for seq in self._append_tokens(due) + verified]

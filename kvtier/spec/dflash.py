@@ -34,14 +34,6 @@ from kvtier.models.dflash import load_dflash
 log = logging.getLogger("kvtier.spec")
 
 
-def dflash_share(target: Decoder, path: str) -> float:
-    """The drafter's part of the host and disk budgets: its share of a token's K/V bytes."""
-    from kvtier.models.loader import hf_config
-    layers, mc = hf_config(path), target.config
-    drafter = layers.num_layers * layers.num_kv_heads * layers.head_dim
-    return drafter / (drafter + mc.num_layers * mc.num_kv_heads * mc.head_dim)
-
-
 class DFlashDrafter:
     def __init__(self, config: Config, target: Decoder, fingerprint: str, share: float, device: torch.device,
                  pool_tokens: int, max_model_len: int):
@@ -87,13 +79,16 @@ class DFlashDrafter:
             self._admit(shadow)
         end = seq.num_computed_tokens
         if not start <= shadow.num_computed_tokens or shadow.kv.compute_first:
+            log.info("request %s: the DFlash drafter holds %d of the %d tokens the model had cached: no proposals "
+                     "for it", seq.request_id, shadow.num_computed_tokens, start)
             self.lost.add(seq.request_id)     # a gap: the features before `start` are nowhere
             return
         first = shadow.num_computed_tokens
         if first >= end:
             return
         if not self.kv.reserve(shadow.kv, end):
-            self.lost.add(seq.request_id)     # the drafter's pool is full: this request goes on without it
+            log.warning("request %s: the DFlash drafter's pool is full: no proposals for it", seq.request_id)
+            self.lost.add(seq.request_id)
             return
         positions = torch.arange(first, end, device=features.device)
         slots = torch.tensor([shadow.kv.block_table[p // self.pool.block_size] * self.pool.block_size +

@@ -21,7 +21,6 @@ manager hashes), whose `draft` is the target's last token and then the tokens it
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 
@@ -39,8 +38,6 @@ from kvtier.models.decoder import Decoder
 from kvtier.models.loader import LoadedModel, load_model
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 
-log = logging.getLogger("kvtier.spec")
-
 CATCH_UP_ROWS = 8      # a shadow this close to the end feeds the rest as decode rows of its first round
 
 
@@ -53,13 +50,6 @@ def load_draft(config: Config, target: LoadedModel) -> LoadedModel:
         raise ValueError(f"the draft model {config.draft_model} has another tokenizer than the model it drafts for: "
                          "its proposals would be other tokens")
     return loaded
-
-
-def kv_share(target: LoadedModel, draft: LoadedModel) -> float:
-    """The draft's part of the host and disk budgets: its share of a token's K/V bytes."""
-    def per_token(m):
-        return m.config.num_layers * m.config.num_kv_heads * m.config.head_dim
-    return per_token(draft) / (per_token(target) + per_token(draft))
 
 
 class DraftModel:
