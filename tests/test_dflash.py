@@ -144,3 +144,27 @@ def test_steps_are_timed_as_they_ran(tiny_model_dir, dflash_dir):
     run(engine, [prompt(3)], GREEDY)
     assert 0 < engine.scheduler.pacer.decode_seconds < 1
     assert all(cost < 100 for cost in engine.speculator.draft_costs.values())
+
+
+def test_a_block_stops_at_the_drafters_last_position(plain, tiny_model_dir, dflash_dir, caplog):
+    """A prompt that ends next to the context limit: the blocks near it are shortened, never past the drafter's
+    positions (no error), and the answer is the model's."""
+    ids = [(7 * i) % 900 + 20 for i in range(2040)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine = drafting(tiny_model_dir, dflash_dir, kv_pool_tokens=160 * BS)
+    (expected,), (out,) = run(engine_for(tiny_model_dir, None, kv_pool_tokens=160 * BS), [ids], params), \
+        run(engine, [ids], params)
+    assert out["tokens"] == expected["tokens"] and counts(engine)[1] > 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_a_failing_drafter_costs_a_request_its_proposals_not_its_answer(monkeypatch, plain, tiny_model_dir,
+                                                                      dflash_dir):
+    engine = drafting(tiny_model_dir, dflash_dir)
+
+    def broken(features, positions):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(engine.drafter.model, "context_kv", broken)
+    ids = prompt(11)
+    assert run(engine, [ids], GREEDY)[0]["tokens"] == run(plain, [ids], GREEDY)[0]["tokens"]
+    assert counts(engine)[1] == 0 and engine.drafter.pool.num_free_blocks == engine.drafter.pool.num_blocks

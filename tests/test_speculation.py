@@ -517,11 +517,12 @@ def test_a_verify_steps_rows_score_bitwise_as_decode_steps(start):
 def test_a_speculator_that_always_verifies_measures_a_decode_step_now_and_then():
     spec = Speculator("draft", 8)
     for _ in range(REMEASURE_EVERY):
-        assert not spec.measuring
+        assert not spec.measure_now()
         spec.observe_step(decodes=1, drafted=4, seconds=0.03)
-    assert spec.measuring and spec.decode_seconds is None
+    assert spec.measure_now() and spec.decode_seconds is None
+    assert not spec.measure_now()        # once: a step with prompt tokens measures nothing, and speculation goes on
     spec.observe_step(decodes=1, drafted=0, seconds=0.01)
-    assert not spec.measuring and spec.decode_seconds == 0.01
+    assert not spec.measure_now() and spec.decode_seconds == 0.01
     spec.observe_step(decodes=1, drafted=4, seconds=0.03)
     assert spec.draft_cost(4) == pytest.approx(2.0)
 

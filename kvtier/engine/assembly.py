@@ -11,7 +11,10 @@ from kvtier.config import Config
 from kvtier.engine.graphs import DecodeGraphs
 from kvtier.engine.runner import TORCH_THREADS
 from kvtier.kv.keys import namespace
+from kvtier.kv.manager import KVManager
 from kvtier.kv.pool import KVPool, default_pool_tokens
+from kvtier.kv.rates import rates_path
+from kvtier.kv.tiers.disk import FINGERPRINTS
 from kvtier.kv.tiers.host import HostTier
 from kvtier.kv.tiers.stack import TierStack, extra_tiers
 from kvtier.kv.tiers.staging import Staging
@@ -25,12 +28,26 @@ log = logging.getLogger("kvtier.engine")
 BUFFER_MAX_BYTES = 1 << 30      # the most host memory each of the mover's read buffers takes
 
 
-def build_pool(config: Config, mc: ModelConfig, fingerprint: str, device: torch.device, role: str = "exact",
-               pool_tokens: int | None = None) -> KVPool:
-    """A model's device pool: pool_tokens tokens (by default --kv-pool-tokens, else a share of free memory). role
-    enters the namespace: the target's exact attention, or a drafter's blocks, which never share a key with it."""
-    per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
-    pool_tokens = pool_tokens or config.kv_pool_tokens or default_pool_tokens(per_token, device)
+def pool_tokens(config: Config, models: list[ModelConfig], device: torch.device, reserve: int = 0) -> int:
+    """The tokens each pool holds: --kv-pool-tokens, else a share of free memory split between the model's pool and
+    its drafter's (each holds as many tokens: every sequence the model runs fits in both). reserve: device bytes a
+    drafter's weights will take."""
+    per_token = sum(KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
+                    for mc in models)
+    return config.kv_pool_tokens or default_pool_tokens(per_token, device, reserve)
+
+
+def tier_share(drafter: ModelConfig, target: ModelConfig) -> float:
+    """A drafter's part of the host and disk budgets beside its target's: its share of a token's K/V bytes."""
+    def per_token(mc: ModelConfig) -> int:
+        return mc.num_layers * mc.num_kv_heads * mc.head_dim
+    return per_token(drafter) / (per_token(drafter) + per_token(target))
+
+
+def build_pool(config: Config, mc: ModelConfig, fingerprint: str, device: torch.device, pool_tokens: int,
+               role: str = "exact") -> KVPool:
+    """A model's device pool of pool_tokens tokens. role enters the namespace: the target's exact attention, or a
+    drafter's blocks, which never share a key with it."""
     ns = namespace(fingerprint, config.dtype, config.block_size, KVPool.LAYOUT, role)
     pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size,
                   pool_tokens, config.torch_dtype, device, ns, config.prefix_cache)
@@ -39,11 +56,18 @@ def build_pool(config: Config, mc: ModelConfig, fingerprint: str, device: torch.
     return pool
 
 
-def tier_share(drafter: ModelConfig, target: ModelConfig) -> float:
-    """A drafter's part of the host and disk budgets beside its target's: its share of a token's K/V bytes."""
-    def per_token(mc: ModelConfig) -> int:
-        return mc.num_layers * mc.num_kv_heads * mc.head_dim
-    return per_token(drafter) / (per_token(drafter) + per_token(target))
+def build_kv(config: Config, pool: KVPool, max_model_len: int, share: float) -> KVManager:
+    """A drafter's KV manager: over host and disk tiers with its share of their budgets, its side stores (partial
+    blocks, rates) beside the disk tier's, as the model's."""
+    directory = disk_dir(config)
+    return KVManager(pool, build_tier_stack(config, pool, max_model_len, share), None, None,
+                     directory and os.path.join(directory, "partials"),
+                     directory and rates_path(os.path.join(directory, "rates"), pool.namespace, pool.kv_cache.device))
+
+
+def digest_cache(config: Config) -> str | None:
+    """Where weight files' digests are remembered: beside the disk cache, whose namespace they name."""
+    return os.path.join(os.path.expanduser(config.kv_disk_dir), FINGERPRINTS) if config.kv_disk else None
 
 
 def decode_graphs(config: Config, model: Decoder, pool: KVPool, max_model_len: int

@@ -11,7 +11,8 @@ import torch
 from kvtier.config import Config
 from kvtier.devices import bind_thread
 from kvtier.engine.detokenizer import IncrementalDetokenizer
-from kvtier.engine.assembly import build_pool, build_tier_stack, decode_graphs, disk_dir, tier_share
+from kvtier.engine.assembly import (build_pool, build_tier_stack, decode_graphs, digest_cache, disk_dir, pool_tokens,
+                                    tier_share)
 from kvtier.engine.outputs import RequestOutput, RequestRejected
 from kvtier.engine.runner import TORCH_THREADS, ModelRunner
 from kvtier.engine.grammar import GrammarCompiler, GrammarError
@@ -27,12 +28,11 @@ from kvtier.kv.manifest import ManifestStore
 from kvtier.kv.pager import CAPTURE_ROWS, Pager, PinRefused
 from kvtier.kv.pool import KVPool
 from kvtier.kv.rates import rates_path
-from kvtier.kv.tiers.disk import FINGERPRINTS
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import hf_config, load_model, resolve_model_path
-from kvtier.spec.dflash import DFlashDrafter
-from kvtier.spec.draft_model import DraftModel, load_draft
+from kvtier.spec.dflash import DFlashDrafter, dflash_weight_bytes
+from kvtier.spec.draft_model import DraftModel, load_draft, weight_bytes
 from kvtier.spec.speculator import Speculator
 
 log = logging.getLogger("kvtier.engine")
@@ -45,8 +45,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
         bind_thread(self.device)      # the thread that builds the engine captures its graphs and warms it up
-        # weight digests are remembered beside the disk cache, whose namespace they name
-        digests = os.path.join(os.path.expanduser(config.kv_disk_dir), FINGERPRINTS) if config.kv_disk else None
+        digests = digest_cache(config)
         path = resolve_model_path(config.model)
         self.weights_mode = config.weights_mode(path)     # what load_model did with the weights (--quantize)
         loaded = load_model(path, config.torch_dtype, digests, self.weights_mode)
@@ -61,13 +60,17 @@ class LLMEngine:
         mc = loaded.config
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        self.pool = build_pool(config, loaded.config, loaded.fingerprint, self.device)
-        ns = self.pool.namespace
         dflash = config.speculative == "dflash"
-        draft = load_draft(config, loaded) if config.speculative == "draft" else None
-        # the draft model's or the drafter's part of the tiers' budgets
-        drafter_config = draft.config if draft else hf_config(config.draft_model) if dflash else None
-        share = tier_share(drafter_config, loaded.config) if drafter_config else 0.0
+        draft = load_draft(config, loaded, self.max_model_len) if config.speculative == "draft" else None
+        drafter_path = config.draft_model and os.path.expanduser(config.draft_model)
+        drafter_config = draft.config if draft else hf_config(drafter_path) if dflash else None
+        # the drafter's pool holds as many tokens as the model's, from one budget; its weights are not on the device yet
+        reserve = weight_bytes(draft.weights.values()) if draft else dflash_weight_bytes(drafter_path) if dflash else 0
+        tokens = pool_tokens(config, [mc] + ([drafter_config] if drafter_config else []), self.device, reserve)
+        self.pool = build_pool(config, mc, loaded.fingerprint, self.device, tokens)
+        ns = self.pool.namespace
+        # the drafter's part of the tiers' budgets
+        share = tier_share(drafter_config, mc) if drafter_config else 0.0
         self.tiers = build_tier_stack(config, self.pool, self.max_model_len, 1 - share)
         self.pager = self._build_pager(config, loaded.fingerprint) if config.resident_blocks else None
         directory = disk_dir(config)
@@ -87,11 +90,10 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer.hf)
         self.speculator = Speculator(config.speculative, config.num_speculative_tokens) if config.speculative \
             else None
-        pool_tokens = self.pool.num_blocks * self.pool.block_size
-        self.drafter = DraftModel(config, draft, share, self.device, pool_tokens, self.max_model_len,
+        self.drafter = DraftModel(config, draft, share, self.device, tokens, self.max_model_len,
                                   mc.vocab_size) if draft else None
         if dflash:
-            self.drafter = DFlashDrafter(config, self.model, loaded.fingerprint, share, self.device, pool_tokens,
+            self.drafter = DFlashDrafter(config, self.model, loaded.fingerprint, share, self.device, tokens,
                                          self.max_model_len)
             self.runner.feature_layers = self.drafter.feature_layers
         self._arrivals = itertools.count()
@@ -225,6 +227,8 @@ class LLMEngine:
         self._ended.clear()
         if not batch and not outputs and self.kv.busy:
             self.kv.wait(timeout=0.05)   # nothing to compute: sleep until a copy lands
+        elif not batch and not outputs and self.drafter and self.drafter.kv.busy:
+            self.drafter.kv.wait(timeout=0.05)
         return outputs
 
     def _forward(self, batch: ScheduledBatch) -> list[tuple[torch.Tensor, torch.Tensor | None] | None]:
@@ -260,14 +264,20 @@ class LLMEngine:
             if seq.kv.residency:      # and its rows' queries are all handed back for the pager
                 room = min(room, bs - 1 - seq.num_computed_tokens % bs, CAPTURE_ROWS - 1)
             rooms.append(room)
-        if self.speculator.measuring:      # this step only decodes: what a decode step costs now
+        if self.speculator.measure_now():      # this step only decodes: what a decode step costs now
             rooms = [0] * len(decoding)
         if isinstance(self.drafter, DFlashDrafter):
             self.drafter.poll(list(self.scheduler.waiting))
         if self.drafter:
-            return self.drafter.propose([(seq, self.speculator.plan(seq.spec, room, len(decoding)))
-                                         for seq, room in zip(decoding, rooms)],
-                                        [seq for seq in self.scheduler.running if seq not in decoding])
+            try:
+                return self.drafter.propose([(seq, self.speculator.plan(seq.spec, room, len(decoding)))
+                                             for seq, room in zip(decoding, rooms)],
+                                            [seq for seq in self.scheduler.running if seq not in decoding])
+            except Exception:      # a drafter's failure costs this step its proposals, never a request its answer
+                log.exception("the drafter failed: this step decodes without proposals")
+                for seq in decoding:
+                    seq.draft = []
+                return 0.0
         for seq, room in zip(decoding, rooms):
             seq.draft = self.speculator.propose(seq.spec, seq.token_ids, room, len(decoding))
         return 0.0
@@ -416,7 +426,7 @@ class LLMEngine:
         if self.speculator:
             stats["speculation"] = self.speculator.stats()
         if self.drafter:
-            stats["speculation"]["draft_model"] = self.drafter.stats()
+            stats["speculation"]["drafter"] = self.drafter.stats()
         if self.pager:
             stats["residency"] = {**self.pager.stats, "host_reserved_bytes": self.pager.host_reserved}
         return stats

@@ -158,8 +158,9 @@ class ModelRunner:
         token_ids, meta, out_rows = self.prepare(batch, capture)
         meta.feature_layers = self.feature_layers
         hidden = self.model(token_ids, self.pool.kv_cache, meta)
-        if meta.features:
-            self.features = list(torch.cat(meta.features, -1).split(batch.num_tokens))
+        if meta.features:      # in the drafter's order of layers
+            features = torch.cat([meta.features[i] for i in self.feature_layers], -1)
+            self.features = list(features.split(batch.num_tokens))
         if any(seq.paged_out is not None for seq in meta.prefills):
             self.kv.forward_done()      # the gathered paged-out K/V it read may be overwritten after it
         queries = [None] * len(batch.seqs)

@@ -29,10 +29,11 @@ class PoolExhausted(RuntimeError):
     """Not enough free blocks for an allocation; the caller should have checked can_allocate."""
 
 
-def default_pool_tokens(bytes_per_token: int, device: torch.device) -> int:
+def default_pool_tokens(bytes_per_token: int, device: torch.device, reserve: int = 0) -> int:
+    """reserve: device bytes that something not yet on a CUDA device will take (a drafter's weights)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = free * CUDA_POOL_SHARE
+        budget = max(0, free - reserve) * CUDA_POOL_SHARE
     else:
         budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_POOL_SHARE
     return int(budget // bytes_per_token)

@@ -99,7 +99,7 @@ class AttentionMetadata:
     generated_rows: list[int] = field(default_factory=list)
     captured: list[torch.Tensor] = field(default_factory=list)   # per layer [len(capture_rows), H, D]
     feature_layers: tuple[int, ...] = ()       # layers whose outputs a drafter reads (DFlash)
-    features: list[torch.Tensor] = field(default_factory=list)   # per such layer, its output rows [T, hidden]
+    features: dict[int, torch.Tensor] = field(default_factory=dict)   # such a layer → its output rows [T, hidden]
     layer: int = 0                             # the layer being computed, set by the decoder
     block_size: int = 0
     _kernel_args: dict = field(default_factory=dict)   # built by the first layer, used by every layer

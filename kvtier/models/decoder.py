@@ -222,8 +222,11 @@ class Decoder(nn.Module):
                 meta.layer = i
                 x = layer(x, rope, kv_cache[0, i], kv_cache[1, i], meta)
                 if i in meta.feature_layers:
-                    meta.features.append(x)
-            return self.model.norm(x)
+                    meta.features[i] = x
+            x = self.model.norm(x)
+            if len(self.model.layers) - 1 in meta.feature_layers:      # as transformers hands the last one: normed
+                meta.features[len(self.model.layers) - 1] = x
+            return x
 
     def logits(self, hidden: torch.Tensor, decode_rows: list[bool] | None = None) -> torch.Tensor:
         """decode_rows: which rows are decode tokens' (quantized weights multiply those through ggml)."""

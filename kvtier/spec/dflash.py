@@ -23,32 +23,31 @@ import time
 import torch
 
 from kvtier.config import Config
-from kvtier.engine.assembly import build_pool, build_tier_stack, disk_dir
+from kvtier.engine.assembly import build_kv, build_pool, digest_cache
 from kvtier.engine.sequence import Sequence, SequenceStatus
-from kvtier.kv.manager import KVManager
-from kvtier.kv.rates import rates_path
-from kvtier.kv.tiers.disk import FINGERPRINTS
 from kvtier.models.decoder import Decoder
 from kvtier.models.dflash import load_dflash
 
 log = logging.getLogger("kvtier.spec")
 
 
+def dflash_weight_bytes(path: str) -> int:
+    """What a DFlash drafter's weights take on the device (its safetensors files, about)."""
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
 class DFlashDrafter:
     def __init__(self, config: Config, target: Decoder, fingerprint: str, share: float, device: torch.device,
                  pool_tokens: int, max_model_len: int):
-        directory = disk_dir(config)
         self.model, own = load_dflash(os.path.expanduser(config.draft_model), target.config, config.torch_dtype,
-                                      device, directory and os.path.join(directory, FINGERPRINTS))
+                                      device, digest_cache(config))
         self.target = target
         cfg = self.model.config
         self.block_size, self.mask_token_id, self.feature_layers = cfg.block_size, cfg.mask_token_id, \
             cfg.target_layer_ids
         # its K/V depend on the target's weights too
-        self.pool = build_pool(config, cfg.layers, f"{own}+{fingerprint}", device, "dflash", pool_tokens)
-        self.kv = KVManager(self.pool, build_tier_stack(config, self.pool, max_model_len, share), None, None,
-                            directory and os.path.join(directory, "partials"),
-                            directory and rates_path(os.path.join(directory, "rates"), self.pool.namespace, device))
+        self.pool = build_pool(config, cfg.layers, f"{own}+{fingerprint}", device, pool_tokens, "dflash")
+        self.kv = build_kv(config, self.pool, max_model_len, share)
         self.name = os.path.basename(os.path.abspath(config.draft_model))
         self.shadows: dict[str, Sequence] = {}
         self.lost: set[str] = set()       # requests whose target computed past a gap in the drafter's context
@@ -70,10 +69,18 @@ class DFlashDrafter:
 
     def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
         """The target computed the sequence's tokens from `start` to its num_computed_tokens, these rows' features
-        [rows, F] (a verify step's rejected rows among them, past num_computed_tokens): the drafter's K/V there."""
+        [rows, F] (a verify step's rejected rows among them, past num_computed_tokens): the drafter's K/V there. A
+        failure here costs the request its proposals, never its answer."""
         shadow = self.shadows.get(seq.request_id)
         if shadow is None or seq.request_id in self.lost:
             return
+        try:
+            self._write(seq, shadow, start, features)
+        except Exception:
+            log.exception("request %s: the DFlash drafter failed: no proposals for it", seq.request_id)
+            self.lost.add(seq.request_id)
+
+    def _write(self, seq: Sequence, shadow: Sequence, start: int, features: torch.Tensor) -> None:
         shadow.token_ids += seq.token_ids[len(shadow.token_ids):]
         if shadow.status is not SequenceStatus.RUNNING:
             self._admit(shadow)
@@ -121,22 +128,28 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def _block(self, shadow: Sequence, seq: Sequence) -> list[int]:
+        """The block's proposals; a block shortened where it would pass the drafter's positions."""
         n, bs = shadow.num_computed_tokens, self.pool.block_size
+        size = min(self.block_size, self.model.config.layers.max_position_embeddings - n)
+        if size < 2:
+            return []
         table = torch.tensor(shadow.kv.block_table[:-(-n // bs)], dtype=torch.long)
         slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:n].to(self.pool.kv_cache.device)
         context = [(self.pool.kv_cache[0, i][slots], self.pool.kv_cache[1, i][slots])
                    for i in range(len(self.model.layers))]
         device = self.pool.kv_cache.device
-        ids = torch.tensor([seq.token_ids[-1]] + [self.mask_token_id] * (self.block_size - 1), device=device)
+        ids = torch.tensor([seq.token_ids[-1]] + [self.mask_token_id] * (size - 1), device=device)
         embedded = self.target.model.embed_tokens(ids)
-        hidden = self.model.block(embedded, torch.arange(n, n + self.block_size, device=device), context)
+        hidden = self.model.block(embedded, torch.arange(n, n + size, device=device), context)
         return self.target.logits(hidden[1:]).argmax(-1).tolist()
 
     def end(self, seq: Sequence) -> None:
         """The request finished: as the target's, its drafter state is kept for a next turn if it stopped or reached
         its length, else given back."""
-        shadow = self.shadows.pop(seq.request_id)
+        shadow = self.shadows.pop(seq.request_id, None)
         self.lost.discard(seq.request_id)
+        if shadow is None:
+            return
         if shadow.status is SequenceStatus.RUNNING and seq.finish_reason in ("stop", "length"):
             shadow.token_ids += seq.token_ids[len(shadow.token_ids):]
             self.kv.finish(shadow.kv)

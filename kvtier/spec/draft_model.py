@@ -27,13 +27,10 @@ import time
 import torch
 
 from kvtier.config import Config
-from kvtier.engine.assembly import build_pool, build_tier_stack, decode_graphs, disk_dir
+from kvtier.engine.assembly import build_kv, build_pool, decode_graphs, digest_cache
 from kvtier.engine.runner import TORCH_THREADS, ModelRunner
 from kvtier.engine.scheduler import ScheduledBatch
 from kvtier.engine.sequence import Sequence, SequenceStatus
-from kvtier.kv.manager import KVManager
-from kvtier.kv.rates import rates_path
-from kvtier.kv.tiers.disk import FINGERPRINTS
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import LoadedModel, load_model
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
@@ -41,15 +38,24 @@ from kvtier.models.ggml_decoder import GgmlDecodeSteps
 CATCH_UP_ROWS = 8      # a shadow this close to the end feeds the rest as decode rows of its first round
 
 
-def load_draft(config: Config, target: LoadedModel) -> LoadedModel:
-    """The draft model's weights, checked against the target's tokenizer: a draft proposes token ids."""
+def load_draft(config: Config, target: LoadedModel, max_model_len: int) -> LoadedModel:
+    """The draft model's weights, checked against the target's tokenizer (a draft proposes token ids) and context (it
+    decodes wherever the target does)."""
     path = os.path.expanduser(config.draft_model)
-    digests = os.path.join(disk_dir(config), FINGERPRINTS) if disk_dir(config) else None
-    loaded = load_model(path, config.torch_dtype, digests, config.weights_mode(path))
+    loaded = load_model(path, config.torch_dtype, digest_cache(config), config.weights_mode(path))
     if loaded.tokenizer.hf.get_vocab() != target.tokenizer.hf.get_vocab():
         raise ValueError(f"the draft model {config.draft_model} has another tokenizer than the model it drafts for: "
                          "its proposals would be other tokens")
+    if loaded.config.max_position_embeddings < max_model_len:
+        raise ValueError(f"the draft model {config.draft_model} takes {loaded.config.max_position_embeddings} tokens "
+                         f"of context, the model {max_model_len}: pass --max-model-len "
+                         f"{loaded.config.max_position_embeddings} or a draft model of a longer context")
     return loaded
+
+
+def weight_bytes(weights) -> int:
+    """What a draft model's float weights take on the device (quantized ones stay on CPU)."""
+    return sum(w.nbytes for w in weights if isinstance(w, torch.Tensor))
 
 
 class DraftModel:
@@ -58,11 +64,8 @@ class DraftModel:
         """share: of the host and disk budgets; pool_tokens: as many as the target's pool holds, so that every
         sequence the target runs fits; vocab_size: the target's (a draft's padded rows are never proposed)."""
         self.model = Decoder.from_weights(loaded.config, loaded.weights, config.torch_dtype, device)
-        self.pool = build_pool(config, loaded.config, loaded.fingerprint, device, "draft", pool_tokens)
-        directory = disk_dir(config)
-        self.kv = KVManager(self.pool, build_tier_stack(config, self.pool, max_model_len, share), None, None,
-                            directory and os.path.join(directory, "partials"),
-                            directory and rates_path(os.path.join(directory, "rates"), self.pool.namespace, device))
+        self.pool = build_pool(config, loaded.config, loaded.fingerprint, device, pool_tokens, "draft")
+        self.kv = build_kv(config, self.pool, max_model_len, share)
         self.runner = ModelRunner(self.model, self.kv, device, decode_graphs(config, self.model, self.pool,
                                                                              max_model_len),
                                   config.num_threads or TORCH_THREADS)
@@ -161,7 +164,9 @@ class DraftModel:
         """The target sequence finished: a shadow that stopped or reached its length leaves its blocks (its last,
         partly filled one too) for the next turn, as the target does; any other gives them back (a load in flight
         frees them when it lands)."""
-        shadow = self.shadows.pop(seq.request_id)
+        shadow = self.shadows.pop(seq.request_id, None)
+        if shadow is None:
+            return
         if shadow.status is SequenceStatus.RUNNING and seq.finish_reason in ("stop", "length"):
             self._sync(shadow, seq)
             self.kv.finish(shadow.kv)

@@ -56,7 +56,7 @@ class SpecState:
 
 class Speculator:
     def __init__(self, method: str, max_tokens: int):
-        """method: a Config.speculative it has checked (ngram, draft)."""
+        """method: a Config.speculative it has checked (ngram, draft, dflash)."""
         self.method, self.max_tokens = method, max_tokens
         self.proposed = self.accepted = self.verify_steps = 0     # over every request, for /metrics
         self.decode_seconds: float | None = None     # a step that only decodes, per decoding sequence
@@ -64,11 +64,14 @@ class Speculator:
         self.steps_since_plain = 0                   # steps that verified since the last that only decoded
         self.row_cost_prior = ROW_COST_PRIOR + (ROUND_COST_PRIOR if method == "draft" else 0.0)
 
-    @property
-    def measuring(self) -> bool:
+    def measure_now(self) -> bool:
         """Whether this step should only decode, to measure what a decode step costs now (a new server speculates
-        from its first step, on the prior costs)."""
-        return self.steps_since_plain >= REMEASURE_EVERY
+        from its first step, on the prior costs). Asked once a step: a step it says so for starts the count again,
+        whether or not it could be measured (one carrying prompt tokens is not)."""
+        if self.steps_since_plain < REMEASURE_EVERY:
+            return False
+        self.steps_since_plain = 0
+        return True
 
     def new_state(self) -> SpecState:
         return SpecState()
