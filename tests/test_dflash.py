@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_draft_model import counts, record_drafts
+from test_draft_model import counts, restored_second_turn
 from test_speculation import BS, engine_for, prompt, run
 
 from kvtier.config import Config, ConfigError
@@ -93,22 +93,9 @@ def test_the_drafters_state_is_sealed_for_the_conversations_tokens(monkeypatch, 
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_a_restored_conversation_drafts_what_the_uninterrupted_one_does(monkeypatch, tmp_path, tiny_model_dir,
                                                                          dflash_dir, tier):
-    first_turn = prompt(40, 150)
-    (answer,) = run(engine_for(tiny_model_dir, None), [first_turn], GREEDY)
-    second_turn = first_turn + answer["tokens"] + prompt(41, 30)
-    kept = drafting(tiny_model_dir, dflash_dir)
-    run(kept, [first_turn], GREEDY)
-    expected = record_drafts(monkeypatch, kept)
-    (uninterrupted,) = run(kept, [second_turn], GREEDY)
-    settings = dict(kv_disk_dir=str(tmp_path), prefix_cache=tier == "disk", kv_host_gib=0.05 if tier == "host" else 0,
-                    kv_disk=tier == "disk")
-    engine = drafting(tiny_model_dir, dflash_dir, **settings)
-    run(engine, [first_turn], GREEDY)
-    if tier == "disk":
-        engine.shutdown()
-        engine = drafting(tiny_model_dir, dflash_dir, **settings)
-    drafts = record_drafts(monkeypatch, engine)
-    (restored,) = run(engine, [second_turn], GREEDY)
+    got = restored_second_turn(monkeypatch, tmp_path, tiny_model_dir,
+                               lambda **kw: drafting(tiny_model_dir, dflash_dir, **kw), tier)
+    engine, restored, uninterrupted, drafts, expected, first_turn, second_turn = got.values()
     assert restored["tokens"] == uninterrupted["tokens"]
     assert engine.drafter.stats()["tiers"][tier]["hit_blocks"] >= len(first_turn) // BS - 1
     assert drafts == expected and drafts[0][0] == len(second_turn) + 1     # from its first decode step

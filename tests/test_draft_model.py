@@ -140,27 +140,38 @@ def test_a_conversation_reuses_the_draft_models_cache(monkeypatch, plain, tiny_m
         history = history + out["tokens"] + prompt(30 + turn, 20)
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
-def test_a_restored_conversation_drafts_what_the_uninterrupted_one_does(monkeypatch, tmp_path, tiny_model_dir,
-                                                                         other_draft_dir, tier):
-    """The draft model's blocks of the first turn restored from the host tier (device cache off) or from disk after a
-    restart: the second turn's proposals are the ones an engine that kept everything on the device makes."""
+def restored_second_turn(monkeypatch, tmp_path, tiny_model_dir, make, tier) -> dict:
+    """A two-turn conversation with the drafter `make(**settings)` builds: once kept on the device, once with the
+    first turn restored from the host tier (device cache off) or from disk after a restart. Returns the engine that
+    restored, both second turns' outputs and proposals, and the turns."""
     first_turn = prompt(40, 150)
     (answer,) = run(engine_for(tiny_model_dir, None), [first_turn], GREEDY)
     second_turn = first_turn + answer["tokens"] + prompt(41, 30)
-    kept = drafting(tiny_model_dir, other_draft_dir)
+    kept = make()
     run(kept, [first_turn], GREEDY)
     expected = record_drafts(monkeypatch, kept)
     (uninterrupted,) = run(kept, [second_turn], GREEDY)
     settings = dict(kv_disk_dir=str(tmp_path), prefix_cache=tier == "disk", kv_host_gib=0.05 if tier == "host" else 0,
                     kv_disk=tier == "disk")
-    engine = drafting(tiny_model_dir, other_draft_dir, **settings)
+    engine = make(**settings)
     run(engine, [first_turn], GREEDY)     # stepping until nothing is unfinished waits for its saves too
     if tier == "disk":
         engine.shutdown()
-        engine = drafting(tiny_model_dir, other_draft_dir, **settings)
+        engine = make(**settings)
     drafts = record_drafts(monkeypatch, engine)
     (restored,) = run(engine, [second_turn], GREEDY)
+    return dict(engine=engine, restored=restored, uninterrupted=uninterrupted, drafts=drafts, expected=expected,
+                first_turn=first_turn, second_turn=second_turn)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_restored_conversation_drafts_what_the_uninterrupted_one_does(monkeypatch, tmp_path, tiny_model_dir,
+                                                                         other_draft_dir, tier):
+    """The draft model's blocks of the first turn restored from the host tier (device cache off) or from disk after a
+    restart: the second turn's proposals are the ones an engine that kept everything on the device makes."""
+    got = restored_second_turn(monkeypatch, tmp_path, tiny_model_dir,
+                               lambda **kw: drafting(tiny_model_dir, other_draft_dir, **kw), tier)
+    engine, restored, uninterrupted, drafts, expected, first_turn, second_turn = got.values()
     assert restored["tokens"] == uninterrupted["tokens"]
     assert engine.drafter.stats()["tiers"][tier]["hit_blocks"] >= len(first_turn) // BS - 1
     assert drafts == expected and drafts[0][0] == len(second_turn) + 1     # from its first decode step
@@ -216,23 +227,14 @@ def test_the_server_speculates_with_a_draft_model(tmp_path):
     """`kvtier serve --speculative draft --draft-model` through the openai client: the answer the engine gives
     without speculation, the draft model's counters in /metrics, and its blocks in the disk tier beside the
     target's, under their own namespace."""
-    import httpx
-    from conftest import kvtier_server, scrape
-    from openai import OpenAI
+    from test_speculation import served_and_plain
 
     from kvtier.kv.tiers import inventory
     from kvtier.models.loader import BUNDLED_MODEL
     messages = [{"role": "user", "content": "List the first ten prime numbers, one per line."}]
     args = ["--speculative", "draft", "--draft-model", BUNDLED_MODEL, "--kv-disk-dir", str(tmp_path / "kv"),
             "--kv-host-gib", "0"]
-    with kvtier_server(args, tmp_path / "server.log") as url:
-        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0)
-        metrics = scrape(httpx.Client(base_url=url))
-    engine = LLMEngine(Config(kv_host_gib=0, kv_disk=False))
-    (plain,) = run(engine, [engine.tokenizer.apply_chat_template(messages)], SamplingParams(max_tokens=60,
-                                                                                          temperature=0.0))
+    answer, metrics, engine, plain = served_and_plain(args, messages, tmp_path / "server.log")
     assert answer.choices[0].message.content.strip() == engine.tokenizer.decode(plain["tokens"]).strip()
     assert metrics['kvtier_spec_proposed_tokens_total{method="draft"}'] > 0
     assert len(inventory.survey(str(tmp_path / "kv"))["namespaces"]) == 2      # the target's and the draft's

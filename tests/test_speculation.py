@@ -462,19 +462,14 @@ def test_the_bundled_model_copies_faster_with_the_same_output():
     assert steps[1] < 0.7 * steps[0], steps
 
 
-@pytest.mark.integration
-def test_the_server_speculates_and_reports_it(tmp_path):
-    """`kvtier serve --speculative ngram` through the openai client: the same greedy answer as the engine gives
-    without speculation, its counters in /metrics, and the request's log line saying how many tokens were
-    accepted."""
+def served_and_plain(args: list[str], messages: list[dict], log):
+    """A greedy answer of at most 60 tokens from `kvtier serve ARGS` through the openai client, the server's /metrics
+    after it, and the engine (the bundled model, no speculation) with its own greedy run of the same messages."""
     import httpx
     from openai import OpenAI
 
     from conftest import kvtier_server, scrape
-    log = tmp_path / "server.log"
-    code = "\n".join(f"value_{i} = compute({i}, {i + 1})" for i in range(20))
-    messages = [{"role": "user", "content": f"Repeat these lines exactly:\n\n{code}"}]
-    with kvtier_server(["--speculative", "ngram", "--no-kv-disk", "--kv-host-gib", "0"], log) as url:
+    with kvtier_server(args, log) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         answer = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0)
@@ -482,6 +477,19 @@ def test_the_server_speculates_and_reports_it(tmp_path):
     engine = LLMEngine(Config(kv_host_gib=0, kv_disk=False))
     (plain,) = run(engine, [engine.tokenizer.apply_chat_template(messages)], SamplingParams(max_tokens=60,
                                                                                           temperature=0.0))
+    return answer, metrics, engine, plain
+
+
+@pytest.mark.integration
+def test_the_server_speculates_and_reports_it(tmp_path):
+    """`kvtier serve --speculative ngram` through the openai client: the same greedy answer as the engine gives
+    without speculation, its counters in /metrics, and the request's log line saying how many tokens were
+    accepted."""
+    log = tmp_path / "server.log"
+    code = "\n".join(f"value_{i} = compute({i}, {i + 1})" for i in range(20))
+    messages = [{"role": "user", "content": f"Repeat these lines exactly:\n\n{code}"}]
+    answer, metrics, engine, plain = served_and_plain(["--speculative", "ngram", "--no-kv-disk", "--kv-host-gib",
+                                                       "0"], messages, log)
     assert answer.usage.completion_tokens == len(plain["tokens"])
     assert answer.choices[0].message.content.strip() == engine.tokenizer.decode(plain["tokens"]).strip()
     assert metrics['kvtier_spec_accepted_tokens_total{method="ngram"}'] > 0

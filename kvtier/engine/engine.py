@@ -269,10 +269,11 @@ class LLMEngine:
         if isinstance(self.drafter, DFlashDrafter):
             self.drafter.poll(list(self.scheduler.waiting))
         if self.drafter:
+            decoding_now = set(decoding)
+            prefilling = [seq for seq in self.scheduler.running if seq not in decoding_now]
             try:
                 return self.drafter.propose([(seq, self.speculator.plan(seq.spec, room, len(decoding)))
-                                             for seq, room in zip(decoding, rooms)],
-                                            [seq for seq in self.scheduler.running if seq not in decoding])
+                                             for seq, room in zip(decoding, rooms)], prefilling)
             except Exception:      # a drafter's failure costs this step its proposals, never a request its answer
                 log.exception("the drafter failed: this step decodes without proposals")
                 for seq in decoding:

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from kvtier.models.config import ModelConfig
-from kvtier.models.decoder import MLP, RMSNorm, RotaryEmbedding, apply_rope
+from kvtier.models.decoder import DecoderLayer, RMSNorm, RotaryEmbedding, apply_rope
 from kvtier.models.loader import _safetensors_files, fingerprint, hf_config
 
 
@@ -52,7 +52,9 @@ class DFlashAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(len(x), self.kv_heads, self.head_dim))
         return apply_rope(k, *rope), self.v_proj(x).view(len(x), self.kv_heads, self.head_dim)
 
-    def forward(self, x: torch.Tensor, rope, context_k: torch.Tensor, context_v: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, context_k: torch.Tensor, context_v: torch.Tensor,
+                meta=None) -> torch.Tensor:
+        """meta: unused (the decoder layer's call passes its attention metadata)."""
         q = apply_rope(self.q_norm(self.q_proj(x).view(len(x), self.heads, self.head_dim)), *rope)
         k, v = self.kv(x, rope)
         k, v = torch.cat([context_k, k]), torch.cat([context_v, v])
@@ -62,17 +64,12 @@ class DFlashAttention(nn.Module):
         return self.o_proj(o.transpose(0, 1).reshape(len(x), -1))
 
 
-class DFlashLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DFlashAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+class DFlashLayer(DecoderLayer):
+    """A decoder layer (norms, MLP) whose attention reads the drafter's context instead of the paged pool."""
 
-    def forward(self, x: torch.Tensor, rope, context_k: torch.Tensor, context_v: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, context_k, context_v)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.self_attn = DFlashAttention(cfg)
 
 
 class DFlash(nn.Module):
@@ -98,7 +95,7 @@ class DFlash(nn.Module):
         rope = self.rope(positions, embedded.dtype)
         x = embedded
         for layer, (k, v) in zip(self.layers, context):
-            x = layer(x, rope, k, v)
+            x = layer(x, rope, k, v, None)
         return self.norm(x)
 
 
