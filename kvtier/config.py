@@ -1,6 +1,7 @@
 """One validated configuration for the engine and the server."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 
@@ -42,8 +43,8 @@ class Config:
     device: str = field(default_factory=lambda: os.environ.get("KVTIER_DEVICE", "cpu"))
     # None → $KVTIER_DTYPE, else bfloat16 on CUDA and float32 on CPU
     dtype: str | None = field(default_factory=lambda: os.environ.get("KVTIER_DTYPE"))
-    # weights: auto (a GGUF's quantized tensors kept as they are on CPU, float32), none (every weight in dtype),
-    # int8 | int4 (every projection quantized at load: Q8_0 / Q4_0 blocks of 32; CPU, float32)
+    # weights: auto (a GGUF's quantized tensors kept as they are: on CPU in float32, on CUDA with Triton), none
+    # (every weight in dtype), int8 | int4 (every projection quantized at load: Q8_0 / Q4_0 blocks of 32)
     quantize: str = "auto"
     block_size: int | None = None         # None → 64, or 16 under bounded residency
     kv_pool_tokens: int | None = None     # None → a share of free device memory
@@ -98,9 +99,9 @@ class Config:
             raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
         if self.quantize not in QUANTIZE_MODES:
             raise ConfigError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}")
-        if self.quantize in ("int8", "int4") and (device.type != "cpu" or self.dtype != "float32"):
-            raise ConfigError(f"--quantize {self.quantize} runs on CPU in float32 only so far (no GPU kernels for "
-                              "quantized weights yet)")
+        if self.quantize in ("int8", "int4") and not self._quantized_kernels(device):
+            raise ConfigError(f"--quantize {self.quantize} runs on CPU in float32 (ggml's kernels) or on CUDA "
+                              "with Triton installed (kvtier's kernels)")
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got "
                               f"{self.speculative!r}")
@@ -195,9 +196,15 @@ class Config:
         """What load_model does with the weights: quantize resolved for this model file, device and dtype."""
         if self.quantize != "auto":
             return self.quantize
+        return "gguf" if os.path.isfile(model_path) and self._quantized_kernels(torch.device(self.device)) else "none"
+
+    def _quantized_kernels(self, device: torch.device) -> bool:
+        """Whether kernels that multiply quantized weights run here: ggml's on CPU (float32 activations), kvtier's
+        Triton ones on CUDA."""
         from kvtier.models import ggml
-        cpu_float32 = torch.device(self.device).type == "cpu" and self.dtype == "float32"
-        return "gguf" if cpu_float32 and os.path.isfile(model_path) and ggml.available() else "none"
+        if device.type == "cpu":
+            return self.dtype == "float32" and ggml.available()
+        return importlib.util.find_spec("triton") is not None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 from gguf_files import write_gguf
 from kvtier.config import Config, ConfigError, cache_home
 from kvtier.engine.engine import LLMEngine
+from kvtier.engine.graphs import DecodeGraphs
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import ScheduledBatch
 from kvtier.engine.sequence import Sequence
@@ -31,21 +32,22 @@ TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key
 BLOCK = 16
 
 
-def tiny_gguf(path, config_cls=LlamaConfig, qtype=Q.Q8_0, **overrides) -> str:
-    """A random model whose logits are peaked enough (LM head scaled up) for perplexity to tell types apart."""
+def tiny_gguf(path, config_cls=LlamaConfig, qtype=Q.Q8_0, types: dict[str, Q] | None = None, **overrides) -> str:
+    """A random model whose logits are peaked enough (LM head scaled up) for perplexity to tell types apart; every
+    matrix in qtype, or as `types` says by module name."""
     torch.manual_seed(0)
     hf_cfg = config_cls(**TINY, tie_word_embeddings=False, **overrides)
     weights = {n: w.detach() for n, w in AutoModelForCausalLM.from_config(hf_cfg).state_dict().items()}
     weights["lm_head.weight"] *= 10
     types = dict.fromkeys(("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                           "down_proj", "lm_head"), qtype)
+                           "down_proj", "lm_head"), qtype) | (types or {})
     write_gguf(path, hf_cfg.model_type, hf_cfg, weights, types)
     return str(path)
 
 
-def decoder(path: str, quantized: bool) -> Decoder:
+def decoder(path: str, quantized: bool, packed: bool = False) -> Decoder:
     config, weights, _ = read_gguf(path, torch.float32, keep_quantized=quantized)
-    return Decoder.from_weights(config, weights, torch.float32, torch.device("cpu"))
+    return Decoder.from_weights(config, weights, torch.float32, torch.device("cpu"), packed=packed)
 
 
 def pool_for(model: Decoder, tokens: int = 1024) -> KVPool:
@@ -141,6 +143,26 @@ def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, ov
     assert steps.steps == 3 * (len(texts[0]) - 2)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter runs the CUDA kernels")
+def test_the_cuda_kernels_score_as_the_dequantized_weights(tmp_path):
+    """What CUDA runs (Triton's kernels over packed blocks), here in Triton's interpreter: a decoder of mixed types,
+    one of them (Q5_0) without a kernel, against the float32 path over the same weights dequantized."""
+    types = {"q_proj": Q.Q5_0, "o_proj": Q.Q4_0, "gate_proj": Q.Q4_1, "up_proj": Q.Q4_1, "down_proj": Q.Q6_K,
+             "embed_tokens": Q.Q8_0, "lm_head": Q.Q5_K}
+    path = tiny_gguf(tmp_path / "m.gguf", qtype=Q.Q4_K, types=types)
+    packed, float32 = decoder(path, quantized=True, packed=True), decoder(path, quantized=False)
+    assert isinstance(packed.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)     # Q5_0 beside Q4_K: dequantized
+    kinds = {name: [p.type_name for p in m.parts] for name, m in packed.named_modules()
+             if isinstance(m, QuantizedLinear) and name.startswith(("model.layers.0.", "lm_head"))}
+    assert kinds == {"model.layers.0.self_attn.o_proj": ["Q4_0"], "model.layers.0.mlp.gate_up_proj": ["Q4_1"],
+                     "model.layers.0.mlp.down_proj": ["Q6_K"], "lm_head": ["Q5_K"]}
+    assert isinstance(packed.model.embed_tokens, QuantizedEmbedding)
+    text, table = [TEXT[:8]], [[0]]
+    want = teacher_forced(float32, text, table)
+    got = teacher_forced(packed, text, table)     # the first token a prompt row, the rest decode rows
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
 def test_quantize_int8_and_int4_at_load(tiny_model_dir):
     loaded = {mode: load_model(tiny_model_dir, quantize=mode) for mode in ("none", "int8", "int4")}
     assert len({m.fingerprint for m in loaded.values()}) == 3       # their KV never mixes
@@ -168,14 +190,18 @@ def test_quantized_weights_are_refused_where_no_kernel_runs_them():
 
 
 @pytest.mark.integration
-def test_the_bundled_model_in_its_blocks(tmp_path):
-    """The bundled Q4_1 file: in about its own memory, first-token logits near the dequantized float32 path's, and
-    greedy output the same wherever the float32 path's top two tokens are not near-tied."""
-    engines = {mode: LLMEngine(Config(device="cpu", quantize=mode, kv_pool_tokens=4096, kv_disk=False,
-                                      kv_host_gib=0))
+@pytest.mark.parametrize("device, dtype, steps, tie", [("cpu", "float32", GgmlDecodeSteps, 0.3),
+                                                       pytest.param("cuda", "bfloat16", DecodeGraphs, 0.5,
+                                                                    marks=pytest.mark.gpu)], ids=["cpu", "cuda"])
+def test_the_bundled_model_in_its_blocks(device, dtype, steps, tie):
+    """The bundled Q4_1 file (ggml's kernels on CPU, decode steps as ggml graphs; kvtier's Triton kernels on CUDA,
+    decode steps as CUDA graphs): in about its own memory, first-token logits near the same weights dequantized, and
+    greedy output the same wherever the dequantized path's top two tokens are not near-tied."""
+    engines = {mode: LLMEngine(Config(device=device, dtype=dtype, quantize=mode, kv_pool_tokens=4096,
+                                      kv_disk=False, kv_host_gib=0))
                for mode in ("auto", "none")}
     quantized = engines["auto"].model
-    assert quantized.quantized and isinstance(engines["auto"].runner.graphs, GgmlDecodeSteps)
+    assert quantized.quantized and isinstance(engines["auto"].runner.graphs, steps)
     assert weight_bytes(quantized) <= 1.2 * tensor_bytes(BUNDLED_MODEL)
     prompts = ["What is the capital of France?", "Write a haiku about the sea.",
                "Explain in two sentences why the sky is blue.", "List three prime numbers and say why they are prime."]
@@ -195,7 +221,7 @@ def test_the_bundled_model_in_its_blocks(tmp_path):
         first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if first is not None:     # a near-tie, which the quantized activations' rounding decides
             top2 = next_logits(engines["none"], ids + want[:first]).topk(2)
-            assert top2.values[0] - top2.values[1] < 0.3 and got[first] in top2.indices, (prompt, first)
+            assert top2.values[0] - top2.values[1] < tie and got[first] in top2.indices, (prompt, first)
 
 
 def next_logits(engine, ids: list[int]) -> torch.Tensor:

@@ -3,8 +3,9 @@
 
     make gpu-check                                   # python3 -m kvtier.bench.gpu_check --report gpu-check.md
 
-Each step runs in its own process under a time limit (all of them within 10 minutes on one H100); one that
-fails or runs out of time is reported and the next one runs. The benchmarks write their sections into the
+Each step runs in its own process under a time limit (about 15 minutes in all on one H100; `--only` picks steps by
+name, so that two calls of 10 minutes each cover them); one that fails or runs out of time is reported and the next
+one runs. The benchmarks write their sections into the
 report, as they do into docs/BENCHMARKS.md. --dry runs the same steps on CPU at toy sizes (one test file only
 collected, the benchmarks on a tiny shape), so that CI keeps the check working.
 """
@@ -47,12 +48,17 @@ def steps(report: str, dry: bool) -> list[Step]:
     # a test module whose client library is not on the GPU machine is reported, the rest runs
     return [Step("test suite on CUDA", ["pytest", "-q", "--durations=10", "--continue-on-collection-errors", "tests"],
                  330, {"KVTIER_DEVICE": "cuda"}),
+            # int4 weights (Q4_0 blocks, kvtier's Triton kernels) beside bfloat16 ones and transformers
             Step("throughput, Llama-3.2-1B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.2-1b",
-                                                    "--prefill-lengths", "512,2048,8192", "--decode-batch", "1,8,64",
-                                                    *out], 60),
+                                                    "--quantize", "int4", "--prefill-lengths", "512,2048,8192",
+                                                    "--decode-batch", "1,8,64", *out], 120),
             Step("throughput, Llama-3.1-8B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.1-8b",
-                                                    "--prefill-lengths", "2048,8192", "--decode-batch", "1,16",
-                                                    *out], 90),
+                                                    "--quantize", "int4", "--prefill-lengths", "2048,8192",
+                                                    "--decode-batch", "1,16", *out], 240),
+            # a GGUF file's K-quants (Q4_K, Q6_K) kept as they are, beside the same weights dequantized
+            Step("throughput, Mistral-7B Q4_K_M GGUF shape",
+                 ["kvtier.bench.throughput", *cuda, "--shape", "mistral-7b-q4_k_m", "--no-transformers",
+                  "--prefill-lengths", "2048", "--decode-batch", "1,16", *out], 240),
             Step("multi-turn TTFT, Llama-3.2-1B shape", ["kvtier.bench.ttft", *cuda, "--shape", "llama-3.2-1b",
                                                          "--lengths", "1800,4096,16384", *out], 60),
             Step("inter-token latency, Llama-3.2-1B shape", ["kvtier.bench.itl", *cuda, "--shape", "llama-3.2-1b",
@@ -84,8 +90,8 @@ def device_line(dry: bool) -> str:
             f"CUDA {torch.version.cuda}")
 
 
-def render(results: list[dict], machine: str, command: str) -> str:
-    lines = [SECTION, "", f"Machine: {machine}.", "", f"Command: `{command}`", "",
+def render(results: list[dict], machine: str, command: str, heading: str) -> str:
+    lines = [heading, "", f"Machine: {machine}.", "", f"Command: `{command}`", "",
              "| step | command | status | seconds |", "| --- | --- | --- | ---: |"]
     for r in results:
         lines.append(f"| {r['step'].name} | `python -m {' '.join(r['step'].argv)}` | {r['status']} | "
@@ -100,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--report", default="gpu-check.md", help="the report file (default: %(default)s)")
     p.add_argument("--dry", action="store_true", help="on CPU at toy sizes: checks that the check works")
+    p.add_argument("--only", default="", help="run only the steps whose names contain this text")
     args = p.parse_args(argv)
     if not args.dry:
         import torch
@@ -107,12 +114,14 @@ def main(argv: list[str] | None = None) -> int:
             print("no CUDA device: run with --dry on a machine without one", file=sys.stderr)
             return 2
     report = os.path.abspath(args.report)
-    if os.path.exists(report):        # no section of an earlier run may pass for this one's
+    if os.path.exists(report) and not args.only:        # no section of an earlier run may pass for this one's
         os.remove(report)
-    write_section(report, SECTION + "\n\nrunning\n")     # first in the file, the benchmarks' sections after it
-    results = [run_step(step) for step in steps(report, args.dry)]
-    command = "python3 -m kvtier.bench.gpu_check" + (" --dry" if args.dry else "")
-    write_section(report, render(results, device_line(args.dry), command))
+    heading = SECTION + (f": the steps named '{args.only}'" if args.only else "")     # one section per call
+    write_section(report, heading + "\n\nrunning\n")     # first in the file, the benchmarks' sections after it
+    results = [run_step(step) for step in steps(report, args.dry) if args.only in step.name]
+    command = "python3 -m kvtier.bench.gpu_check" + (" --dry" if args.dry else "") + \
+        (f" --only '{args.only}'" if args.only else "")
+    write_section(report, render(results, device_line(args.dry), command, heading))
     print(f"wrote {report}")
     return 0 if all(r["status"] == "passed" for r in results) else 1
 

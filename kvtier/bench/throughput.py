@@ -42,6 +42,7 @@ FLOOR_B1_TARGET = 0.7      # kvtier batch 1 / the bandwidth floor, on a GPU
 LLAMA_DECODE_TARGET = 1.0   # kvtier batch 1 / llama.cpp batch 1, same GGUF file
 LLAMA_PREFILL_TARGET = 1.2  # kvtier / llama.cpp prefill at 2048 and 4096 tokens
 MEMORY_TARGET = 1.2         # kvtier's weights in memory / a GGUF file's tensor bytes
+QUANTIZED_GPU_TARGET = 2.0  # kvtier batch 1 with quantized weights / with bfloat16 weights, on CUDA
 # seconds between two engines' runs: the threads of the one that ran (llama.cpp's poll for work, torch's spin after
 # a parallel region) go idle before the next is timed on the same cores
 PAUSE = 0.3
@@ -183,7 +184,7 @@ def contestants(eng: LLMEngine, float_eng: LLMEngine | None, hf, llama: llama_cp
                 lambda prompts, n, tag: kvtier_decode(e, prompts, n, tag))
     found = {"kvtier": kvtier(eng)}
     if float_eng is not None:
-        found["kvtier float32"] = kvtier(float_eng)
+        found[f"kvtier {float_eng.config.dtype}"] = kvtier(float_eng)
     if hf is not None:
         found["transformers"] = (lambda prompt, tag: hf_prefill(hf, prompt, device),
                                  lambda prompts, n, tag: hf_decode(hf, prompts, n, device))
@@ -280,10 +281,16 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
         targets.append(target(f"weights in memory ≤ {MEMORY_TARGET:.1f}× the GGUF's tensors",
                               {"weights / file": weight_bytes(eng.model) / results["file_tensor_bytes"]},
                               MEMORY_TARGET, above=False))
-    if "kvtier float32" in names:
+    dequantized = f"kvtier {eng.config.dtype}"      # kvtier with every weight in dtype, beside quantized ones
+    if dequantized in names and args.device == "cpu":
         targets.append(target("prefill no slower than with float32 weights",
-                              {length: tps["kvtier"] / tps["kvtier float32"] for length, tps in prefill.items()},
+                              {length: tps["kvtier"] / tps[dequantized] for length, tps in prefill.items()},
                               1.0))
+    if dequantized in names and args.device.startswith("cuda"):
+        targets.append(target(f"batch-1 decode with quantized weights ≥ {QUANTIZED_GPU_TARGET:.0f}× with "
+                              f"{eng.config.dtype} weights (CUDA)",
+                              {1: decode[1]["kvtier"] / decode[1][dequantized]} if 1 in decode else {},
+                              QUANTIZED_GPU_TARGET))
     if args.device.startswith("cuda") and 1 in decode:
         share = decode[1]["kvtier"] / results["floor"][1]
         targets.append(f"- batch-1 decode ≥ {FLOOR_B1_TARGET:.0%} of the floor (CUDA): "
@@ -360,8 +367,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="kvtier's weights (kvtier serve --quantize)")
     p.add_argument("--no-transformers", action="store_true", help="leave transformers out (a 7B model in float32)")
     p.add_argument("--no-float", action="store_true",
-                   help="leave out kvtier with float32 weights beside quantized ones (a 7B model's float32 "
-                        "weights take 28 GB)")
+                   help="leave out kvtier with every weight in --dtype beside quantized ones (a 7B model's "
+                        "float32 weights take 28 GB)")
     p.add_argument("--decode-context", type=int, default=128, help="prompt length of the decode runs")
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement; the best is reported")
     p.add_argument("--enforce-eager", action="store_true", help="kvtier's decode without CUDA graphs (CUDA)")

@@ -7,6 +7,7 @@ RMSNorm (Qwen3).
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -16,8 +17,10 @@ from torch import nn
 from kvtier.models.attention import AttentionMetadata, paged_attention
 from kvtier.models.config import ModelConfig
 from kvtier.models.products import Linear
-from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding,
-                                     rows_of)
+from kvtier.models.packed import pack, packable
+from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding
+
+log = logging.getLogger("kvtier.models")
 
 
 class RMSNorm(nn.Module):
@@ -145,8 +148,17 @@ def _stacked(values: list) -> torch.Tensor | list[QuantizedWeight]:
     if all(isinstance(v, QuantizedWeight) for v in values):
         return concatenated(values)
     # float and quantized parts in one projection (rare): all of it in float
-    return torch.cat([rows_of(v, torch.arange(v.out_features)) if isinstance(v, QuantizedWeight) else v
+    return torch.cat([v.rows(torch.arange(v.out_features)) if isinstance(v, QuantizedWeight) else v
                       for v in values])
+
+
+def _kernel_ready(name: str, weight, dtype: torch.dtype):
+    """A weight as the packed kernels take it: blocks of a type they multiply as they are, other blocks
+    dequantized."""
+    if not isinstance(weight, QuantizedWeight) or packable(weight.ggml_type):
+        return weight
+    log.info("%s: no GPU kernel multiplies %s blocks; dequantized to %s", name, weight.type_name, dtype)
+    return weight.rows(torch.arange(weight.out_features)).to(dtype)
 
 
 class Backbone(nn.Module):
@@ -173,9 +185,15 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def from_weights(cls, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device: torch.device) -> "Decoder":
+    def from_weights(cls, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device: torch.device,
+                     packed: bool | None = None) -> "Decoder":
         """Build on the meta device, then adopt the checkpoint tensors (no random init, no copy twice). Quantized
-        weights (CPU only, float32 activations) replace their modules with quantized ones."""
+        weights replace their modules with quantized ones: ggml's blocks on CPU (float32 activations), packed for
+        Triton's kernels elsewhere (packed=True takes those on CPU too, in Triton's interpreter: how the tests check
+        them). There, a block type no kernel multiplies is dequantized to dtype."""
+        packed = device.type != "cpu" if packed is None else packed
+        if packed:
+            weights = {k: _kernel_ready(k, v, dtype) for k, v in weights.items()}
         with torch.device("meta"):
             model = cls(cfg)
         weights = fuse_projections(weights)
@@ -189,14 +207,17 @@ class Decoder(nn.Module):
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
         quantized = {k.removesuffix(".weight"): v if isinstance(v, list) else [v] for k, v in weights.items()
                      if isinstance(v, (list, QuantizedWeight))}
-        if quantized and (device.type != "cpu" or dtype != torch.float32):
+        if quantized and not packed and dtype != torch.float32:
             raise ValueError("quantized weights run on CPU in float32 only")
         floats = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()
                   if k.rsplit(".", 1)[0] not in quantized}
         model.load_state_dict(floats, strict=False, assign=True)
         for name, parts in quantized.items():
+            if packed:
+                parts = [pack(p.blocks, p.ggml_type, p.in_features, device, dtype) for p in parts]
+            bias = weights.get(f"{name}.bias")
             module = QuantizedEmbedding(parts[0]) if name == "model.embed_tokens" else \
-                QuantizedLinear(parts, weights.get(f"{name}.bias"))
+                QuantizedLinear(parts, None if bias is None else bias.to(device=device, dtype=dtype))
             model.set_submodule(name, module)
         if cfg.tie_word_embeddings:
             embedding = model.model.embed_tokens

@@ -1,19 +1,23 @@
-"""Weights kept in GGUF's quantized blocks, and the decoder modules that multiply by them on CPU through ggml.
+"""Weights kept in GGUF's quantized blocks, and the decoder modules that multiply by them: on CPU through ggml, on
+CUDA through kvtier's Triton kernels (the blocks repacked once at load: packed.py, triton_quantized.py).
 
-A GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (and ggml's other block types) stay as the file holds them, so
-the weights take the file's memory; `--quantize int8|int4` makes Q8_0 or Q4_0 blocks (weight-only, groups of 32)
-of a float checkpoint the same way.
+A GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (and on CPU ggml's other block types; on CUDA those are
+dequantized at load) stay as the file holds them, so the weights take the file's memory; `--quantize int8|int4`
+makes Q8_0 or Q4_0 blocks (weight-only, groups of 32) of a float checkpoint the same way.
 
 Which product a row gets depends on its token's role, never on what else is in the step, so a sequence's output
 does not change with the traffic beside it:
-- decode rows: ggml's product over the blocks (the activations quantized to 8 bits per block of 32, as llama.cpp
-  does), which reads 4-8x fewer bytes than float32. Whole decode steps run as one ggml graph (ggml_decoder.py);
-- prompt rows: the weight dequantized for torch's float32 product, which multiplies 512 rows 1.4-2x faster than
-  ggml's Q4_0, Q4_1 and Q8_0 kernels (the wheel's AVX2 build; Q4_K about even; `kvtier bench kernels`): prefill
-  about as fast as with float32 weights, and a prompt's K/V as the float32 weights compute it.
-`Decoder.forward` says which rows decode (`decoding`); rows outside it are prompt rows. The decode rows' quantized
-activations round differently from float32's, so greedy output can differ from float32 weights' where two tokens
-nearly tie, and a prompt whose last tokens were computed in another chunk (a prefix cache hit) can differ likewise.
+- decode rows: a product over the blocks, which reads 4-8x fewer bytes than float weights. On CPU ggml's (the
+  activations quantized to 8 bits per block of 32, as llama.cpp does), whole decode steps as one ggml graph
+  (ggml_decoder.py); on CUDA a Triton kernel that dequantizes tiles in registers into the activations' dtype;
+- prompt rows: the weight dequantized, a slice at a time, for torch's product in the activations' dtype. On CPU
+  torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0 kernels (the wheel's
+  AVX2 build; Q4_K about even; `kvtier bench kernels`): prefill about as fast as with float32 weights, and a
+  prompt's K/V as the float32 weights compute it.
+`Decoder.forward` says which rows decode (`decoding`); rows outside it are prompt rows. On CPU the decode rows'
+quantized activations round differently from float32's, so greedy output can differ from float32 weights' where two
+tokens nearly tie, and a prompt whose last tokens were computed in another chunk (a prefix cache hit) can differ
+likewise.
 """
 from __future__ import annotations
 
@@ -25,12 +29,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from kvtier.models import ggml
+from kvtier.models.packed import PackedWeight
 from kvtier.models.products import many_rows_product
 
 DEQUANTIZED_BYTES = 64 << 20     # the most float32 weight a prompt row's product dequantizes at once
@@ -56,9 +62,22 @@ class QuantizedWeight:
     def type_name(self) -> str:
         return GGMLQuantizationType(self.ggml_type).name
 
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
     def placed(self, ctx: ggml.Context) -> int:
         """The weight as a ggml tensor of ctx, over these blocks."""
         return ctx.place(self.blocks, self.ggml_type, (self.in_features, self.out_features))
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] float32 @ weight.T, through ggml."""
+        return _ggml_op("mul_mat", self, ggml.aligned(x), x.new_empty(x.shape[0], self.out_features))
+
+    def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of the weight, dequantized: float32 [len(ids), in_features] (into out when given)."""
+        out = torch.empty(len(ids), self.in_features) if out is None else out
+        return _ggml_op("get_rows", self, ggml.aligned(ids.to(torch.int32)), out)
 
 
 def quantize(weight: torch.Tensor, ggml_type: int) -> QuantizedWeight:
@@ -93,35 +112,26 @@ def _ggml_op(op: str, weight: QuantizedWeight, x: torch.Tensor, out: torch.Tenso
     return out
 
 
-def product(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-    """x [rows, in_features] float32 @ weight.T"""
-    return _ggml_op("mul_mat", weight, ggml.aligned(x), x.new_empty(x.shape[0], weight.out_features))
-
-
-def rows_of(weight: QuantizedWeight, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows of the weight, dequantized: float32 [len(ids), in_features] (into out when given)."""
-    out = torch.empty(len(ids), weight.in_features) if out is None else out
-    return _ggml_op("get_rows", weight, ggml.aligned(ids.to(torch.int32)), out)
-
-
 @functools.cache
-def _dequantized_buffer() -> torch.Tensor:
-    """Where prompt rows' products dequantize their weights, reused product after product (the engine thread's):
-    fresh memory each time would cost its page faults, about a fifth of a 512-token prefill."""
-    return torch.empty(DEQUANTIZED_BYTES // 4)
+def _dequantized_buffer(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Where prompt rows' products dequantize their weights, reused product after product (the engine thread's, in
+    stream order on CUDA): fresh memory each time would cost its page faults, about a fifth of a 512-token prefill
+    on CPU."""
+    return torch.empty(DEQUANTIZED_BYTES // dtype.itemsize, dtype=dtype, device=device)
 
 
-def dequantized_product(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-    """x [rows, in_features] @ weight.T in float32, the weight dequantized DEQUANTIZED_BYTES at a time (an LM
+def dequantized_product(weight: QuantizedWeight | PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in_features] @ weight.T in x's dtype, the weight dequantized DEQUANTIZED_BYTES at a time (an LM
     head of 128K rows would take 2 GB at once)."""
-    step = max(1, DEQUANTIZED_BYTES // (4 * weight.in_features))
-    rows = torch.arange(weight.out_features, dtype=torch.int32)
-    buffer = _dequantized_buffer()
+    step = max(1, DEQUANTIZED_BYTES // (x.dtype.itemsize * weight.in_features))
+    rows = torch.arange(weight.out_features, dtype=torch.int32, device=x.device)
+    buffer = _dequantized_buffer(x.device, x.dtype)
+    multiply = many_rows_product(x.dtype) if x.device.type == "cpu" else F.linear
     slices = []
     for a in range(0, weight.out_features, step):
         ids = rows[a:a + step]
-        w = rows_of(weight, ids, buffer[:len(ids) * weight.in_features].view(len(ids), weight.in_features))
-        slices.append(many_rows_product(x.dtype)(x, w, None))
+        w = weight.rows(ids, buffer[:len(ids) * weight.in_features].view(len(ids), weight.in_features))
+        slices.append(multiply(x, w, None))
     return _joined(slices)
 
 
@@ -141,10 +151,10 @@ def decoding(rows: torch.Tensor | None):
 
 
 class QuantizedLinear(nn.Module):
-    """A projection over quantized weights (CPU): parts stacked along the output (fused q/k/v or gate/up whose
-    block types differ), and an optional float bias."""
+    """A projection over quantized weights (ggml's blocks on CPU, packed ones on CUDA): parts stacked along the
+    output (fused q/k/v or gate/up whose block types differ), and an optional float bias."""
 
-    def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None):
+    def __init__(self, parts: list[QuantizedWeight] | list[PackedWeight], bias: torch.Tensor | None):
         super().__init__()
         self.parts = parts
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -156,14 +166,15 @@ class QuantizedLinear(nn.Module):
         if decode is None or not decode.any():
             y = self._dequantized_product(x)
         elif decode.all():
-            y = self._ggml_product(x)
+            y = self._quantized_product(x)
         else:
+            decode = decode.to(x.device)
             y = x.new_empty(x.shape[0], self.out_features)
-            y[decode], y[~decode] = self._ggml_product(x[decode]), self._dequantized_product(x[~decode])
+            y[decode], y[~decode] = self._quantized_product(x[decode]), self._dequantized_product(x[~decode])
         return y if self.bias is None else y + self.bias
 
-    def _ggml_product(self, x: torch.Tensor) -> torch.Tensor:
-        return _joined([product(p, x) for p in self.parts])
+    def _quantized_product(self, x: torch.Tensor) -> torch.Tensor:
+        return _joined([p.product(x) for p in self.parts])
 
     def _dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
         return _joined([dequantized_product(p, x) for p in self.parts])
@@ -174,17 +185,17 @@ class QuantizedLinear(nn.Module):
 
 
 class QuantizedEmbedding(nn.Module):
-    def __init__(self, weight: QuantizedWeight):
+    def __init__(self, weight: QuantizedWeight | PackedWeight):
         super().__init__()
         self.weight = weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return rows_of(self.weight, ids)
+        return self.weight.rows(ids)
 
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every weight: quantized blocks and float parameters."""
-    blocks = {id(p.blocks): p.blocks.numel() for m in model.modules()
+    blocks = {id(p): p.nbytes for m in model.modules()
               for p in (getattr(m, "parts", None) or ([m.weight] if isinstance(m, QuantizedEmbedding) else []))}
     return sum(blocks.values()) + sum(p.numel() * p.element_size() for p in model.parameters())
 

@@ -1,0 +1,129 @@
+"""GGUF blocks rearranged for the Triton kernels that multiply by them on CUDA (triton_quantized.py).
+
+A GGUF row interleaves each block's scales with its quants (18 bytes per 32 weights for Q4_0, 210 per 256 for Q6_K),
+and every type orders its 4-bit quants its own way. The kernels want each field in an array of its own and one
+order for all, so `pack` splits the blocks once at load, on the device (the file's bytes, plus 4 bytes per 256
+weights where Q4_K and Q5_K's 6-bit sub-block scales are unpacked to one byte each):
+- q:    int8 [N, K] for Q8_0; else the low 4 bits of each quant, 16 bytes per 32 weights, byte i holding weight i
+        (low nibble) and weight i + 16 (high nibble), as Q4_0 does
+- qh:   Q5_K's fifth bit (byte j: weights 8j..8j+7) or Q6_K's two high bits (byte j: weights 4j..4j+3)
+- d:    float16 scale per 32 weights (Q8_0, Q4_0, Q4_1) or per 256 (the K-quants)
+- dmin: float16 minimum: Q4_1's per 32, Q4_K and Q5_K's per 256
+- sub:  Q4_K and Q5_K's sub-block scale and minimum per 32 (uint8 pairs), Q6_K's int8 scale per 16
+A weight is then Q8_0 d·q; Q4_0 d·(q−8); Q4_1 d·q + dmin; Q4_K, Q5_K (d·sc)·q − dmin·m; Q6_K (d·sc)·(q−32).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+PACKED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K)
+GROUP = 32      # weights per nibble group of q
+
+
+@dataclass
+class PackedWeight:
+    """A weight [out_features, in_features] in pack's layout, on its device; `dtype`: what its products and
+    dequantized rows come out in."""
+    ggml_type: int
+    in_features: int
+    dtype: torch.dtype
+    q: torch.Tensor
+    qh: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+    sub: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def type_name(self) -> str:
+        return T(self.ggml_type).name
+
+    @property
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.qh, self.d, self.dmin, self.sub
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self.fields if f.numel() > 1)
+
+    def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        from kvtier.models import triton_quantized
+        return triton_quantized.dequantize(self, ids, out)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        from kvtier.models import triton_quantized
+        return triton_quantized.product(x, self)
+
+
+def packable(ggml_type: int) -> bool:
+    return ggml_type in PACKED_TYPES
+
+
+def pack(blocks: torch.Tensor, ggml_type: int, in_features: int, device: torch.device,
+         dtype: torch.dtype) -> PackedWeight:
+    """GGUF blocks (uint8 [out_features, bytes per row]) in pack's layout on device."""
+    kind = T(ggml_type)
+    if kind not in PACKED_TYPES:
+        raise ValueError(f"no kernel multiplies {kind.name} weights on {device}")
+    block_size, type_size = GGML_QUANT_SIZES[kind]
+    n = blocks.shape[0]
+    b = blocks.to(device).view(n, in_features // block_size, type_size)
+    unused = torch.zeros(1, dtype=torch.uint8, device=device)
+    half = lambda at: b[..., at:at + 2].contiguous().view(torch.float16).reshape(n, -1)     # noqa: E731
+    if kind == T.Q8_0:
+        q = b[..., 2:].contiguous().view(torch.int8).reshape(n, in_features)
+        return PackedWeight(ggml_type, in_features, dtype, q, unused, half(0), unused, unused)
+    if kind in (T.Q4_0, T.Q4_1):
+        at = 2 if kind == T.Q4_0 else 4
+        q = b[..., at:].reshape(n, in_features // 2).contiguous()
+        return PackedWeight(ggml_type, in_features, dtype, q, unused, half(0),
+                            half(2) if kind == T.Q4_1 else unused, unused)
+    if kind == T.Q6_K:
+        quants = _q6_k(b[..., :192])
+        hi = (quants >> 4).view(n, -1, 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=device)
+        scales = b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)
+        return PackedWeight(ggml_type, in_features, dtype, _nibbles(quants), hi.sum(-1, dtype=torch.uint8),
+                            half(208), unused, scales)
+    scales = b[..., 4:16]
+    s0, s1, s2 = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([s0 & 63, (s2 & 15) | ((s0 >> 6) << 4)], -1)        # llama.cpp's get_scale_min_k4
+    mins = torch.cat([s1 & 63, (s2 >> 4) | ((s1 >> 6) << 4)], -1)
+    sub = torch.stack([sc, mins], -1).reshape(n, -1)
+    quants, qh = _k_quants(b[..., 16:] if kind == T.Q4_K else b[..., 48:]), unused
+    if kind == T.Q5_K:     # bit 2c of qh[l] tops weight 64c + l, bit 2c + 1 weight 64c + 32 + l
+        shifts = torch.arange(8, dtype=torch.uint8, device=device).view(4, 2, 1)
+        quants = quants | ((((b[..., 16:48].unsqueeze(-2).unsqueeze(-2) >> shifts) & 1) << 4).reshape(n, -1))
+        bits = (quants >> 4).view(n, -1, 8) << torch.arange(8, dtype=torch.uint8, device=device)
+        qh = bits.sum(-1, dtype=torch.uint8)
+    return PackedWeight(ggml_type, in_features, dtype, _nibbles(quants), qh, half(0), half(2), sub.contiguous())
+
+
+def _k_quants(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K and Q5_K's 4 low bits in weight order: per 64 weights 32 bytes, low nibbles first, then high ones."""
+    n = qs.shape[0]
+    qs = qs.reshape(n, -1, 4, 1, 32)
+    return torch.cat([qs & 15, qs >> 4], -2).reshape(n, -1)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K's 6-bit quants in weight order: per 128 weights, ql's 64 bytes give the low nibbles of 32j + l (j = 0:
+    low nibble of byte l, 1: of byte 32 + l, 2 and 3 their high nibbles) and qh's 32 bytes the top two bits (bits
+    2j, 2j + 1 of byte l)."""
+    n = b.shape[0]
+    ql = b[..., :128].reshape(n, -1, 2, 2, 32)
+    qh = b[..., 128:192].reshape(n, -1, 2, 1, 32)
+    low = torch.cat([ql & 15, ql >> 4], -2)                                          # [n, blocks, 2, 4, 32]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(4, 1)
+    return (low | (((qh >> shifts) & 3) << 4)).reshape(n, -1)
+
+
+def _nibbles(quants: torch.Tensor) -> torch.Tensor:
+    """Quants [N, K] (their low 4 bits) as q's nibble pairs [N, K / 2]."""
+    low = (quants & 15).view(quants.shape[0], -1, 2, GROUP // 2)
+    return (low[..., 0, :] | (low[..., 1, :] << 4)).reshape(quants.shape[0], -1)

@@ -1,0 +1,66 @@
+"""The Triton kernels over packed GGUF blocks (packed.py, triton_quantized.py) against the gguf package's
+dequantization, for every packed type. On CPU they run in Triton's interpreter (TRITON_INTERPRET=1, set by the test
+command before Triton is imported); on CUDA compiled."""
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+pytest.importorskip("triton", reason="Triton is installed by the test command")
+pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
+from kvtier.models import ggml  # noqa: E402
+from kvtier.models.packed import PACKED_TYPES, pack, packable  # noqa: E402
+from kvtier.models.triton_quantized import BLOCK_M  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("on CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1)", allow_module_level=True)
+OUT, IN = 72, 768       # outputs not a multiple of the kernels' tiles; three K-quant super-blocks per row
+
+
+def blocks_and_weights(qtype: Q, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random weight quantized by ggml: its blocks (uint8) and the gguf package's dequantization of them."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(OUT, IN, generator=gen) * torch.rand(OUT, 1, generator=gen)   # rows of different scales
+    blocks = ggml.quantize(weight, int(qtype))
+    return blocks, torch.from_numpy(dequantize(blocks.numpy(), qtype).reshape(OUT, IN).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
+def test_each_type_dequantizes_to_the_files_weights_and_multiplies_by_them(qtype):
+    blocks, weights = blocks_and_weights(qtype)
+    packed = pack(blocks, int(qtype), IN, DEVICE, torch.float32)
+    assert packed.nbytes <= 1.03 * blocks.numel()           # the file's bytes, K-quants' scales one byte each
+    ids = torch.tensor([5, 0, 71, 5, 33])
+    assert torch.equal(packed.rows(ids).cpu(), weights[ids])
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, IN, generator=gen)
+    want = x.double() @ weights.double().T
+    got = packed.product(x.to(DEVICE)).cpu()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    # a row's result does not depend on the rows beside it, to the bit (BLOCK_M rows to a program, and more)
+    batch = torch.cat([x, torch.randn(BLOCK_M + 5, IN, generator=gen) * 100])
+    assert torch.equal(packed.product(batch.to(DEVICE)).cpu()[:3], got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_products_round_as_the_dequantized_weights_do(dtype):
+    if DEVICE.type == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter computes with numpy, which has no bfloat16")
+    blocks, weights = blocks_and_weights(Q.Q4_K)
+    packed = pack(blocks, int(Q.Q4_K), IN, DEVICE, dtype)
+    assert packed.rows(torch.arange(OUT)).dtype == dtype
+    x = torch.randn(2, IN, generator=torch.Generator().manual_seed(2))
+    want = x.double() @ weights.to(dtype).double().T
+    got = packed.product(x.to(DEVICE, dtype)).cpu()
+    assert got.dtype == dtype and (got.double() - want).abs().max() <= 0.01 * want.abs().max()
+
+
+def test_types_without_a_kernel_are_refused():
+    blocks = ggml.quantize(torch.randn(4, 64), int(Q.Q5_0))
+    assert not packable(int(Q.Q5_0))
+    with pytest.raises(ValueError, match="Q5_0"):
+        pack(blocks, int(Q.Q5_0), 64, DEVICE, torch.float32)
