@@ -1,7 +1,10 @@
 """The benchmarks run end to end on tiny models; the throughput one rewrites only its own section."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from kvtier.bench import throughput
 
@@ -86,3 +89,21 @@ def test_spec_bench_compares_every_method_on_the_same_turns(tiny_model_dir, tmp_
     for method in ("off", "ngram", "draft"):
         assert f"| chat | {method} |" in text
     assert "draft / off (a model drafting for itself: no target): chat" in text and "The draft model is" in text
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter runs the CUDA kernels")
+def test_the_cuda_kernel_candidates_multiply_as_the_dense_product():
+    """The CUDA candidates of `kvtier bench kernels --device cuda`, here in float32 through Triton's interpreter:
+    each computes the product its row claims (tinygemm, which needs CUDA, is left out here)."""
+    from kvtier.bench import kernels
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(48, 256, generator=gen) for _ in range(2)]
+    x = torch.randn(2, 256, generator=gen)
+    found = kernels.cuda_candidates(weights, x)
+    assert set(found) >= {kernels.DENSE, "kvtier Triton Q4_0", "kvtier Triton Q4_K", "kvtier Triton Q6_K",
+                          "dequantize Q6_K + dense"}
+    want = x @ weights[0].T
+    for name, (calls, nbytes) in found.items():
+        error = (calls[0]() - want).abs().max() / want.abs().max()
+        assert error < (0.2 if "Q4" in name else 0.05), name
+        assert 0 < nbytes <= weights[0].numel() * 4

@@ -28,3 +28,12 @@ def test_the_dry_run_writes_one_report_with_every_step(tmp_path):
     for section in ("## GPU check", "## Throughput", "## Multi-turn TTFT", "## Inter-token latency"):
         assert text.count(section) == 1, section
     assert text.index("## GPU check") < text.index("## Throughput")
+
+
+def test_only_runs_the_steps_it_names_into_a_section_of_their_own(tmp_path):
+    report = tmp_path / "gpu-check.md"
+    report.write_text("## GPU check\n\nfrom the first call\n")
+    assert gpu_check.main(["--dry", "--report", str(report), "--only", "tiny shapes"]) == 0
+    text = report.read_text()
+    assert "from the first call" in text and "## GPU check: the steps named 'tiny shapes'" in text
+    assert "| products for quantized weights, tiny shapes |" in text and "| throughput, tiny shape |" not in text

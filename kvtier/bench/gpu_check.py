@@ -43,7 +43,9 @@ def steps(report: str, dry: bool) -> list[Step]:
                 Step("multi-turn TTFT, tiny shape", ["kvtier.bench.ttft", *bench, "--lengths", "256",
                                                      "--repeats", "1", "--probe-mib", "8", *out], 300),
                 Step("inter-token latency, tiny shape", ["kvtier.bench.itl", *bench, "--streams", "2",
-                                                         "--long-prompt", "512", *out], 300)]
+                                                         "--long-prompt", "512", *out], 300),
+                Step("products for quantized weights, tiny shapes", ["kvtier.bench.kernels", "--shapes", "256x64",
+                                                                     "--rows", "1", *out], 300)]
     cuda = ["--device", "cuda"]
     # a test module whose client library is not on the GPU machine is reported, the rest runs
     return [Step("test suite on CUDA", ["pytest", "-q", "--durations=10", "--continue-on-collection-errors", "tests"],
@@ -55,6 +57,9 @@ def steps(report: str, dry: bool) -> list[Step]:
             Step("throughput, Llama-3.1-8B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.1-8b",
                                                     "--quantize", "int4", "--prefill-lengths", "2048,8192",
                                                     "--decode-batch", "1,16", *out], 240),
+            Step("products for quantized weights", ["kvtier.bench.kernels", *cuda, "--shapes",
+                                                    "2048x2048,2048x8192,4096x4096,4096x14336,14336x4096",
+                                                    "--rows", "1,16", *out], 120),
             # a GGUF file's K-quants (Q4_K, Q6_K) kept as they are, beside the same weights dequantized
             Step("throughput, Mistral-7B Q4_K_M GGUF shape",
                  ["kvtier.bench.throughput", *cuda, "--shape", "mistral-7b-q4_k_m", "--no-transformers",

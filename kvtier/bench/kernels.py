@@ -1,11 +1,15 @@
-"""CPU matrix products for quantized weights, measured side by side: torch's float32 and bfloat16 `F.linear`, torch's
-int8 weight-only kernel, and ggml's kernels over GGUF's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) through the
-prebuilt libggml-python wheel, at the bundled model's and a 7B model's shapes, for 1 and 8 rows.
+"""Matrix products for quantized weights, measured side by side, at the bundled model's and a 7B model's shapes, for 1
+and 8 rows:
+- on CPU: torch's float32 and bfloat16 `F.linear`, torch's int8 weight-only kernel, and ggml's kernels over GGUF's
+  own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) through the prebuilt libggml-python wheel;
+- on CUDA (--device cuda), rows in bfloat16: cuBLAS over bfloat16 weights, kvtier's Triton kernels over packed GGUF
+  blocks (every packed type), the same blocks dequantized for cuBLAS (what prompt rows take), and torch's tinygemm
+  int4 kernel (`_weight_int4pack_mm`, groups of 32).
 
-Each candidate cycles through enough copies of its weight that they do not stay in the CPU's caches, as a model's
-layers do not: the time is a product's as served, reading its weight from memory.
+Each candidate cycles through enough copies of its weight that they do not stay in the caches, as a model's layers
+do not: the time is a product's as served, reading its weight from memory.
 
-    python -m kvtier.bench.kernels [--shapes 576x1536,1536x576,4096x4096,4096x14336] [--rows 1,8] [--no-write]
+    python -m kvtier.bench.kernels [--device cuda] [--shapes 576x1536,...,4096x14336] [--rows 1,8] [--no-write]
 """
 from __future__ import annotations
 
@@ -19,26 +23,38 @@ import torch.nn.functional as F
 
 from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish
 from kvtier.models import ggml
+from kvtier.models.packed import PACKED_TYPES, pack
 
 SECTION = "## CPU matrix products for quantized weights"
+CUDA_SECTION = "## CUDA matrix products for quantized weights"
+DENSE = "dense (cuBLAS)"         # F.linear over the weight in the rows' dtype
 GGML_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q4_k": 12, "q6_k": 14}     # GGUF's numbering
 K_QUANTS = ("q4_k", "q6_k")      # blocks of 256 columns
 CYCLE_BYTES = 512 << 20          # float32 bytes the copies of a weight span, far past any cache
 
 
-def timed(calls: list, repeats: int = 3) -> float:
+def timed(calls: list, device: torch.device, repeats: int = 3) -> float:
     """Seconds per call, each call on the next copy, best of `repeats` passes over all copies."""
     best = math.inf
     for _ in range(repeats):
+        sync(device)
         start = time.perf_counter()
         for call in calls:
             call()
+        sync(device)
         best = min(best, (time.perf_counter() - start) / len(calls))
     return best
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def candidates(weights: list[torch.Tensor], x: torch.Tensor, threads: int) -> dict[str, tuple[list, int]]:
     """name → (one call per weight copy, the bytes each call reads)."""
+    if x.device.type == "cuda":
+        return cuda_candidates(weights, x)
     out_features, in_features = weights[0].shape
     found = {"torch float32": ([lambda w=w: F.linear(x, w) for w in weights], weights[0].numel() * 4)}
     halves = [w.bfloat16() for w in weights]
@@ -60,8 +76,48 @@ def candidates(weights: list[torch.Tensor], x: torch.Tensor, threads: int) -> di
     return found
 
 
+def cuda_candidates(weights: list[torch.Tensor], x: torch.Tensor) -> dict[str, tuple[list, int]]:
+    """On CUDA: name → (one call per weight copy, the bytes each call reads), x in bfloat16 (as served), or in
+    another dtype (float32 on CPU: the tests, in Triton's interpreter)."""
+    device, in_features = x.device, weights[0].shape[1]
+    dense = [w.to(device, x.dtype) for w in weights]
+    found = {DENSE: ([lambda w=w: F.linear(x, w) for w in dense], dense[0].numel() * x.dtype.itemsize)}
+    for kind in PACKED_TYPES:
+        if in_features % 256 and kind.name.endswith("_K"):
+            continue
+        packed = [pack(ggml.quantize(w, int(kind)), int(kind), in_features, device, x.dtype) for w in weights]
+        found[f"kvtier Triton {kind.name}"] = ([lambda p=p: p.product(x) for p in packed], packed[0].nbytes)
+        if kind == PACKED_TYPES[-1]:    # what prompt rows take: the weight dequantized, then cuBLAS
+            ids = torch.arange(weights[0].shape[0], device=device)
+            found[f"dequantize {kind.name} + dense"] = (
+                [lambda p=p: F.linear(x, p.rows(ids)) for p in packed], packed[0].nbytes)
+    try:
+        found["torch tinygemm int4 (g32)"] = tinygemm(weights, x)
+    except (RuntimeError, AttributeError) as e:     # this build of torch lacks it, or takes other arguments
+        print(f"  tinygemm int4: not measured ({e})", flush=True)
+    return found
+
+
+def tinygemm(weights: list[torch.Tensor], x: torch.Tensor, group: int = 32) -> tuple[list, int]:
+    """torch's int4 weight-only kernel for CUDA (torchao's int4 layout): asymmetric groups of `group`, scales and
+    zeros in bfloat16."""
+    calls, nbytes = [], 0
+    for w in weights:
+        w = w.to(x.device)
+        groups = w.reshape(w.shape[0], -1, group)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=1e-8)
+        q = ((groups - low) / scale).round().clamp(0, 15).to(torch.uint8).reshape(w.shape)
+        packed = torch.ops.aten._convert_weight_to_int4pack(q[:, ::2] << 4 | q[:, 1::2], 8)
+        zeros = low + 8 * scale         # tinygemm's weight: (q - 8) * scale + zero
+        scales_and_zeros = torch.cat([scale, zeros], -1).to(torch.bfloat16).transpose(0, 1).contiguous()
+        calls.append(lambda p=packed, sz=scales_and_zeros: torch.ops.aten._weight_int4pack_mm(x, p, group, sz))
+        nbytes = packed.numel() * packed.element_size() + scales_and_zeros.numel() * 2
+    return calls, nbytes
+
+
 def measure(args: argparse.Namespace) -> list[dict]:
-    rows = []
+    rows, device = [], torch.device(args.device)
     for shape in args.shapes:
         in_features, out_features = (int(d) for d in shape.split("x"))
         copies = max(2, min(64, CYCLE_BYTES // (in_features * out_features * 4)))
@@ -70,9 +126,11 @@ def measure(args: argparse.Namespace) -> list[dict]:
         for m in args.rows:
             x = torch.randn(m, in_features, generator=gen)
             want = F.linear(x, weights[0])
+            if device.type == "cuda":
+                x = x.to(device, torch.bfloat16)
             for name, (calls, nbytes) in candidates(weights, x, args.threads).items():
-                seconds = timed(calls)
-                error = ((calls[0]().float() - want).abs().max() / want.abs().max()).item()
+                seconds = timed(calls, device)
+                error = ((calls[0]().float().cpu() - want).abs().max() / want.abs().max()).item()
                 rows.append({"shape": shape, "rows": m, "name": name, "ms": seconds * 1e3, "bytes": nbytes,
                              "error": error})
                 print(f"  {shape} x{m} {name}: {seconds * 1e3:.3f} ms ({nbytes / seconds / 1e9:.1f} GB/s of "
@@ -81,13 +139,23 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
 
 def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
-    table = ["| weight (in × out) | rows | kernel | ms | GB/s of weight read | × float32 F.linear | max error / max |",
+    cuda = args.device.startswith("cuda")
+    baseline = DENSE if cuda else "torch float32"
+    table = [f"| weight (in × out) | rows | kernel | ms | GB/s of weight read | × {baseline} | max error / max |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         base = next(b for b in rows if b["shape"] == r["shape"] and b["rows"] == r["rows"] and
-                    b["name"] == "torch float32")
+                    b["name"] == baseline)
         table.append(f"| {r['shape']} | {r['rows']} | {r['name']} | {r['ms']:.3f} | {r['bytes'] / r['ms'] / 1e6:.1f} | "
                      f"{base['ms'] / r['ms']:.2f} | {r['error']:.3f} |")
+    if cuda:
+        machine = f"{torch.cuda.get_device_name(args.device)}, torch {torch.__version__}"
+        return "\n".join([
+            *header(CUDA_SECTION, machine, command), *table, "",
+            f"How: per shape, enough random weights that their float32 copies span {CYCLE_BYTES >> 20} MiB (2 to "
+            "64), each kernel cycling through its own copies (quantized once, before timing: GGUF's blocks by ggml, "
+            "packed as kvtier loads them), best of 3 passes, bfloat16 rows of random input. Error: the largest "
+            "difference from float32 `F.linear` over the largest output.", ""])
     machine = f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads"
     note = "" if ggml.available() else " ggml's rows are missing: the libggml-python wheel is not installed."
     return "\n".join([
@@ -112,6 +180,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="weights as in_features x out_features")
     p.add_argument("--rows", type=int_list, default=[1, 8], help="input rows (1: a decode at batch 1)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads for torch and ggml")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU's candidates")
     add_output_args(p)
     return p.parse_args(argv)
 
