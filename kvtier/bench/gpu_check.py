@@ -4,7 +4,8 @@
     make gpu-check                                   # python3 -m kvtier.bench.gpu_check --report gpu-check.md
 
 Each step runs in its own process under a time limit (about 15 minutes in all on one H100; `--only` picks steps by
-name, so that two calls of 10 minutes each cover them); one that fails or runs out of time is reported and the next
+name, so that two calls of 10 minutes each cover them: `--only 'test suite,products,TTFT,latency'`, then
+`--only throughput`); one that fails or runs out of time is reported and the next
 one runs. The benchmarks write their sections into the
 report, as they do into docs/BENCHMARKS.md. --dry runs the same steps on CPU at toy sizes (one test file only
 collected, the benchmarks on a tiny shape), so that CI keeps the check working.
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--report", default="gpu-check.md", help="the report file (default: %(default)s)")
     p.add_argument("--dry", action="store_true", help="on CPU at toy sizes: checks that the check works")
-    p.add_argument("--only", default="", help="run only the steps whose names contain this text")
+    p.add_argument("--only", default="", help="run only the steps whose names contain one of these texts "
+                                               "(comma-separated)")
     args = p.parse_args(argv)
     if not args.dry:
         import torch
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         os.remove(report)
     heading = SECTION + (f": the steps named '{args.only}'" if args.only else "")     # one section per call
     write_section(report, heading + "\n\nrunning\n")     # first in the file, the benchmarks' sections after it
-    results = [run_step(step) for step in steps(report, args.dry) if args.only in step.name]
+    wanted = args.only.split(",")
+    results = [run_step(step) for step in steps(report, args.dry) if any(text in step.name for text in wanted)]
     command = "python3 -m kvtier.bench.gpu_check" + (" --dry" if args.dry else "") + \
         (f" --only '{args.only}'" if args.only else "")
     write_section(report, render(results, device_line(args.dry), command, heading))
