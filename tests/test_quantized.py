@@ -82,7 +82,7 @@ def teacher_forced(model: Decoder, ids: list[list[int]], tables: list[list[int]]
                                  prefills=[], decode=DecodeGroup(list(range(len(ids))),
                                                                  [slot_runs(t, p + 1, BLOCK) for t in tables]),
                                  block_size=BLOCK, generated_rows=list(range(len(ids))))
-        logits.append(model.logits(model(torch.tensor(tokens), pool.kv_cache, meta), [True] * len(ids)))
+        logits.append(model.logits(model(torch.tensor(tokens), pool.kv_cache, meta)))
     if length:
         for seq, step_logits in zip(ids, logits[-1]):
             seq.append(torch.multinomial(step_logits.softmax(-1), 1, generator=generator).item())

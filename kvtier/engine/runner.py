@@ -175,11 +175,10 @@ class ModelRunner:
         # logits where a token is sampled next: a decode or verify step, or the chunk that ends a prompt
         sampled = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                    if seq.num_computed_tokens + n >= len(seq.token_ids)]
-        generated = set(meta.generated_rows)
         rows = [row for i in sampled for row in out_rows[i]]
         logits = [torch.zeros(1, self.model.config.vocab_size, device=hidden.device)] * len(batch.seqs)
         if rows:
-            computed = self.model.logits(hidden[rows], [row in generated for row in rows])
+            computed = self.model.logits(hidden[rows])
             for i, part in zip(sampled, computed.split([len(out_rows[i]) for i in sampled])):
                 logits[i] = part
         return logits, queries

@@ -249,7 +249,8 @@ class Decoder(nn.Module):
                 meta.features[len(self.model.layers) - 1] = x
             return x
 
-    def logits(self, hidden: torch.Tensor, decode_rows: list[bool] | None = None) -> torch.Tensor:
-        """decode_rows: which rows are decode tokens' (quantized weights multiply those through ggml)."""
-        with decoding(None if decode_rows is None else torch.tensor(decode_rows, dtype=torch.bool)):
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] in float32. Every row is a decode row to the LM head: quantized weights multiply a prompt's
+        last row through their blocks too, never dequantizing the whole head for one row."""
+        with decoding(torch.ones(len(hidden), dtype=torch.bool)):
             return self.lm_head(hidden).float()
