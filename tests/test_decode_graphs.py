@@ -23,9 +23,10 @@ WORK = [(3, 9), (63, 6), (64, 12), (130, 3), (200, 8)]
 LATE = (90, 5)      # added after the third step, beside running decodes
 
 
-def engine(model_dir: str, device: str, enforce_eager: bool) -> LLMEngine:
+def engine(model_dir: str, device: str, enforce_eager: bool, speculative: str | None = None) -> LLMEngine:
     return LLMEngine(Config(model=model_dir, device=device, dtype="float32", kv_pool_tokens=64 * 64,
-                            max_num_seqs=6, kv_host_gib=0, kv_disk=False, enforce_eager=enforce_eager))
+                            max_num_seqs=6, kv_host_gib=0, kv_disk=False, enforce_eager=enforce_eager,
+                            speculative=speculative))
 
 
 def generate(eng: LLMEngine) -> dict[str, tuple[list[int], list[float]]]:
@@ -96,3 +97,29 @@ def test_a_graph_splits_a_long_context_and_not_a_short_one(tiny_model_dir):
         assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
     splits = {graphs.split_count(1, 103), graphs.split_count(1, 603)}
     assert set(used) == splits and len(used) == 6          # 3 decode steps of each; on CPU {1, 2}
+
+
+@pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.gpu)], ids=["buffers", "captured"])
+def test_verify_steps_replay_the_graphs(monkeypatch, tiny_model_dir, capture):
+    """A verify step (a sequence's last token and its draft) runs from the graphs, each row a decode of its own:
+    greedy output as without speculation, with an oracle drafter that is wrong every few tokens."""
+    from test_speculation import oracle, run
+    device = "cuda" if capture else DEVICE
+    plain = engine(tiny_model_dir, device, enforce_eager=True)
+    speculating = engine(tiny_model_dir, device, enforce_eager=capture is False, speculative="ngram")
+    if not capture:
+        speculating.runner.graphs = DecodeGraphs(speculating.model, speculating.pool, 6, speculating.max_model_len,
+                                                 capture=False, rows_per_seq=9)
+    graphs = speculating.runner.graphs
+    assert graphs.buckets == [1, 2, 4, 8, 16, 24, 32, 48, 54]       # up to 6 sequences of 1 + 8 rows
+    rows_run, replay = [], graphs.run
+    monkeypatch.setattr(graphs, "run", lambda *inputs: (rows_run.append(inputs[-1]), replay(*inputs))[1])
+    prompts = [[(13 * i + 5 * j) % 900 + 20 for j in range(30 + 40 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    off = run(plain, prompts, params)
+    oracle(monkeypatch, speculating, prompts, [o["tokens"] for o in off])
+    on = run(speculating, prompts, params)
+    assert [o["tokens"] for o in on] == [o["tokens"] for o in off]
+    for a, b in zip(on, off):
+        assert [lp.logprob for lp in a["logprobs"]] == pytest.approx([lp.logprob for lp in b["logprobs"]], abs=1e-4)
+    assert any(max(rows) > 1 for rows in rows_run), "verify steps ran from the graphs"

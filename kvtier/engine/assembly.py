@@ -84,7 +84,8 @@ def decode_graphs(config: Config, model: Decoder, pool: KVPool, max_model_len: i
                     "(or Triton is missing)", model.config.head_dim, config.block_size)
         return None
     try:
-        return DecodeGraphs(model, pool, config.max_num_seqs, max_model_len)
+        rows_per_seq = 1 + config.num_speculative_tokens if config.speculative else 1
+        return DecodeGraphs(model, pool, config.max_num_seqs, max_model_len, rows_per_seq=rows_per_seq)
     except Exception:   # serve anyway, eagerly: slower, never wrong
         log.exception("capturing the decode graphs failed: decode runs eagerly")
         return None

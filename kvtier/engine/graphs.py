@@ -14,6 +14,9 @@ context into (flash-decoding), so a step replays the graph split for the smalles
 mostly empty parts a long one needs (its parts hold at least half the kernel's minimum, since a
 context may be just over the bucket below). Split counts are powers of two, and buckets that split
 alike share one graph.
+A verify step (a sequence's last token and its draft, speculative decoding) replays the same graphs: each of its
+rows is a decode of its own over the sequence's block table, attending up to its own position, so a graph's bucket
+counts rows, and with speculation on the buckets go up to `max_num_seqs` × (1 + k) rows (at most MAX_ROWS).
 `--enforce-eager` turns graphs off, as in vLLM.
 """
 from __future__ import annotations
@@ -29,20 +32,23 @@ from kvtier.models.decoder import Decoder
 
 log = logging.getLogger("kvtier.engine")
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+MAX_ROWS = 512      # the largest bucket verify steps widen the buckets to
 
 
 class DecodeGraphs:
-    """run(token_ids, positions, slots, tables, lens) → logits [batch, vocab] of one decode step.
+    """run(token_ids, positions, slots, tables, lens, rows) → logits [rows, vocab] of one decode or verify step.
 
-    capture=False runs the same forward over the same buffers without capturing it: how the tests check, on CPU
-    and through Triton's interpreter, the inputs a graph replays (num_multiprocessors stands in for a GPU's there)."""
+    rows_per_seq: the most rows a sequence steps with (1 + k with speculation). capture=False runs the same forward
+    over the same buffers without capturing it: how the tests check, on CPU and through Triton's interpreter, the
+    inputs a graph replays (num_multiprocessors stands in for a GPU's there)."""
 
     def __init__(self, model: Decoder, pool: KVPool, max_num_seqs: int, max_model_len: int, capture: bool = True,
-                 num_multiprocessors: int | None = None):
+                 num_multiprocessors: int | None = None, rows_per_seq: int = 1):
         self.model, self.kv_cache, self.block_size = model, pool.kv_cache, pool.block_size
         self.pad_slot = pool.pad_slot
-        self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
+        most_rows = max(max_num_seqs, min(max_num_seqs * rows_per_seq, MAX_ROWS))
+        self.buckets = sorted({b for b in BUCKETS if b < most_rows} | {most_rows})
         self.most = most = self.buckets[-1]
         # graphs need Triton; the engine does not
         from kvtier.models.triton_attention import MIN_SPLIT_TOKENS, decode_splits, multiprocessors
@@ -71,9 +77,9 @@ class DecodeGraphs:
         if capture:
             self._capture_all()
 
-    def bucket(self, num_seqs: int) -> int | None:
-        """The smallest captured batch size that holds num_seqs, or None when none does."""
-        return next((b for b in self.buckets if b >= num_seqs), None)
+    def bucket(self, num_rows: int) -> int | None:
+        """The smallest captured batch size that holds num_rows, or None when none does."""
+        return next((b for b in self.buckets if b >= num_rows), None)
 
     def split_count(self, b: int, longest: int) -> int:
         """The parts per context of bucket b's graph for contexts of at most `longest` tokens."""
@@ -82,7 +88,10 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
             lens: list[int], rows: list[int]) -> torch.Tensor:
-        """rows: each sequence's rows, one: these graphs hold single-token decodes (verify steps run eagerly)."""
+        """Per row its token, position and K/V slot; per sequence its block table, context length after the step
+        and count of rows (a verify step's rows each attend as a decode up to their own position)."""
+        tables = [table for table, n in zip(tables, rows) for _ in range(n)]
+        lens = [length - n + 1 + j for length, n in zip(lens, rows) for j in range(n)]
         n = len(token_ids)
         b = self.bucket(n)
         key = (b, self.split_count(b, max(lens)))

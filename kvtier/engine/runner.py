@@ -185,17 +185,17 @@ class ModelRunner:
 
     def _graphed(self, batch: ScheduledBatch, capture: list[int]) -> list[int]:
         """The sequences whose step the decode graphs run: those decoding, none of whose queries the pager wants.
-        CUDA graphs take a step of such decodes only, whose batch a graph holds; ggml's decode steps take a
-        mixed step's decodes too, of generated tokens only (a cached prompt's last token is a prompt row)."""
+        CUDA graphs take a step of such decodes (and verify steps) only, whose rows a graph holds; ggml's decode
+        steps take a mixed step's decodes too, of generated tokens only (a cached prompt's last token is a prompt
+        row)."""
         if self.graphs is None:
             return []
         decoding = [i for i, (seq, n, wanted) in enumerate(zip(batch.seqs, batch.num_tokens, capture))
                     if decodes(seq, n) and not wanted]
         if isinstance(self.graphs, GgmlDecodeSteps):     # a cached prompt's last token is a prompt row
             return [i for i in decoding if generates(batch.seqs[i], batch.num_tokens[i])]
-        one_token = [i for i in decoding if batch.num_tokens[i] == 1]     # CUDA graphs hold no verify steps yet
-        return one_token if len(one_token) == len(batch.seqs) and self.graphs.bucket(len(one_token)) is not None \
-            else []
+        rows = sum(batch.num_tokens[i] for i in decoding)
+        return decoding if len(decoding) == len(batch.seqs) and self.graphs.bucket(rows) is not None else []
 
     def _decode_inputs(self, batch: ScheduledBatch, which: list[int]) -> tuple[list[int], ...]:
         """Per row of the sequences of `which` (one, or a verify step's several): its token, position and K/V
