@@ -187,6 +187,30 @@ def test_cancel_while_drafting_frees_both_pools(tiny_model_dir, other_draft_dir)
     assert not engine.drafter.shadows and counts(engine)[1] > 0
 
 
+def test_a_preempted_sequences_draft_gives_its_blocks_back_too(monkeypatch, plain, tiny_model_dir,
+                                                                other_draft_dir):
+    """In pools small enough that the target preempts sequences, each preempted one's draft blocks are given back
+    with its own, so the draft pool has room for the sequences that run meanwhile; the output is unchanged, and
+    the sequences that return propose again."""
+    small = drafting(tiny_model_dir, other_draft_dir, kv_pool_tokens=12 * BS)
+    released = []
+    preempted = small.drafter.preempted
+
+    def spy(seq):
+        shadow = small.drafter.shadows[seq.request_id]
+        held = [b for b in shadow.kv.block_table if b >= 0] if shadow.status.name == "RUNNING" else []
+        preempted(seq)
+        released.append(held and not shadow.kv.block_table)
+    monkeypatch.setattr(small.drafter, "preempted", spy)
+    prompts = [prompt(i, 48 + 10 * i) for i in range(5)]
+    drafts = record_drafts(monkeypatch, small)
+    assert [o["tokens"] for o in run(small, prompts, GREEDY)] == [o["tokens"] for o in run(plain, prompts, GREEDY)]
+    assert any(released), "a running shadow was preempted and gave its blocks back"
+    assert counts(small)[0] > 0 and drafts
+    for pool in (small.pool, small.drafter.pool):
+        assert pool.num_free_blocks == pool.num_blocks
+
+
 def test_draft_settings_are_checked(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="go together"):
         Config(speculative="draft")

@@ -189,8 +189,13 @@ class LLMEngine:
             if seq is not None:       # not failed meanwhile
                 self._end(seq, "abort")
         self.kv.start_loads([seq.kv for seq in self.scheduler.waiting])
+        proposing = time.perf_counter()
         drafting = self._propose() if self.speculator else 0.0
+        proposing = time.perf_counter() - proposing     # a drafter's rounds and its catch-up prefill too
         batch = self.scheduler.schedule()
+        if self.drafter:
+            for seq in batch.preempted:
+                self.drafter.preempted(seq)
         start = time.perf_counter()
         results = self._forward(batch) if batch else []
         due = []       # sequences whose next token is to be sampled, with their logits
@@ -216,12 +221,11 @@ class LLMEngine:
         prompt_tokens = sum(batch.num_tokens) - batch.num_decodes - batch.num_drafted
         if prompt_tokens:    # a prefill step: the rate of compute
             self.kv.rates.observe_prefill(sum(batch.num_tokens), seconds)
-        if batch.num_drafted:       # a verify step costs its draft too
-            seconds += drafting
-        if batch:      # a verify step counts as the decode it is, at what it cost
-            self.scheduler.pacer.observe(batch.num_decodes, prompt_tokens, seconds)
-        if self.speculator and batch and not prompt_tokens:       # what a draft row costs
-            self.speculator.observe_step(batch.num_decodes, batch.num_drafted, seconds)
+        if batch:      # a verify step counts as the decode it is, at what it cost, the drafter's work included
+            self.scheduler.pacer.observe(batch.num_decodes, prompt_tokens, seconds + proposing)
+        if self.speculator and batch and not prompt_tokens:       # what a draft row costs, its rounds included
+            self.speculator.observe_step(batch.num_decodes, batch.num_drafted,
+                                         seconds + (drafting if batch.num_drafted else 0.0))
         self.runner.restore_threads()
         outputs += [self._output(seq) for seq in self._ended]
         self._ended.clear()

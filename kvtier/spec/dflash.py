@@ -143,6 +143,10 @@ class DFlashDrafter:
         hidden = self.model.block(embedded, torch.arange(n, n + size, device=device), context)
         return self.target.logits(hidden[1:]).argmax(-1).tolist()
 
+    def preempted(self, seq: Sequence) -> None:
+        """The target gave its blocks back; the drafter's state stays: it could not be computed again where the
+        target's prefix comes back from its cache (no features for tokens it does not compute)."""
+
     def end(self, seq: Sequence) -> None:
         """The request finished: as the target's, its drafter state is kept for a next turn if it stopped or reached
         its length, else given back."""

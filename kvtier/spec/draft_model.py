@@ -160,6 +160,16 @@ class DraftModel:
         return {s.request_id for s in shadows if s.status is SequenceStatus.RUNNING and not s.kv.compute_first
                 and len(s.token_ids) - s.num_computed_tokens < CATCH_UP_ROWS}
 
+    def preempted(self, seq: Sequence) -> None:
+        """The target gave its blocks back: so does its shadow, which returns as the target does, through its
+        sealed blocks (cached) or a prefill, so that the draft pool has room for the sequences that run meanwhile,
+        as the target's pool has."""
+        shadow = self.shadows[seq.request_id]
+        if shadow.status is SequenceStatus.RUNNING:
+            self.kv.release(shadow.kv)
+            shadow.num_computed_tokens = 0
+            shadow.status = SequenceStatus.WAITING
+
     def end(self, seq: Sequence) -> None:
         """The target sequence finished: a shadow that stopped or reached its length leaves its blocks (its last,
         partly filled one too) for the next turn, as the target does; any other gives them back (a load in flight
