@@ -97,7 +97,7 @@ def tensor_bytes(path: str) -> int:
     return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
 
 
-TEXT = [(37 * i * i + 11 * i) % 500 + 3 for i in range(96)]      # a fixed token sequence
+TEXT = [(37 * i * i + 11 * i) % 500 + 3 for i in range(432)]      # a fixed token sequence
 TEXT_TOKENS = 128
 
 
@@ -161,6 +161,20 @@ def test_the_cuda_kernels_score_as_the_dequantized_weights(tmp_path):
     want = teacher_forced(float32, text, table)
     got = teacher_forced(packed, text, table)     # the first token a prompt row, the rest decode rows
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_a_step_of_many_rows_fits_its_graph(tmp_path):
+    """ggml aborts the process where a graph's context runs out of room for its tensors: a step of 48 sequences of
+    9 rows each (a verify step apiece) builds and runs."""
+    model = decoder(tiny_gguf(tmp_path / "m.gguf", qtype=Q.Q4_0), quantized=True)
+    seqs, rows, length = 48, 9, 20
+    pool = pool_for(model, tokens=2 * BLOCK * seqs)
+    steps = GgmlDecodeSteps(model, pool, threads=2)
+    tables = [[2 * i, 2 * i + 1] for i in range(seqs)]
+    positions = [p for _ in tables for p in range(length - rows, length)]
+    slots = [t[p // BLOCK] * BLOCK + p % BLOCK for t in tables for p in range(length - rows, length)]
+    logits = steps.run(TEXT[:seqs * rows], positions, slots, tables, [length] * seqs, [rows] * seqs)
+    assert logits.shape == (seqs * rows, TINY["vocab_size"]) and torch.isfinite(logits).all()
 
 
 def test_quantize_int8_and_int4_at_load(tiny_model_dir):

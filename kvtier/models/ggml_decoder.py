@@ -147,7 +147,7 @@ class _Step:
                  starts: tuple[int | None, ...]):
         cfg, self.steps = steps.config, steps
         batch = sum(rows)
-        size = cfg.num_layers * (64 + 8 * batch) + 32     # ops per layer: ~40, and ~5 per row's attention
+        size = cfg.num_layers * (64 + 12 * batch) + 32     # tensors per layer: ~40, and 10 per row's attention
         ctx = self.ctx = ggml.Context(steps.weights.lib.threads, max_tensors=size, max_nodes=size)
         self.ids = torch.zeros(batch, dtype=torch.int32)
         self.positions = torch.zeros(batch, dtype=torch.int32)
