@@ -40,8 +40,8 @@ test: $(VENV)/.installed .agents/.installed
 # report (kvtier/bench/gpu_check.py), run from the checkout without installing it. `make gpu-wheels`, run here with
 # a network, fetches what a CUDA image usually lacks (../shared/GPU.md) as wheels for that machine's Python into
 # .wheels/ (about 20 MB), to carry there; the check installs them when the server's modules are missing. It takes
-# about 15 minutes: split it over two device calls, ARGS="--only 'test suite,products,TTFT,latency'" then
-# ARGS="--only throughput".
+# about 15 minutes: split it over two device calls, ARGS="--only 'test suite,TTFT,latency'" then
+# ARGS="--only 'throughput,products'".
 GPU_PYTHON ?= 3.12
 GPU_WHEELS := gguf fastapi starlette uvicorn h11 click pydantic pydantic-core annotated-types typing-inspection \
 	typing-extensions llguidance prometheus-client xxhash openai distro jiter anthropic docstring-parser httpx \

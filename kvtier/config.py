@@ -101,7 +101,7 @@ class Config:
             raise ConfigError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}")
         if self.quantize in ("int8", "int4") and not self._quantized_kernels(device):
             raise ConfigError(f"--quantize {self.quantize} runs on CPU in float32 (ggml's kernels) or on CUDA "
-                              "with Triton installed (kvtier's kernels)")
+                              "with Triton installed (kvtier's kernels), with libggml-python installed")
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got "
                               f"{self.speculative!r}")
@@ -200,11 +200,11 @@ class Config:
 
     def _quantized_kernels(self, device: torch.device) -> bool:
         """Whether kernels that multiply quantized weights run here: ggml's on CPU (float32 activations), kvtier's
-        Triton ones on CUDA."""
+        Triton ones on CUDA (ggml quantizes and dequantizes there at load)."""
         from kvtier.models import ggml
         if device.type == "cpu":
             return self.dtype == "float32" and ggml.available()
-        return importlib.util.find_spec("triton") is not None
+        return ggml.available() and importlib.util.find_spec("triton") is not None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -38,3 +38,4 @@ def test_only_runs_the_steps_it_names_into_a_section_of_their_own(tmp_path):
     assert "from the first call" in text and "## GPU check: the steps named 'tiny shapes,latency'" in text
     assert "| products for quantized weights, tiny shapes |" in text and "| inter-token latency, tiny shape |" in text
     assert "| throughput, tiny shape |" not in text
+    assert gpu_check.main(["--dry", "--report", str(report), "--only", "no such step"]) == 2

@@ -196,7 +196,7 @@ def test_quantize_int8_and_int4_at_load(tiny_model_dir):
 
 def test_quantized_weights_are_refused_where_no_kernel_runs_them():
     with pytest.raises(ConfigError, match="CPU in float32"):
-        Config(quantize="int4", dtype="bfloat16")
+        Config(device="cpu", quantize="int4", dtype="bfloat16")
     with pytest.raises(ConfigError, match="quantize must be"):
         Config(quantize="q4")
     assert Config(device="cpu").weights_mode(BUNDLED_MODEL) == "gguf"

@@ -12,7 +12,7 @@ from gguf.quants import dequantize
 pytest.importorskip("triton", reason="Triton is installed by the test command")
 pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
 from kvtier.models import ggml  # noqa: E402
-from kvtier.models.packed import PACKED_TYPES, pack, packable  # noqa: E402
+from kvtier.models.packed import PACKED_TYPES, pack, packable, packed_bytes  # noqa: E402
 from kvtier.models.triton_quantized import BLOCK_M  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -33,7 +33,8 @@ def blocks_and_weights(qtype: Q, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
 def test_each_type_dequantizes_to_the_files_weights_and_multiplies_by_them(qtype):
     blocks, weights = blocks_and_weights(qtype)
     packed = pack(blocks, int(qtype), IN, DEVICE, torch.float32)
-    assert packed.nbytes <= 1.03 * blocks.numel()           # the file's bytes, K-quants' scales one byte each
+    # the file's bytes, Q4_K and Q5_K's scales a byte each
+    assert packed.nbytes == packed_bytes(int(qtype), blocks.numel()) <= 1.03 * blocks.numel()
     ids = torch.tensor([5, 0, 71, 5, 33])
     assert torch.equal(packed.rows(ids).cpu(), weights[ids])
     gen = torch.Generator().manual_seed(1)

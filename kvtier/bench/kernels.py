@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish
 from kvtier.models import ggml
@@ -52,9 +53,7 @@ def sync(device: torch.device) -> None:
 
 
 def candidates(weights: list[torch.Tensor], x: torch.Tensor, threads: int) -> dict[str, tuple[list, int]]:
-    """name → (one call per weight copy, the bytes each call reads)."""
-    if x.device.type == "cuda":
-        return cuda_candidates(weights, x)
+    """name → (one call per weight copy, the bytes each call reads), on CPU."""
     out_features, in_features = weights[0].shape
     found = {"torch float32": ([lambda w=w: F.linear(x, w) for w in weights], weights[0].numel() * 4)}
     halves = [w.bfloat16() for w in weights]
@@ -76,34 +75,36 @@ def candidates(weights: list[torch.Tensor], x: torch.Tensor, threads: int) -> di
     return found
 
 
-def cuda_candidates(weights: list[torch.Tensor], x: torch.Tensor) -> dict[str, tuple[list, int]]:
-    """On CUDA: name → (one call per weight copy, the bytes each call reads), x in bfloat16 (as served), or in
-    another dtype (float32 on CPU: the tests, in Triton's interpreter)."""
-    device, in_features = x.device, weights[0].shape[1]
-    dense = [w.to(device, x.dtype) for w in weights]
-    found = {DENSE: ([lambda w=w: F.linear(x, w) for w in dense], dense[0].numel() * x.dtype.itemsize)}
+def cuda_candidates(weights: list[torch.Tensor], device: torch.device, dtype: torch.dtype
+                    ) -> dict[str, tuple[list, int]]:
+    """On CUDA: name → (per weight copy, a product of rows x in dtype by it; the bytes each reads), prepared once
+    per shape (quantizing takes longer than measuring). dtype: bfloat16 as served, or another (float32 on CPU: the
+    tests, in Triton's interpreter)."""
+    in_features = weights[0].shape[1]
+    dense = [w.to(device, dtype) for w in weights]
+    found = {DENSE: ([lambda x, w=w: F.linear(x, w) for w in dense], dense[0].numel() * dtype.itemsize)}
     for kind in PACKED_TYPES:
         if in_features % 256 and kind.name.endswith("_K"):
             continue
-        packed = [pack(ggml.quantize(w, int(kind)), int(kind), in_features, device, x.dtype) for w in weights]
-        found[f"kvtier Triton {kind.name}"] = ([lambda p=p: p.product(x) for p in packed], packed[0].nbytes)
-        if kind == PACKED_TYPES[-1]:    # what prompt rows take: the weight dequantized, then cuBLAS
+        packed = [pack(ggml.quantize(w, int(kind)), int(kind), in_features, device, dtype) for w in weights]
+        found[f"kvtier Triton {kind.name}"] = ([lambda x, p=p: p.product(x) for p in packed], packed[0].nbytes)
+        if kind == GGMLQuantizationType.Q4_0:      # what prompt rows take: the weight dequantized, then cuBLAS
             ids = torch.arange(weights[0].shape[0], device=device)
-            found[f"dequantize {kind.name} + dense"] = (
-                [lambda p=p: F.linear(x, p.rows(ids)) for p in packed], packed[0].nbytes)
+            found["dequantize Q4_0 + dense"] = ([lambda x, p=p: F.linear(x, p.rows(ids)) for p in packed],
+                                                packed[0].nbytes)
     try:
-        found["torch tinygemm int4 (g32)"] = tinygemm(weights, x)
-    except (RuntimeError, AttributeError) as e:     # this build of torch lacks it, or takes other arguments
+        found["torch tinygemm int4 (g32)"] = tinygemm(weights, device)
+    except (RuntimeError, AttributeError, TypeError) as e:     # this build of torch lacks it, or takes other arguments
         print(f"  tinygemm int4: not measured ({e})", flush=True)
     return found
 
 
-def tinygemm(weights: list[torch.Tensor], x: torch.Tensor, group: int = 32) -> tuple[list, int]:
+def tinygemm(weights: list[torch.Tensor], device: torch.device, group: int = 32) -> tuple[list, int]:
     """torch's int4 weight-only kernel for CUDA (torchao's int4 layout): asymmetric groups of `group`, scales and
     zeros in bfloat16."""
     calls, nbytes = [], 0
     for w in weights:
-        w = w.to(x.device)
+        w = w.to(device)
         groups = w.reshape(w.shape[0], -1, group)
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
         scale = ((high - low) / 15).clamp(min=1e-8)
@@ -111,7 +112,7 @@ def tinygemm(weights: list[torch.Tensor], x: torch.Tensor, group: int = 32) -> t
         packed = torch.ops.aten._convert_weight_to_int4pack(q[:, ::2] << 4 | q[:, 1::2], 8)
         zeros = low + 8 * scale         # tinygemm's weight: (q - 8) * scale + zero
         scales_and_zeros = torch.cat([scale, zeros], -1).to(torch.bfloat16).transpose(0, 1).contiguous()
-        calls.append(lambda p=packed, sz=scales_and_zeros: torch.ops.aten._weight_int4pack_mm(x, p, group, sz))
+        calls.append(lambda x, p=packed, sz=scales_and_zeros: torch.ops.aten._weight_int4pack_mm(x, p, group, sz))
         nbytes = packed.numel() * packed.element_size() + scales_and_zeros.numel() * 2
     return calls, nbytes
 
@@ -123,12 +124,17 @@ def measure(args: argparse.Namespace) -> list[dict]:
         copies = max(2, min(64, CYCLE_BYTES // (in_features * out_features * 4)))
         gen = torch.Generator().manual_seed(0)
         weights = [torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5 for _ in range(copies)]
+        prepared = cuda_candidates(weights, device, torch.bfloat16) if device.type == "cuda" else None
         for m in args.rows:
             x = torch.randn(m, in_features, generator=gen)
             want = F.linear(x, weights[0])
-            if device.type == "cuda":
+            if prepared is None:
+                found = candidates(weights, x, args.threads)
+            else:
                 x = x.to(device, torch.bfloat16)
-            for name, (calls, nbytes) in candidates(weights, x, args.threads).items():
+                found = {name: ([lambda f=f: f(x) for f in products], nbytes)
+                         for name, (products, nbytes) in prepared.items()}
+            for name, (calls, nbytes) in found.items():
                 seconds = timed(calls, device)
                 error = ((calls[0]().float().cpu() - want).abs().max() / want.abs().max()).item()
                 rows.append({"shape": shape, "rows": m, "name": name, "ms": seconds * 1e3, "bytes": nbytes,

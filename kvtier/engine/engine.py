@@ -65,7 +65,7 @@ class LLMEngine:
         drafter_path = config.draft_model and os.path.expanduser(config.draft_model)
         drafter_config = draft.config if draft else hf_config(drafter_path) if dflash else None
         # the drafter's pool holds as many tokens as the model's, from one budget; its weights are not on the device yet
-        reserve = weight_bytes(draft.weights.values()) if draft else dflash_weight_bytes(drafter_path) if dflash else 0
+        reserve = weight_bytes(draft.weights.values(), config.torch_dtype) if draft else dflash_weight_bytes(drafter_path) if dflash else 0
         tokens = pool_tokens(config, [mc] + ([drafter_config] if drafter_config else []), self.device, reserve)
         self.pool = build_pool(config, mc, loaded.fingerprint, self.device, tokens)
         ns = self.pool.namespace

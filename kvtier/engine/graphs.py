@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from kvtier.kv.pool import KVPool
@@ -90,8 +91,8 @@ class DecodeGraphs:
             lens: list[int], rows: list[int]) -> torch.Tensor:
         """Per row its token, position and K/V slot; per sequence its block table, context length after the step
         and count of rows (a verify step's rows each attend as a decode up to their own position)."""
-        tables = [table for table, n in zip(tables, rows) for _ in range(n)]
-        lens = [length - n + 1 + j for length, n in zip(lens, rows) for j in range(n)]
+        tables = [table for table, count in zip(map(np.asarray, tables), rows) for _ in range(count)]
+        lens = [length - count + 1 + j for length, count in zip(lens, rows) for j in range(count)]
         n = len(token_ids)
         b = self.bucket(n)
         key = (b, self.split_count(b, max(lens)))

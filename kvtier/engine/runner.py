@@ -192,8 +192,10 @@ class ModelRunner:
             return []
         decoding = [i for i, (seq, n, wanted) in enumerate(zip(batch.seqs, batch.num_tokens, capture))
                     if decodes(seq, n) and not wanted]
-        if isinstance(self.graphs, GgmlDecodeSteps):     # a cached prompt's last token is a prompt row
-            return [i for i in decoding if generates(batch.seqs[i], batch.num_tokens[i])]
+        if self.model.quantized:      # a cached prompt's last token is a prompt row, which quantized weights multiply
+            decoding = [i for i in decoding if generates(batch.seqs[i], batch.num_tokens[i])]   # another way
+        if isinstance(self.graphs, GgmlDecodeSteps):
+            return decoding
         rows = sum(batch.num_tokens[i] for i in decoding)
         return decoding if len(decoding) == len(batch.seqs) and self.graphs.bucket(rows) is not None else []
 

@@ -148,8 +148,7 @@ def _stacked(values: list) -> torch.Tensor | list[QuantizedWeight]:
     if all(isinstance(v, QuantizedWeight) for v in values):
         return concatenated(values)
     # float and quantized parts in one projection (rare): all of it in float
-    return torch.cat([v.rows(torch.arange(v.out_features)) if isinstance(v, QuantizedWeight) else v
-                      for v in values])
+    return torch.cat([v.dequantized() if isinstance(v, QuantizedWeight) else v for v in values])
 
 
 def _kernel_ready(name: str, weight, dtype: torch.dtype):
@@ -158,7 +157,7 @@ def _kernel_ready(name: str, weight, dtype: torch.dtype):
     if not isinstance(weight, QuantizedWeight) or packable(weight.ggml_type):
         return weight
     log.info("%s: no GPU kernel multiplies %s blocks; dequantized to %s", name, weight.type_name, dtype)
-    return weight.rows(torch.arange(weight.out_features)).to(dtype)
+    return weight.dequantized().to(dtype)
 
 
 class Backbone(nn.Module):
@@ -219,6 +218,8 @@ class Decoder(nn.Module):
             module = QuantizedEmbedding(parts[0]) if name == "model.embed_tokens" else \
                 QuantizedLinear(parts, None if bias is None else bias.to(device=device, dtype=dtype))
             model.set_submodule(name, module)
+        if packed and device.type == "cuda":     # packing's temporaries: memory the KV pool is sized from
+            torch.cuda.empty_cache()
         if cfg.tie_word_embeddings:
             embedding = model.model.embed_tokens
             if isinstance(embedding, QuantizedEmbedding):

@@ -13,8 +13,9 @@ own position in attention ops of its own (softmax of K·q, then out_prod sums V'
 (its own context rounded up) as it would decode alone, so it scores exactly as it would decode alone: ggml's ops
 sum in another order over several query rows at once, and over another count of keys, even masked ones; greedy
 output would change with speculation and with the batch. Each sequence attends on its own. A context in consecutive pool slots (the pool grows a sequence into the blocks after its own)
-is read where it lies; the others are gathered (ggml_get_rows). Padding positions are masked out, so what their
-slots hold is never used.
+is read where it lies; the others are gathered (ggml_get_rows). Padding positions are masked out: their keys score
+-inf and their values weigh 0, so what their slots hold changes nothing as long as it is finite (the pool starts
+zeroed, and a model's K/V are finite).
 """
 from __future__ import annotations
 

@@ -31,10 +31,10 @@ class PackedWeight:
     in_features: int
     dtype: torch.dtype
     q: torch.Tensor
-    qh: torch.Tensor
+    qh: torch.Tensor | None
     d: torch.Tensor
-    dmin: torch.Tensor
-    sub: torch.Tensor
+    dmin: torch.Tensor | None
+    sub: torch.Tensor | None
 
     @property
     def out_features(self) -> int:
@@ -45,12 +45,13 @@ class PackedWeight:
         return T(self.ggml_type).name
 
     @property
-    def fields(self) -> tuple[torch.Tensor, ...]:
+    def fields(self) -> tuple[torch.Tensor | None, ...]:
+        """Every field, None where the type has none: the kernels' arguments."""
         return self.q, self.qh, self.d, self.dmin, self.sub
 
     @property
     def nbytes(self) -> int:
-        return sum(f.numel() * f.element_size() for f in self.fields if f.numel() > 1)
+        return sum(f.numel() * f.element_size() for f in self.fields if f is not None)
 
     def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         from kvtier.models import triton_quantized
@@ -65,6 +66,16 @@ def packable(ggml_type: int) -> bool:
     return ggml_type in PACKED_TYPES
 
 
+def packed_bytes(ggml_type: int, nbytes: int) -> int:
+    """What GGUF blocks of nbytes take packed: Q4_K and Q5_K's sub-block scales take 16 bytes per 256 weights
+    where the blocks take 12."""
+    kind = T(ggml_type)
+    if kind not in (T.Q4_K, T.Q5_K):
+        return nbytes
+    type_size = GGML_QUANT_SIZES[kind][1]
+    return nbytes // type_size * (type_size + 4)
+
+
 def pack(blocks: torch.Tensor, ggml_type: int, in_features: int, device: torch.device,
          dtype: torch.dtype) -> PackedWeight:
     """GGUF blocks (uint8 [out_features, bytes per row]) in pack's layout on device."""
@@ -74,28 +85,27 @@ def pack(blocks: torch.Tensor, ggml_type: int, in_features: int, device: torch.d
     block_size, type_size = GGML_QUANT_SIZES[kind]
     n = blocks.shape[0]
     b = blocks.to(device).view(n, in_features // block_size, type_size)
-    unused = torch.zeros(1, dtype=torch.uint8, device=device)
     half = lambda at: b[..., at:at + 2].contiguous().view(torch.float16).reshape(n, -1)     # noqa: E731
     if kind == T.Q8_0:
         q = b[..., 2:].contiguous().view(torch.int8).reshape(n, in_features)
-        return PackedWeight(ggml_type, in_features, dtype, q, unused, half(0), unused, unused)
+        return PackedWeight(ggml_type, in_features, dtype, q, None, half(0), None, None)
     if kind in (T.Q4_0, T.Q4_1):
         at = 2 if kind == T.Q4_0 else 4
         q = b[..., at:].reshape(n, in_features // 2).contiguous()
-        return PackedWeight(ggml_type, in_features, dtype, q, unused, half(0),
-                            half(2) if kind == T.Q4_1 else unused, unused)
+        return PackedWeight(ggml_type, in_features, dtype, q, None, half(0), half(2) if kind == T.Q4_1 else None,
+                            None)
     if kind == T.Q6_K:
         quants = _q6_k(b[..., :192])
         hi = (quants >> 4).view(n, -1, 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=device)
         scales = b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)
         return PackedWeight(ggml_type, in_features, dtype, _nibbles(quants), hi.sum(-1, dtype=torch.uint8),
-                            half(208), unused, scales)
+                            half(208), None, scales)
     scales = b[..., 4:16]
     s0, s1, s2 = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
     sc = torch.cat([s0 & 63, (s2 & 15) | ((s0 >> 6) << 4)], -1)        # llama.cpp's get_scale_min_k4
     mins = torch.cat([s1 & 63, (s2 >> 4) | ((s1 >> 6) << 4)], -1)
     sub = torch.stack([sc, mins], -1).reshape(n, -1)
-    quants, qh = _k_quants(b[..., 16:] if kind == T.Q4_K else b[..., 48:]), unused
+    quants, qh = _k_quants(b[..., 16:] if kind == T.Q4_K else b[..., 48:]), None
     if kind == T.Q5_K:     # bit 2c of qh[l] tops weight 64c + l, bit 2c + 1 weight 64c + 32 + l
         shifts = torch.arange(8, dtype=torch.uint8, device=device).view(4, 2, 1)
         quants = quants | ((((b[..., 16:48].unsqueeze(-2).unsqueeze(-2) >> shifts) & 1) << 4).reshape(n, -1))

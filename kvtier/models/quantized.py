@@ -39,7 +39,7 @@ from kvtier.models import ggml
 from kvtier.models.packed import PackedWeight
 from kvtier.models.products import many_rows_product
 
-DEQUANTIZED_BYTES = 64 << 20
+DEQUANTIZED_BYTES = 64 << 20     # the most weight a prompt row's product dequantizes at once
 _DECODE_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("decode_rows", default=None)
 # `--quantize`: the block type of every projection; embeddings and the LM head take Q8_0 in both
 QUANTIZE_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
@@ -75,12 +75,17 @@ class QuantizedWeight:
         return _ggml_op("mul_mat", self, ggml.aligned(x), x.new_empty(x.shape[0], self.out_features),
                         torch.get_num_threads())
 
-    def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows of the weight, dequantized: float32 [len(ids), in_features] (into out when given). On one thread:
-        between a prompt chunk's products torch's threads still spin, and a second ggml thread fighting them took
-        2x as long (a 512-token prefill of the bundled model dequantizes 57 ms on two threads, 27 on one)."""
+    def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int = 1) -> torch.Tensor:
+        """Rows of the weight, dequantized: float32 [len(ids), in_features] (into out when given). On one thread by
+        default: between a prompt chunk's products torch's threads still spin, and a second ggml thread fighting
+        them took 2x as long (a 512-token prefill of the bundled model dequantizes 57 ms on two threads, 27 on
+        one)."""
         out = torch.empty(len(ids), self.in_features) if out is None else out
-        return _ggml_op("get_rows", self, ggml.aligned(ids.to(torch.int32)), out, threads=1)
+        return _ggml_op("get_rows", self, ggml.aligned(ids.to(torch.int32)), out, threads)
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole weight in float32 (at load, on torch's threads)."""
+        return self.rows(torch.arange(self.out_features), threads=torch.get_num_threads())
 
 
 def quantize(weight: torch.Tensor, ggml_type: int) -> QuantizedWeight:

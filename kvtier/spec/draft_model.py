@@ -34,6 +34,8 @@ from kvtier.engine.sequence import Sequence, SequenceStatus
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import LoadedModel, load_model
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
+from kvtier.models.packed import packable, packed_bytes
+from kvtier.models.quantized import QuantizedWeight
 
 CATCH_UP_ROWS = 8      # a shadow this close to the end feeds the rest as decode rows of its first round
 
@@ -53,9 +55,15 @@ def load_draft(config: Config, target: LoadedModel, max_model_len: int) -> Loade
     return loaded
 
 
-def weight_bytes(weights) -> int:
-    """What a draft model's float weights take on the device (quantized ones stay on CPU)."""
-    return sum(w.nbytes for w in weights if isinstance(w, torch.Tensor))
+def weight_bytes(weights, dtype: torch.dtype) -> int:
+    """What a draft model's weights take on a GPU: floats as loaded; quantized blocks packed (packed.py), or
+    dequantized to dtype where no kernel multiplies their type."""
+    def size(w) -> int:
+        if isinstance(w, QuantizedWeight):
+            return packed_bytes(w.ggml_type, w.nbytes) if packable(w.ggml_type) else \
+                w.out_features * w.in_features * dtype.itemsize
+        return w.nbytes
+    return sum(size(w) for w in weights)
 
 
 class DraftModel:
