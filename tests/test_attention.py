@@ -6,9 +6,11 @@ import torch
 from kvtier.engine.runner import slot_runs
 from kvtier.kv.state import NOT_RESIDENT
 from kvtier.models import attention
-from kvtier.models.attention import CPU_DECODE_APART, MAX_PREFIX_RUNS, AttentionMetadata, DecodeGroup, PrefillSeq, paged_attention
+from kvtier.models.attention import (CONTEXT_SEGMENT, CPU_DECODE_APART, AttentionMetadata, DecodeGroup, PrefillSeq,
+                                     paged_attention)
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
+RUNS = 17      # blocks of a scattered context: as many runs
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
@@ -64,7 +66,7 @@ def test_prefill_chunks_and_decodes_match_a_dense_reference(device, bs, layout):
     gen = torch.Generator().manual_seed(bs)
     scale = DIM ** -0.5
     # (tokens before this step, tokens this step): prefill chunks over ragged prefixes, then decodes
-    work = [(0, 37), (5 * bs + 3, 29), (MAX_PREFIX_RUNS * bs + 7, 40), (3 * bs, 1), (7 * bs + 11, 1), (MAX_PREFIX_RUNS * bs + 20, 1),
+    work = [(0, 37), (5 * bs + 3, 29), (RUNS * bs + 7, 40), (3 * bs, 1), (7 * bs + 11, 1), (RUNS * bs + 20, 1),
             (CPU_DECODE_APART + 5, 1)]
     num_blocks = sum(-(-(s + n) // bs) for s, n in work) + 4
     k_cache = torch.randn(num_blocks * bs, KV_HEADS, DIM, generator=gen).to(device)
@@ -98,5 +100,28 @@ def test_prefill_chunks_and_decodes_match_a_dense_reference(device, bs, layout):
                              decode=DecodeGroup(decode_rows, decode_runs), block_size=bs)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale).cpu()
     assert torch.allclose(out.double(), torch.cat(expected), atol=1e-4)
-    if layout == "scattered":     # the gathered paths ran too
-        assert len(prefills[2].prefix_runs) > MAX_PREFIX_RUNS and max(map(len, decode_runs)) > MAX_PREFIX_RUNS
+    if layout == "scattered":     # contexts in many pieces, joined
+        assert len(prefills[2].prefix_runs) >= RUNS and max(map(len, decode_runs)) >= RUNS
+
+
+@pytest.mark.parametrize("length", [700, CONTEXT_SEGMENT + 300])
+def test_on_cpu_a_context_computes_the_same_wherever_its_blocks_lie(length):
+    """A prompt chunk after a cached prefix, and a decode, over the same context in consecutive blocks and in
+    scattered ones: bitwise the same (a context is cut into segments at fixed positions, never where its blocks
+    happen to lie), over one segment and over two."""
+    bs, chunk, scale = 16, 9, DIM ** -0.5
+    gen = torch.Generator().manual_seed(length)
+    logical_k, logical_v = (torch.randn(length + chunk, KV_HEADS, DIM, generator=gen) for _ in range(2))
+    q, k, v = (torch.randn(chunk + 1, heads, DIM, generator=gen) for heads in (HEADS, KV_HEADS, KV_HEADS))
+    blocks = -(-(length + chunk + 1) // bs)
+    outs = []
+    for table in (list(range(blocks)), [b for pair in zip(range(blocks, 2 * blocks), range(blocks)) for b in pair][:blocks]):
+        slots = [table[p // bs] * bs + p % bs for p in range(length + chunk + 1)]
+        k_cache, v_cache = torch.zeros(2 * blocks * bs, KV_HEADS, DIM), torch.zeros(2 * blocks * bs, KV_HEADS, DIM)
+        k_cache[slots[:length + chunk]], v_cache[slots[:length + chunk]] = logical_k, logical_v
+        meta = AttentionMetadata(positions=torch.zeros(chunk + 1, dtype=torch.long),
+                                 slot_mapping=torch.tensor(slots[length:length + chunk] + [slots[-1]]),
+                                 prefills=[PrefillSeq(0, chunk, slot_runs(table, length, bs), table)],
+                                 decode=DecodeGroup([chunk], [slot_runs(table, length + chunk + 1, bs)]), block_size=bs)
+        outs.append(paged_attention(q, k, v, k_cache, v_cache, meta, scale))
+    assert torch.equal(*outs)

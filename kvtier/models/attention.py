@@ -20,9 +20,11 @@ import torch
 import torch.nn.functional as F
 
 
-# On CPU a prefix in at most this many runs of consecutive pool slots is attended where it lies; a more
-# scattered one is gathered into one tensor per layer first.
-MAX_PREFIX_RUNS = 16
+# On CPU a context is attended in segments of this many tokens (the last one shorter), cut at these positions and
+# never where its blocks happen to lie: each is read where it lies when its slots are consecutive, else gathered.
+# So a prompt chunk after a cached prefix, or a decode, computes the same numbers wherever the pool put its blocks
+# (a segment per run of slots did not: two engines serving one conversation could answer differently).
+CONTEXT_SEGMENT = 8192
 # On CPU a decode attends on its own, where its K/V lies, when it is the step's only one or its context has at least
 # this many tokens; shorter ones share one gathered, padded call. Per layer on a 2-core EPYC with SmolLM2's 3 K/V
 # heads of 64: one sequence of 130-1000 tokens 46-180 us apart against 98-471 gathered; at 600 tokens apart wins at
@@ -169,10 +171,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if not seq.prefix_runs and paged_out is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         elif q.device.type == "cpu":
-            if len(seq.prefix_runs) <= MAX_PREFIX_RUNS:
-                segments = [(k_cache[a:b], v_cache[a:b]) for a, b in seq.prefix_runs]
-            else:
-                segments = [tuple(c[seq.prefix_slots(q.device)] for c in (k_cache, v_cache))]
+            segments = _context_segments(seq.prefix_runs, k_cache, v_cache)
             o = _attention_after_segments_cpu(qs, ks, vs, segments + ([paged_out] if paged_out else []), scale)
         else:
             kp, vp = (c[seq.prefix_slots(q.device)] for c in (k_cache, v_cache))
@@ -191,12 +190,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             # on CPU a lone decode or a long context is read where it lies, one sequence at a time; the others are
             # gathered and padded into one batched call, which costs less than a call per sequence while they are short
-            apart = [i for i, runs in enumerate(d.runs) if q.device.type == "cpu" and len(runs) <= MAX_PREFIX_RUNS
+            apart = [i for i, runs in enumerate(d.runs) if q.device.type == "cpu"
                      and (len(d.runs) == 1 or sum(b - a for a, b in runs) >= CPU_DECODE_APART)]
             for i in apart:
                 row, runs = d.query_rows[i], d.runs[i]
                 qs = q[row:row + 1].transpose(0, 1).unsqueeze(0)     # [1, H, 1, D]
-                parts = _segment_parts_cpu(qs, k.shape[1], [(k_cache[a:b], v_cache[a:b]) for a, b in runs], scale)
+                parts = _segment_parts_cpu(qs, k.shape[1], _context_segments(runs, k_cache, v_cache), scale)
                 out[row] = _merged(parts)[0, :, 0]
             if len(apart) < len(d.runs):
                 rows, kv_slots, mask = meta.kernel_args("gathered", lambda: d.padded(q.device, skip=set(apart)))
@@ -224,6 +223,32 @@ def _prefills_by_kernel(kernels, q, k_cache, v_cache, out, meta: AttentionMetada
         kernels.prefill(q, k_cache, v_cache, out, starts, lens, context_starts, tables, longest, meta.block_size,
                         scale)
     return [seq for seq in meta.prefills if seq not in taken]
+
+
+def _context_segments(runs: list[tuple[int, int]], k_cache: torch.Tensor, v_cache: torch.Tensor
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A context's K/V (runs of pool slots, in order) in segments of CONTEXT_SEGMENT tokens: views where a segment's
+    slots are one run, copies of its pieces otherwise."""
+    segments, pieces, filled = [], [], 0
+    for a, b in runs:
+        while a < b:
+            take = min(b - a, CONTEXT_SEGMENT - filled)
+            pieces.append((a, a + take))
+            filled, a = filled + take, a + take
+            if filled == CONTEXT_SEGMENT:
+                segments.append(_joined_pieces(pieces, k_cache, v_cache))
+                pieces, filled = [], 0
+    if pieces:
+        segments.append(_joined_pieces(pieces, k_cache, v_cache))
+    return segments
+
+
+def _joined_pieces(pieces: list[tuple[int, int]], k_cache: torch.Tensor, v_cache: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    if len(pieces) == 1:
+        (a, b), = pieces
+        return k_cache[a:b], v_cache[a:b]
+    return tuple(torch.cat([cache[a:b] for a, b in pieces]) for cache in (k_cache, v_cache))
 
 
 def _attention_after_prefix(q, k, v, k_prefix, v_prefix, scale: float) -> torch.Tensor:
