@@ -186,14 +186,14 @@ class ModelRunner:
     def _graphed(self, batch: ScheduledBatch, capture: list[int]) -> list[int]:
         """The sequences whose step the decode graphs run: those decoding, none of whose queries the pager wants.
         CUDA graphs take a step of such decodes (and verify steps) only, whose rows a graph holds; ggml's decode
-        steps take a mixed step's decodes too, of generated tokens only (a cached prompt's last token is a prompt
-        row)."""
+        steps take a mixed step's decodes too."""
         if self.graphs is None:
             return []
         decoding = [i for i, (seq, n, wanted) in enumerate(zip(batch.seqs, batch.num_tokens, capture))
                     if decodes(seq, n) and not wanted]
-        if self.model.quantized:      # a cached prompt's last token is a prompt row, which quantized weights multiply
-            decoding = [i for i in decoding if generates(batch.seqs[i], batch.num_tokens[i])]   # another way
+        if self.model.quantized:
+            # a cached prompt's last token is a prompt row, which quantized weights multiply another way
+            decoding = [i for i in decoding if generates(batch.seqs[i], batch.num_tokens[i])]
         if isinstance(self.graphs, GgmlDecodeSteps):
             return decoding
         rows = sum(batch.num_tokens[i] for i in decoding)
