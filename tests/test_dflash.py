@@ -2,6 +2,7 @@
 target's output unchanged, and the drafter's state over a conversation (K/V from the target's hidden features)
 cached, saved and restored from the tiers, so a restored conversation proposes what the uninterrupted one does."""
 import json
+import os
 
 import pytest
 import torch
@@ -66,6 +67,26 @@ def test_the_drafter_changes_nothing_but_the_steps(plain, tiny_model_dir, dflash
             [o["tokens"] for o in run(plain, prompts, params)]
     assert counts(engine)[1] > 0 and engine.stats()["speculation"]["method"] == "dflash"
     assert engine.drafter.pool.num_free_blocks == engine.drafter.pool.num_blocks
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the graphs' decode kernel runs in Triton's "
+                    "interpreter on CPU")
+def test_decode_graphs_hand_the_drafter_its_features(monkeypatch, plain, tiny_model_dir, dflash_dir):
+    """Decode and verify steps from the CUDA graphs' buffers (uncaptured, on CPU) hand back the drafter's features
+    as eager steps do: the same output, the drafter's state written from them and proposing, no request lost."""
+    from kvtier.engine.graphs import DecodeGraphs
+    engine = drafting(tiny_model_dir, dflash_dir)
+    graphs = engine.runner.graphs = DecodeGraphs(engine.model, engine.pool, engine.config.max_num_seqs,
+                                                 engine.max_model_len, capture=False, rows_per_seq=BLOCK,
+                                                 feature_layers=engine.drafter.feature_layers)
+    observed = []
+    observe = engine.drafter.observe
+    monkeypatch.setattr(engine.drafter, "observe", lambda seq, start, features: (
+        observed.append(graphs.steps), observe(seq, start, features)))
+    prompts = [prompt(i) for i in range(3)]
+    assert [o["tokens"] for o in run(engine, prompts, GREEDY)] == [o["tokens"] for o in run(plain, prompts, GREEDY)]
+    assert graphs.steps > 0 and observed.count(0) < len(observed)     # features from the graphs' steps too
+    assert counts(engine)[1] > 0 and not engine.drafter.lost
 
 
 def test_the_drafters_state_is_sealed_for_the_conversations_tokens(monkeypatch, tiny_model_dir, dflash_dir):

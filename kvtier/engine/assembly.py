@@ -70,22 +70,24 @@ def digest_cache(config: Config) -> str | None:
     return os.path.join(os.path.expanduser(config.kv_disk_dir), FINGERPRINTS) if config.kv_disk else None
 
 
-def decode_graphs(config: Config, model: Decoder, pool: KVPool, max_model_len: int
-                  ) -> DecodeGraphs | GgmlDecodeSteps | None:
-    """Decode steps captured as CUDA graphs, where the device and the Triton decode kernel allow them; on CPU
-    with quantized weights, decode steps as ggml graphs."""
+def decode_graphs(config: Config, model: Decoder, pool: KVPool, max_model_len: int,
+                  feature_layers: tuple[int, ...] = ()) -> DecodeGraphs | GgmlDecodeSteps | None:
+    """Decode steps captured as CUDA graphs, where the device and the Triton decode kernel allow them, handing back
+    the outputs of feature_layers too (a DFlash drafter's); on CPU with quantized weights, decode steps as ggml
+    graphs, which hand back no features."""
     if config.enforce_eager:
         return None
     if pool.kv_cache.device.type == "cpu":
         return GgmlDecodeSteps(model, pool, config.num_threads or TORCH_THREADS) \
-            if model.quantized else None
+            if model.quantized and not feature_layers else None
     if not triton_supports(model.config.head_dim, config.block_size):
         log.warning("decode runs eagerly: the Triton decode kernel cannot tile head size %d and block size %d "
                     "(or Triton is missing)", model.config.head_dim, config.block_size)
         return None
     try:
         rows_per_seq = 1 + config.num_speculative_tokens if config.speculative else 1
-        return DecodeGraphs(model, pool, config.max_num_seqs, max_model_len, rows_per_seq=rows_per_seq)
+        return DecodeGraphs(model, pool, config.max_num_seqs, max_model_len, rows_per_seq=rows_per_seq,
+                            feature_layers=feature_layers)
     except Exception:   # serve anyway, eagerly: slower, never wrong
         log.exception("capturing the decode graphs failed: decode runs eagerly")
         return None

@@ -65,7 +65,8 @@ class LLMEngine:
         drafter_path = config.draft_model and os.path.expanduser(config.draft_model)
         drafter_config = draft.config if draft else hf_config(drafter_path) if dflash else None
         # the drafter's pool holds as many tokens as the model's, from one budget; its weights are not on the device yet
-        reserve = weight_bytes(draft.weights.values(), config.torch_dtype) if draft else dflash_weight_bytes(drafter_path) if dflash else 0
+        reserve = weight_bytes(draft.weights.values(), config.torch_dtype) if draft else \
+            dflash_weight_bytes(drafter_path) if dflash else 0
         tokens = pool_tokens(config, [mc] + ([drafter_config] if drafter_config else []), self.device, reserve)
         self.pool = build_pool(config, mc, loaded.fingerprint, self.device, tokens)
         ns = self.pool.namespace
@@ -83,19 +84,17 @@ class LLMEngine:
         self.kv = KVManager(self.pool, self.tiers, self.pager, manifests, beside_disk and beside_disk("partials"),
                             rates_file)
         self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs, config.max_itl_ratio)
-        # a DFlash drafter reads hidden features that only eager steps hand back
+        self.drafter = DraftModel(config, draft, share, self.device, tokens, self.max_model_len, mc.vocab_size) \
+            if draft else DFlashDrafter(config, self.model, loaded.fingerprint, share, self.device, tokens,
+                                        self.max_model_len) if dflash else None
+        features = self.drafter.feature_layers if dflash else ()      # the layers a DFlash drafter reads
         self.runner = ModelRunner(self.model, self.kv, self.device,
-                                  None if dflash else decode_graphs(config, self.model, self.pool, self.max_model_len),
+                                  decode_graphs(config, self.model, self.pool, self.max_model_len, features),
                                   config.num_threads or TORCH_THREADS)
+        self.runner.feature_layers = features
         self.grammars = GrammarCompiler(self.tokenizer.hf)
         self.speculator = Speculator(config.speculative, config.num_speculative_tokens) if config.speculative \
             else None
-        self.drafter = DraftModel(config, draft, share, self.device, tokens, self.max_model_len,
-                                  mc.vocab_size) if draft else None
-        if dflash:
-            self.drafter = DFlashDrafter(config, self.model, loaded.fingerprint, share, self.device, tokens,
-                                         self.max_model_len)
-            self.runner.feature_layers = self.drafter.feature_layers
         self._arrivals = itertools.count()
         self._ended: list[Sequence] = []     # finished outside a step (aborted, failed): reported by the next step
 

@@ -40,12 +40,14 @@ MAX_ROWS = 512      # the largest bucket verify steps widen the buckets to
 class DecodeGraphs:
     """run(token_ids, positions, slots, tables, lens, rows) → logits [rows, vocab] of one decode or verify step.
 
-    rows_per_seq: the most rows a sequence steps with (1 + k with speculation). capture=False runs the same forward
-    over the same buffers without capturing it: how the tests check, on CPU and through Triton's interpreter, the
-    inputs a graph replays (num_multiprocessors stands in for a GPU's there)."""
+    rows_per_seq: the most rows a sequence steps with (1 + k with speculation). feature_layers: layers whose outputs
+    a step also hands back (`features`, the last step's [rows, features]: a DFlash drafter's input). capture=False
+    runs the same forward over the same buffers without capturing it: how the tests check, on CPU and through
+    Triton's interpreter, the inputs a graph replays (num_multiprocessors stands in for a GPU's there)."""
 
     def __init__(self, model: Decoder, pool: KVPool, max_num_seqs: int, max_model_len: int, capture: bool = True,
-                 num_multiprocessors: int | None = None, rows_per_seq: int = 1):
+                 num_multiprocessors: int | None = None, rows_per_seq: int = 1,
+                 feature_layers: tuple[int, ...] = ()):
         self.model, self.kv_cache, self.block_size = model, pool.kv_cache, pool.block_size
         self.pad_slot = pool.pad_slot
         most_rows = max(max_num_seqs, min(max_num_seqs * rows_per_seq, MAX_ROWS))
@@ -72,8 +74,10 @@ class DecodeGraphs:
         self.rows = torch.arange(most, device=device)
         self.copied = torch.cuda.Event() if device.type == "cuda" else None   # the last step's inputs landed
         self.capture = capture
+        self.feature_layers = feature_layers
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}     # by (batch bucket, split count)
-        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}   # (logits, features)
+        self.features: torch.Tensor | None = None
         self.steps = 0     # decode steps run from the buffers
         if capture:
             self._capture_all()
@@ -111,17 +115,23 @@ class DecodeGraphs:
         if self.copied is not None:
             self.copied.record()
         self.steps += 1
-        if not self.capture:
-            return self._forward(*key)[:n]
-        self.graphs[key].replay()
-        return self.logits[key][:n].clone()      # the graphs share one memory pool: the next replay overwrites it
+        if self.capture:
+            self.graphs[key].replay()
+        logits, features = self.outputs[key] if self.capture else self._forward(*key)
+        # the graphs share one memory pool: the next replay overwrites their outputs
+        self.features = None if features is None else features[:n].clone()
+        return logits[:n].clone()
 
-    def _forward(self, b: int, splits: int) -> torch.Tensor:
-        """One decode step of the first b rows of the buffers, each context in `splits` parts: logits [b, vocab]."""
+    def _forward(self, b: int, splits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step of the first b rows of the buffers, each context in `splits` parts: logits [b, vocab], and
+        the feature layers' outputs side by side [b, features] where there are any."""
         decode = DecodeGroup(list(range(b)), [], (self.rows[:b], self.tables[:b], self.lens[:b]), num_splits=splits)
         meta = AttentionMetadata(positions=self.positions[:b], slot_mapping=self.slots[:b], prefills=[],
                                  decode=decode, block_size=self.block_size, generated_rows=list(range(b)))
-        return self.model.logits(self.model(self.token_ids[:b], self.kv_cache, meta))
+        meta.feature_layers = self.feature_layers
+        logits = self.model.logits(self.model(self.token_ids[:b], self.kv_cache, meta))
+        features = torch.cat([meta.features[i] for i in self.feature_layers], -1) if self.feature_layers else None
+        return logits, features
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -137,7 +147,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=memory):
-                self.logits[key] = self._forward(*key)
+                self.outputs[key] = self._forward(*key)
             self.graphs[key] = graph
         torch.cuda.synchronize()
         log.info("%d decode graphs captured for batch sizes %s (split per context length) in %.1f s",

@@ -151,7 +151,10 @@ class ModelRunner:
             # step instead of 5.4 for SmolLM2 on 2 cores): the step's torch work (sampling) runs on one thread
             torch.set_num_threads(1)
         inputs = self._decode_inputs(batch, which)
-        return list(self.graphs.run(*inputs).split(inputs[-1]))
+        logits = self.graphs.run(*inputs).split(inputs[-1])
+        if isinstance(self.graphs, DecodeGraphs) and self.graphs.features is not None:
+            self.features = list(self.graphs.features.split(inputs[-1]))
+        return list(logits)
 
     def _run_eagerly(self, batch: ScheduledBatch, capture: list[int]) -> tuple[list[torch.Tensor], list]:
         self.restore_threads()
