@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_draft_model import counts, restored_second_turn
+from test_draft_model import counts, drafts_as_uninterrupted
 from test_speculation import BS, engine_for, prompt, run
 
 from kvtier.config import Config, ConfigError
@@ -114,12 +114,8 @@ def test_the_drafters_state_is_sealed_for_the_conversations_tokens(monkeypatch, 
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_a_restored_conversation_drafts_what_the_uninterrupted_one_does(monkeypatch, tmp_path, tiny_model_dir,
                                                                          dflash_dir, tier):
-    got = restored_second_turn(monkeypatch, tmp_path, tiny_model_dir,
-                               lambda **kw: drafting(tiny_model_dir, dflash_dir, **kw), tier)
-    engine, restored, uninterrupted, drafts, expected, first_turn, second_turn = got.values()
-    assert restored["tokens"] == uninterrupted["tokens"]
-    assert engine.drafter.stats()["tiers"][tier]["hit_blocks"] >= len(first_turn) // BS - 1
-    assert drafts == expected and drafts[0][0] == len(second_turn) + 1     # from its first decode step
+    engine = drafts_as_uninterrupted(monkeypatch, tmp_path, tiny_model_dir,
+                                     lambda **kw: drafting(tiny_model_dir, dflash_dir, **kw), tier)
     assert not engine.drafter.lost
     engine.shutdown()
 

@@ -140,10 +140,11 @@ def test_a_conversation_reuses_the_draft_models_cache(monkeypatch, plain, tiny_m
         history = history + out["tokens"] + prompt(30 + turn, 20)
 
 
-def restored_second_turn(monkeypatch, tmp_path, tiny_model_dir, make, tier) -> dict:
+def drafts_as_uninterrupted(monkeypatch, tmp_path, tiny_model_dir, make, tier):
     """A two-turn conversation with the drafter `make(**settings)` builds: once kept on the device, once with the
-    first turn restored from the host tier (device cache off) or from disk after a restart. Returns the engine that
-    restored, both second turns' outputs and proposals, and the turns."""
+    first turn restored from the host tier (device cache off) or from disk after a restart. The restored second turn
+    gives the same output and, from its first decode step, the same proposals, its drafter's blocks hit in the tier.
+    Returns the engine that restored."""
     first_turn = prompt(40, 150)
     (answer,) = run(engine_for(tiny_model_dir, None), [first_turn], GREEDY)
     second_turn = first_turn + answer["tokens"] + prompt(41, 30)
@@ -160,8 +161,10 @@ def restored_second_turn(monkeypatch, tmp_path, tiny_model_dir, make, tier) -> d
         engine = make(**settings)
     drafts = record_drafts(monkeypatch, engine)
     (restored,) = run(engine, [second_turn], GREEDY)
-    return dict(engine=engine, restored=restored, uninterrupted=uninterrupted, drafts=drafts, expected=expected,
-                first_turn=first_turn, second_turn=second_turn)
+    assert restored["tokens"] == uninterrupted["tokens"]
+    assert engine.drafter.stats()["tiers"][tier]["hit_blocks"] >= len(first_turn) // BS - 1
+    assert drafts == expected and drafts[0][0] == len(second_turn) + 1     # from its first decode step
+    return engine
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
@@ -169,13 +172,8 @@ def test_a_restored_conversation_drafts_what_the_uninterrupted_one_does(monkeypa
                                                                          other_draft_dir, tier):
     """The draft model's blocks of the first turn restored from the host tier (device cache off) or from disk after a
     restart: the second turn's proposals are the ones an engine that kept everything on the device makes."""
-    got = restored_second_turn(monkeypatch, tmp_path, tiny_model_dir,
-                               lambda **kw: drafting(tiny_model_dir, other_draft_dir, **kw), tier)
-    engine, restored, uninterrupted, drafts, expected, first_turn, second_turn = got.values()
-    assert restored["tokens"] == uninterrupted["tokens"]
-    assert engine.drafter.stats()["tiers"][tier]["hit_blocks"] >= len(first_turn) // BS - 1
-    assert drafts == expected and drafts[0][0] == len(second_turn) + 1     # from its first decode step
-    engine.shutdown()
+    drafts_as_uninterrupted(monkeypatch, tmp_path, tiny_model_dir,
+                            lambda **kw: drafting(tiny_model_dir, other_draft_dir, **kw), tier).shutdown()
 
 
 def test_cancel_while_drafting_frees_both_pools(tiny_model_dir, other_draft_dir):

@@ -129,9 +129,7 @@ class DecodeGraphs:
         meta = AttentionMetadata(positions=self.positions[:b], slot_mapping=self.slots[:b], prefills=[],
                                  decode=decode, block_size=self.block_size, generated_rows=list(range(b)))
         meta.feature_layers = self.feature_layers
-        logits = self.model.logits(self.model(self.token_ids[:b], self.kv_cache, meta))
-        features = torch.cat([meta.features[i] for i in self.feature_layers], -1) if self.feature_layers else None
-        return logits, features
+        return self.model.logits(self.model(self.token_ids[:b], self.kv_cache, meta)), meta.stacked_features()
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

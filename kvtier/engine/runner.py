@@ -54,7 +54,7 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs     # decode steps captured as CUDA graphs (or ggml's); None runs every step eagerly
         self.torch_threads = torch_threads
-        self.feature_layers: tuple[int, ...] = ()    # layers whose outputs a drafter reads (eager steps only)
+        self.feature_layers: tuple[int, ...] = ()    # layers whose outputs a drafter reads (not ggml's steps)
         self.features: list[torch.Tensor] | None = None   # the last step's, per sequence [its rows, features]
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
@@ -161,8 +161,8 @@ class ModelRunner:
         token_ids, meta, out_rows = self.prepare(batch, capture)
         meta.feature_layers = self.feature_layers
         hidden = self.model(token_ids, self.pool.kv_cache, meta)
-        if meta.features:      # in the drafter's order of layers
-            features = torch.cat([meta.features[i] for i in self.feature_layers], -1)
+        features = meta.stacked_features()
+        if features is not None:
             self.features = list(features.split(batch.num_tokens))
         if any(seq.paged_out is not None for seq in meta.prefills):
             self.kv.forward_done()      # the gathered paged-out K/V it read may be overwritten after it

@@ -106,6 +106,11 @@ class AttentionMetadata:
     block_size: int = 0
     _kernel_args: dict = field(default_factory=dict)   # built by the first layer, used by every layer
 
+    def stacked_features(self) -> torch.Tensor | None:
+        """The feature layers' outputs side by side [T, features], in the drafter's order of layers; None without
+        any."""
+        return torch.cat([self.features[i] for i in self.feature_layers], -1) if self.feature_layers else None
+
     def kernel_args(self, name: str, build):
         if name not in self._kernel_args:
             self._kernel_args[name] = build()
