@@ -13,6 +13,7 @@ from test_speculation import BS, engine_for, prompt, run
 from kvtier.config import Config, ConfigError
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.kv.keys import chain_keys
+from kvtier.models.ggml_decoder import GgmlDecodeSteps
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 BLOCK = 5          # the drafter proposes 4 tokens after the last one
@@ -69,24 +70,42 @@ def test_the_drafter_changes_nothing_but_the_steps(plain, tiny_model_dir, dflash
     assert engine.drafter.pool.num_free_blocks == engine.drafter.pool.num_blocks
 
 
+def hands_the_drafter_its_features(monkeypatch, engine, plain, graphs):
+    """Decode and verify steps from `graphs` hand back the drafter's features as eager steps do: the same output as
+    without speculation, the drafter's state written from the graphs' steps and proposing, no request lost. The long
+    prompt prefills while the others decode: steps mixed, where ggml's graphs take the decodes."""
+    observed, lost = [], set()       # the graphs' steps so far at each observation; requests the drafter lost
+    observe = engine.drafter.observe
+
+    def observing(seq, start, features):
+        observed.append(graphs.steps)
+        observe(seq, start, features)
+        lost.update(engine.drafter.lost)      # a request's entry goes when it ends
+    monkeypatch.setattr(engine.drafter, "observe", observing)
+    prompts = [prompt(0), prompt(1), prompt(2, length=400)]
+    assert [o["tokens"] for o in run(engine, prompts, GREEDY)] == [o["tokens"] for o in run(plain, prompts, GREEDY)]
+    assert graphs.steps > 0 and observed.count(0) < len(observed)     # features from the graphs' steps too
+    assert counts(engine)[1] > 0 and not lost
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the graphs' decode kernel runs in Triton's "
                     "interpreter on CPU")
 def test_decode_graphs_hand_the_drafter_its_features(monkeypatch, plain, tiny_model_dir, dflash_dir):
-    """Decode and verify steps from the CUDA graphs' buffers (uncaptured, on CPU) hand back the drafter's features
-    as eager steps do: the same output, the drafter's state written from them and proposing, no request lost."""
+    """The CUDA graphs, from their buffers (uncaptured, on CPU)."""
     from kvtier.engine.graphs import DecodeGraphs
     engine = drafting(tiny_model_dir, dflash_dir)
     graphs = engine.runner.graphs = DecodeGraphs(engine.model, engine.pool, engine.config.max_num_seqs,
                                                  engine.max_model_len, capture=False, rows_per_seq=BLOCK,
                                                  feature_layers=engine.drafter.feature_layers)
-    observed = []
-    observe = engine.drafter.observe
-    monkeypatch.setattr(engine.drafter, "observe", lambda seq, start, features: (
-        observed.append(graphs.steps), observe(seq, start, features)))
-    prompts = [prompt(i) for i in range(3)]
-    assert [o["tokens"] for o in run(engine, prompts, GREEDY)] == [o["tokens"] for o in run(plain, prompts, GREEDY)]
-    assert graphs.steps > 0 and observed.count(0) < len(observed)     # features from the graphs' steps too
-    assert counts(engine)[1] > 0 and not engine.drafter.lost
+    hands_the_drafter_its_features(monkeypatch, engine, plain, graphs)
+
+
+def test_ggml_decode_steps_hand_the_drafter_its_features(monkeypatch, tiny_model_dir, dflash_dir):
+    """ggml's graphs, which decode quantized weights on CPU (the target no longer runs eagerly under dflash)."""
+    engine = drafting(tiny_model_dir, dflash_dir, quantize="int8")
+    assert isinstance(engine.runner.graphs, GgmlDecodeSteps)
+    hands_the_drafter_its_features(monkeypatch, engine, engine_for(tiny_model_dir, None, quantize="int8"),
+                                   engine.runner.graphs)
 
 
 def test_the_drafters_state_is_sealed_for_the_conversations_tokens(monkeypatch, tiny_model_dir, dflash_dir):

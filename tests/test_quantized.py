@@ -177,6 +177,30 @@ def test_a_step_of_many_rows_fits_its_graph(tmp_path):
     assert logits.shape == (seqs * rows, TINY["vocab_size"]) and torch.isfinite(logits).all()
 
 
+@torch.inference_mode()
+def test_a_ggml_decode_step_hands_back_the_feature_layers_outputs(tmp_path):
+    """A DFlash drafter's input: the outputs of the layers it reads (the last one normed), from ggml's step as the
+    decoder computes them op by op, each row's layers side by side."""
+    model = decoder(tiny_gguf(tmp_path / "m.gguf", qtype=Q.Q4_0), quantized=True)
+    pool, layers = pool_for(model), (1, 0)      # the drafter's order of layers, not the model's
+    steps = GgmlDecodeSteps(model, pool, threads=2, feature_layers=layers)
+    length, rows, table = 20, 3, [0, 1]
+    ids = TEXT[:length]
+    slot = list(range(length))
+    meta = AttentionMetadata(positions=torch.arange(length - rows), slot_mapping=torch.tensor(slot[:-rows]),
+                             prefills=[PrefillSeq(0, length - rows, [], table)], decode=None, block_size=BLOCK)
+    model(torch.tensor(ids[:-rows]), pool.kv_cache, meta)       # the context, as a prompt
+    steps.run(ids[-rows:], slot[-rows:], slot[-rows:], [table], [length], [rows])     # a verify step of 3 rows
+    meta = AttentionMetadata(positions=torch.arange(length - rows, length), slot_mapping=torch.tensor(slot[-rows:]),
+                             prefills=[], block_size=BLOCK, generated_rows=list(range(rows)), feature_layers=layers,
+                             decode=DecodeGroup(list(range(rows)),     # each row over its context up to itself
+                                                [slot_runs(table, length - rows + 1 + j, BLOCK) for j in range(rows)]))
+    model(torch.tensor(ids[-rows:]), pool.kv_cache, meta)
+    want = meta.stacked_features()
+    assert steps.features.shape == want.shape == (rows, 2 * TINY["hidden_size"])
+    assert (steps.features - want).abs().max() <= 0.02 * want.abs().max()
+
+
 def test_quantize_int8_and_int4_at_load(tiny_model_dir):
     loaded = {mode: load_model(tiny_model_dir, quantize=mode) for mode in ("none", "int8", "int4")}
     assert len({m.fingerprint for m in loaded.values()}) == 3       # their KV never mixes

@@ -74,12 +74,12 @@ def decode_graphs(config: Config, model: Decoder, pool: KVPool, max_model_len: i
                   feature_layers: tuple[int, ...] = ()) -> DecodeGraphs | GgmlDecodeSteps | None:
     """Decode steps captured as CUDA graphs, where the device and the Triton decode kernel allow them, handing back
     the outputs of feature_layers too (a DFlash drafter's); on CPU with quantized weights, decode steps as ggml
-    graphs, which hand back no features."""
+    graphs, which hand them back as well."""
     if config.enforce_eager:
         return None
     if pool.kv_cache.device.type == "cpu":
-        return GgmlDecodeSteps(model, pool, config.num_threads or TORCH_THREADS) \
-            if model.quantized and not feature_layers else None
+        return GgmlDecodeSteps(model, pool, config.num_threads or TORCH_THREADS, feature_layers) \
+            if model.quantized else None
     if not triton_supports(model.config.head_dim, config.block_size):
         log.warning("decode runs eagerly: the Triton decode kernel cannot tile head size %d and block size %d "
                     "(or Triton is missing)", model.config.head_dim, config.block_size)

@@ -269,9 +269,8 @@ class LLMEngine:
             rooms.append(room)
         if self.speculator.measure_now():      # this step only decodes: what a decode step costs now
             rooms = [0] * len(decoding)
-        if isinstance(self.drafter, DFlashDrafter):
-            self.drafter.poll(list(self.scheduler.waiting))
         if self.drafter:
+            self.drafter.poll(list(self.scheduler.waiting))
             decoding_now = set(decoding)
             prefilling = [seq for seq in self.scheduler.running if seq not in decoding_now]
             try:

@@ -54,7 +54,7 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs     # decode steps captured as CUDA graphs (or ggml's); None runs every step eagerly
         self.torch_threads = torch_threads
-        self.feature_layers: tuple[int, ...] = ()    # layers whose outputs a drafter reads (not ggml's steps)
+        self.feature_layers: tuple[int, ...] = ()    # layers whose outputs a drafter reads
         self.features: list[torch.Tensor] | None = None   # the last step's, per sequence [its rows, features]
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
@@ -131,12 +131,19 @@ class ModelRunner:
         for i in eager:
             part.add(batch.seqs[i], batch.num_tokens[i])
         graph_logits = self._run_graphs(batch, graphed)
+        graph_features = self.features
         eager_logits, eager_queries = self._run_eagerly(part, [capture[i] for i in eager])
         logits, queries = [None] * len(batch.seqs), [None] * len(batch.seqs)
         for i, rows in zip(graphed, graph_logits):
             logits[i] = rows
         for i, rows, q in zip(eager, eager_logits, eager_queries):
             logits[i], queries[i] = rows, q
+        if graph_features is not None and self.features is not None:     # each sequence's, in the batch's order
+            features = [None] * len(batch.seqs)
+            for part_of, rows in ((graphed, graph_features), (eager, self.features)):
+                for i, f in zip(part_of, rows):
+                    features[i] = f
+            self.features = features
         return logits, queries
 
     def restore_threads(self) -> None:
@@ -152,7 +159,7 @@ class ModelRunner:
             torch.set_num_threads(1)
         inputs = self._decode_inputs(batch, which)
         logits = self.graphs.run(*inputs).split(inputs[-1])
-        if isinstance(self.graphs, DecodeGraphs) and self.graphs.features is not None:
+        if self.graphs.features is not None:
             self.features = list(self.graphs.features.split(inputs[-1]))
         return list(logits)
 

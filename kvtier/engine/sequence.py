@@ -34,7 +34,7 @@ class Sequence:
         self.error: str | None = None           # why the engine failed it (finish_reason "error")
         self.draft: list[int] = []              # tokens proposed for its next step, not yet verified
         self.spec = None                        # its speculation state (spec/speculator.py), when the server speculates
-        self.drafter_loading = False            # its DFlash drafter's cached prefix is loading: not admitted yet
+        self.drafter_loading = False            # its drafter's cached prefix is loading: not admitted yet
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

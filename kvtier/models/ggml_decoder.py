@@ -16,6 +16,10 @@ output would change with speculation and with the batch. Each sequence attends o
 is read where it lies; the others are gathered (ggml_get_rows). Padding positions are masked out: their keys score
 -inf and their values weigh 0, so what their slots hold changes nothing as long as it is finite (the pool starts
 zeroed, and a model's K/V are finite).
+
+A DFlash drafter reads the outputs of some of the model's layers (`feature_layers`): a step hands them back beside
+the logits, as `features` [rows, features] (each layer's output side by side, the last layer's normed), as the CUDA
+graphs and the eager decoder do.
 """
 from __future__ import annotations
 
@@ -37,10 +41,10 @@ KEPT_GRAPHS = 8         # graphs of the last shapes kept: verify steps of a few 
 
 
 class GgmlDecodeSteps:
-    """run(token_ids, positions, slots, tables, lens, rows) → logits [rows, vocab] of one decode step (the interface
-    of the CUDA graphs, engine/graphs.py)."""
+    """run(token_ids, positions, slots, tables, lens, rows) → logits [rows, vocab] of one decode step, and `features`
+    its feature layers' outputs (the interface of the CUDA graphs, engine/graphs.py)."""
 
-    def __init__(self, model: Decoder, pool: KVPool, threads: int):
+    def __init__(self, model: Decoder, pool: KVPool, threads: int, feature_layers: tuple[int, ...] = ()):
         cfg = self.config = model.config
         if pool.kv_cache.dtype != torch.float32:
             raise ValueError("ggml decode steps need a float32 KV pool")
@@ -56,6 +60,8 @@ class GgmlDecodeSteps:
         base = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
         # ggml divides each base frequency by a factor: every scaling kvtier knows, as one factor per frequency
         self.freq_factors = self._float((base / rope_inv_freq(cfg)).float())
+        self.feature_layers = feature_layers
+        self.features: torch.Tensor | None = None     # the last step's feature layers' outputs [rows, features]
         self.built: OrderedDict[tuple, _Step] = OrderedDict()     # the graphs of the last shapes, least recent first
         self.steps = 0
         self._finalizer = weakref.finalize(self, _close, self.weights, self.__dict__)
@@ -94,6 +100,8 @@ class GgmlDecodeSteps:
                 offset += span
         step.graph.compute()
         self.steps += 1
+        if self.feature_layers:      # [layers, rows, hidden] → each row's layers side by side
+            self.features = step.features.transpose(0, 1).reshape(step.batch, -1)
         return step.logits.clone()
 
     def _start(self, table: list[int], span: int) -> int | None:
@@ -158,17 +166,27 @@ class _Step:
         gathered = sum(span for span, start in zip(self.seq_spans, starts) if start is None)
         self.gather = torch.zeros(gathered, dtype=torch.int32) if gathered else None
         self.logits = torch.empty(batch, cfg.vocab_size)
+        self.features = torch.empty(len(steps.feature_layers), batch, cfg.hidden_size)
         self.batch, self.rows, self.spans, self.starts = batch, rows, spans, starts
         self.inputs = {"pos": ctx.place(self.positions), "slots": ctx.place(self.slots), "mask": ctx.place(self.mask)}
         if self.gather is not None:
             self.inputs["gather"] = ctx.place(self.gather)
         x = ctx.op("get_rows", steps.embed, ctx.place(self.ids))
+        last = cfg.num_layers - 1
         for i, weights in enumerate(steps.layers):
             x = self._layer(x, weights, *steps.caches[i])
+            if i in steps.feature_layers and i != last:
+                x = self._feature(x, i)
         x = ctx.op("mul", ctx.op("rms_norm", x, cfg.rms_norm_eps), steps.norm)
+        if last in steps.feature_layers:      # as transformers hands the last layer's output: normed
+            x = self._feature(x, last)
         (logits,) = self._project(x, steps.lm_head, [cfg.vocab_size])
         self.graph = ggml.Graph(ctx, [ctx.place(self.logits, tensor=logits)])
         self.steps = None       # built: no reference back, so the steps' finalizer can free this step with them
+
+    def _feature(self, x: int, layer: int) -> int:
+        """x, a layer's output, computed into its place among the step's features."""
+        return self.ctx.place(self.features[self.steps.feature_layers.index(layer)], tensor=x)
 
     def _project(self, x: int, linear: tuple[list[int], int | None], sizes: list[int]) -> list[int]:
         """x's product with a projection, cut into pieces of `sizes` output rows each (q/k/v, gate/up)."""

@@ -27,6 +27,7 @@ from kvtier.engine.assembly import build_kv, build_pool, digest_cache
 from kvtier.engine.sequence import Sequence, SequenceStatus
 from kvtier.models.decoder import Decoder
 from kvtier.models.dflash import load_dflash
+from kvtier.spec.drafter import ShadowDrafter
 
 log = logging.getLogger("kvtier.spec")
 
@@ -36,7 +37,7 @@ def dflash_weight_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
 
 
-class DFlashDrafter:
+class DFlashDrafter(ShadowDrafter):
     def __init__(self, config: Config, target: Decoder, fingerprint: str, share: float, device: torch.device,
                  pool_tokens: int, max_model_len: int):
         self.model, own = load_dflash(os.path.expanduser(config.draft_model), target.config, config.torch_dtype,
@@ -57,15 +58,6 @@ class DFlashDrafter:
         shadow.kv = self.kv.new_state(seq.request_id, shadow.token_ids, len(seq.token_ids) + seq.params.max_tokens,
                                       root_key)
         self.shadows[seq.request_id] = shadow
-
-    def poll(self, waiting: list[Sequence]) -> None:
-        """Each step: landed copies, and lookups of the waiting requests' drafter prefixes below the device; a
-        request waits to be admitted while its drafter prefix loads (`Sequence.drafter_loading`)."""
-        self.kv.poll()
-        shadows = [self.shadows[s.request_id] for s in waiting]
-        self.kv.start_loads([shadow.kv for shadow in shadows])
-        for seq, shadow in zip(waiting, shadows):
-            seq.drafter_loading = shadow.kv.loading
 
     def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
         """The target computed the sequence's tokens from `start` to its num_computed_tokens, these rows' features

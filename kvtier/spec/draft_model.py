@@ -36,6 +36,7 @@ from kvtier.models.loader import LoadedModel, load_model
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.packed import packable, packed_bytes
 from kvtier.models.quantized import QuantizedWeight
+from kvtier.spec.drafter import ShadowDrafter
 
 CATCH_UP_ROWS = 8      # a shadow this close to the end feeds the rest as decode rows of its first round
 
@@ -66,7 +67,7 @@ def weight_bytes(weights, dtype: torch.dtype) -> int:
     return sum(size(w) for w in weights)
 
 
-class DraftModel:
+class DraftModel(ShadowDrafter):
     def __init__(self, config: Config, loaded: LoadedModel, share: float, device: torch.device, pool_tokens: int,
                  max_model_len: int, vocab_size: int):
         """share: of the host and disk budgets; pool_tokens: as many as the target's pool holds, so that every
@@ -94,9 +95,6 @@ class DraftModel:
         """Set each decoding sequence's draft: up to k tokens for each (sequence, k); the shadows of those and then
         of the prefilling ones catch up meanwhile (a prompt's draft prefill goes with its own). Returns the seconds
         the rounds took: what proposing costs each step (catching up is a prompt's cost, paid once)."""
-        self.kv.poll()
-        # each new request's draft prefix is looked up below the device as it arrives: it loads while the target's does
-        self.kv.start_loads([s.kv for s in self.shadows.values() if s.status is not SequenceStatus.RUNNING])
         shadows = {}
         for seq, k in wanted:
             shadow = self.shadows[seq.request_id]

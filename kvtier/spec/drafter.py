@@ -1,0 +1,21 @@
+"""What the model drafters (draft_model.py, dflash.py) share: a KV manager of their own, and per request a shadow
+Sequence whose cached prefix is looked up below the device as the request waits."""
+from __future__ import annotations
+
+from kvtier.engine.sequence import Sequence
+from kvtier.kv.manager import KVManager
+
+
+class ShadowDrafter:
+    kv: KVManager
+    shadows: dict[str, Sequence]     # request id → its shadow
+
+    def poll(self, waiting: list[Sequence]) -> None:
+        """Each step: landed copies, and lookups of the waiting requests' drafter prefixes below the device. A
+        request waits to be admitted while its drafter prefix loads (`Sequence.drafter_loading`), so that a restored
+        conversation proposes from its first decode step."""
+        self.kv.poll()
+        shadows = [self.shadows[s.request_id] for s in waiting]
+        self.kv.start_loads([shadow.kv for shadow in shadows])
+        for seq, shadow in zip(waiting, shadows):
+            seq.drafter_loading = shadow.kv.loading
