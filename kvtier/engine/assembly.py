@@ -12,6 +12,8 @@ from kvtier.engine.graphs import DecodeGraphs
 from kvtier.engine.runner import TORCH_THREADS
 from kvtier.kv.keys import namespace
 from kvtier.kv.manager import KVManager
+from kvtier.kv.manifest import ManifestStore
+from kvtier.kv.pager import Pager
 from kvtier.kv.pool import KVPool, default_pool_tokens
 from kvtier.kv.rates import rates_path
 from kvtier.kv.tiers.disk import FINGERPRINTS
@@ -56,11 +58,35 @@ def build_pool(config: Config, mc: ModelConfig, fingerprint: str, device: torch.
     return pool
 
 
-def build_kv(config: Config, pool: KVPool, max_model_len: int, share: float) -> KVManager:
-    """A drafter's KV manager: over host and disk tiers with its share of their budgets, its side stores (partial
-    blocks, rates) beside the disk tier's, as the model's."""
+def build_pager(config: Config, pool: KVPool, tiers: TierStack, head_dim: int, fingerprint: str,
+                role: str = "exact", policy: str | None = None) -> Pager:
+    """Bounded residency for a pool: the config's budget, sink and tail; its blocks computed over a partial resident
+    set keyed in a namespace of their own (the role's: a drafter's never shares a key with the model's)."""
+    policy = policy or config.kv_policy
+    mode = (f"bounded(blocks={config.resident_blocks},sink={config.kv_sink_blocks},tail={config.kv_tail_blocks},"
+            f"policy={policy},every={config.kv_reselect_every})")
+    return Pager(pool, tiers.pinnable_bytes, config.resident_blocks, config.kv_sink_blocks, config.kv_tail_blocks,
+                 policy, config.kv_reselect_every, head_dim ** -0.5, pool.namespace,
+                 namespace(fingerprint, config.dtype, config.block_size, KVPool.LAYOUT,
+                           mode if role == "exact" else f"{role}-{mode}"))
+
+
+def manifest_store(config: Config, pager: Pager, name: str = "manifests") -> ManifestStore:
+    """Where a bounded pool's sequences leave their pager state: in memory, and beside the disk tier."""
     directory = disk_dir(config)
-    return KVManager(pool, build_tier_stack(config, pool, max_model_len, share), None, None,
+    return ManifestStore(pager.bounded_namespace, directory and os.path.join(directory, name))
+
+
+def build_kv(config: Config, pool: KVPool, max_model_len: int, share: float, head_dim: int,
+             fingerprint: str) -> KVManager:
+    """A drafter's KV manager: over host and disk tiers with its share of their budgets, its side stores (partial
+    blocks, rates, manifests) beside the disk tier's, as the model's. Under bounded residency its blocks are paged as
+    the model's are, by recency (a drafter's attention only proposes: the verification decides)."""
+    directory = disk_dir(config)
+    tiers = build_tier_stack(config, pool, max_model_len, share)
+    pager = build_pager(config, pool, tiers, head_dim, fingerprint, "draft", "lru") if config.resident_blocks \
+        else None
+    return KVManager(pool, tiers, pager, pager and manifest_store(config, pager, "draft-manifests"),
                      directory and os.path.join(directory, "partials"),
                      directory and rates_path(os.path.join(directory, "rates"), pool.namespace, pool.kv_cache.device))
 

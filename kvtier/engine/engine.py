@@ -11,8 +11,8 @@ import torch
 from kvtier.config import Config
 from kvtier.devices import bind_thread
 from kvtier.engine.detokenizer import IncrementalDetokenizer
-from kvtier.engine.assembly import (build_pool, build_tier_stack, decode_graphs, digest_cache, disk_dir, pool_tokens,
-                                    tier_share)
+from kvtier.engine.assembly import (build_pager, build_pool, build_tier_stack, decode_graphs, digest_cache, disk_dir,
+                                    manifest_store, pool_tokens, tier_share)
 from kvtier.engine.outputs import RequestOutput, RequestRejected
 from kvtier.engine.runner import TORCH_THREADS, ModelRunner
 from kvtier.engine.grammar import GrammarCompiler, GrammarError
@@ -22,11 +22,9 @@ from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import ScheduledBatch, Scheduler
 from kvtier.engine.sequence import Sequence
 from kvtier.engine.verify import choose
-from kvtier.kv.keys import namespace, salt_root
+from kvtier.kv.keys import salt_root
 from kvtier.kv.manager import KVManager
-from kvtier.kv.manifest import ManifestStore
-from kvtier.kv.pager import CAPTURE_ROWS, Pager, PinRefused
-from kvtier.kv.pool import KVPool
+from kvtier.kv.pager import CAPTURE_ROWS, PinRefused
 from kvtier.kv.rates import rates_path
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.decoder import Decoder
@@ -73,12 +71,11 @@ class LLMEngine:
         # the drafter's part of the tiers' budgets
         share = tier_share(drafter_config, mc) if drafter_config else 0.0
         self.tiers = build_tier_stack(config, self.pool, self.max_model_len, 1 - share)
-        self.pager = self._build_pager(config, loaded.fingerprint) if config.resident_blocks else None
+        self.pager = build_pager(config, self.pool, self.tiers, mc.head_dim, loaded.fingerprint) \
+            if config.resident_blocks else None
         directory = disk_dir(config)
         beside_disk = (lambda name: os.path.join(directory, name)) if directory else None
-        manifests = None
-        if self.pager:
-            manifests = ManifestStore(self.pager.bounded_namespace, beside_disk and beside_disk("manifests"))
+        manifests = self.pager and manifest_store(config, self.pager)
         self.max_pinned_tokens = self.pager.max_pinned_tokens if self.pager else None
         rates_file = beside_disk and rates_path(beside_disk("rates"), ns, self.device)
         self.kv = KVManager(self.pool, self.tiers, self.pager, manifests, beside_disk and beside_disk("partials"),
@@ -97,14 +94,6 @@ class LLMEngine:
             else None
         self._arrivals = itertools.count()
         self._ended: list[Sequence] = []     # finished outside a step (aborted, failed): reported by the next step
-
-    def _build_pager(self, config: Config, fingerprint: str) -> Pager:
-        mode = (f"bounded(blocks={config.resident_blocks},sink={config.kv_sink_blocks},tail={config.kv_tail_blocks},"
-                f"policy={config.kv_policy},every={config.kv_reselect_every})")
-        return Pager(self.pool, self.tiers.pinnable_bytes, config.resident_blocks, config.kv_sink_blocks,
-                     config.kv_tail_blocks, config.kv_policy, config.kv_reselect_every,
-                     self.model_config.head_dim ** -0.5, self.pool.namespace,
-                     namespace(fingerprint, config.dtype, config.block_size, KVPool.LAYOUT, mode))
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise RequestRejected if this request could never run. Reads only fixed state: thread-safe."""
