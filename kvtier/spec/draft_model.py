@@ -133,7 +133,9 @@ class DraftModel(ShadowDrafter):
         if shadow.status is not SequenceStatus.RUNNING:
             return
         shadow.num_computed_tokens = min(shadow.num_computed_tokens, len(shadow.token_ids))
-        self.kv.commit(shadow.kv, shadow.num_computed_tokens, None, False, False)
+        # what it computed since its last commit, rounds did: decode rows, over its resident set when bounded
+        decoded = shadow.num_computed_tokens > shadow.kv.num_computed
+        self.kv.commit(shadow.kv, shadow.num_computed_tokens, None, False, decoded)
         self.kv.truncate(shadow.kv, len(seq.token_ids))
 
     def _catch_up(self, shadows: list[Sequence]) -> set[str]:
