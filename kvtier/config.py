@@ -111,9 +111,6 @@ class Config:
         if self.draft_model is not None and not os.path.exists(os.path.expanduser(self.draft_model)):
             raise ConfigError(f"draft model path {self.draft_model!r} does not exist: point --draft-model at a local "
                               "Hugging Face directory or a .gguf file")
-        if self.speculative == "dflash" and self.kv_resident_tokens is not None:
-            raise ConfigError("--speculative dflash does not run under bounded residency yet (the drafter's KV is not "
-                              "bounded): use --speculative ngram or draft with --kv-resident-tokens")
         if self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if self.block_size is None:

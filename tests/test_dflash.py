@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_draft_model import counts, drafts_as_uninterrupted
+from test_draft_model import (bounded_drafter_keeps_its_window, bounded_drafts_as_uninterrupted, counts,
+                              drafts_as_uninterrupted)
 from test_speculation import BS, engine_for, prompt, run
 
 from kvtier.config import Config, ConfigError
@@ -137,6 +138,27 @@ def test_a_restored_conversation_drafts_what_the_uninterrupted_one_does(monkeypa
                                      lambda **kw: drafting(tiny_model_dir, dflash_dir, **kw), tier)
     assert not engine.drafter.lost
     engine.shutdown()
+
+
+def test_a_drafter_under_bounded_residency_keeps_its_window(monkeypatch, tiny_model_dir, dflash_dir):
+    """Its block proposals attend to its resident blocks only: never more keys than the budget holds."""
+    keys = []
+
+    def make(**kw):
+        engine = drafting(tiny_model_dir, dflash_dir, **kw)
+        block = engine.drafter.model.block
+        monkeypatch.setattr(engine.drafter.model, "block", lambda embedded, positions, context: (
+            keys.append(len(context[0][0])), block(embedded, positions, context))[1])
+        return engine
+    bounded_drafter_keeps_its_window(tiny_model_dir, make)
+    assert keys and max(keys) <= 8 * BS < 600
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_bounded_conversation_restores_the_drafters_window(monkeypatch, tmp_path, tiny_model_dir, dflash_dir,
+                                                             tier):
+    bounded_drafts_as_uninterrupted(monkeypatch, tmp_path, tiny_model_dir,
+                                    lambda **kw: drafting(tiny_model_dir, dflash_dir, **kw), tier).shutdown()
 
 
 def test_cancel_while_drafting_frees_both_pools(tiny_model_dir, dflash_dir):

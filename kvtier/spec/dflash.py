@@ -9,10 +9,14 @@ spec/draft_model.py has). So a conversation restored from a tier proposes from i
 uninterrupted one would.
 
 A shadow Sequence per request holds the drafter's state over the target's tokens. It looks its cached
-prefix up as the request arrives (the target's admission waits for a load of it in flight: `waits`), and takes up
+prefix up as the request waits (its admission waits for a load of it in flight: `ShadowDrafter.poll`), and takes up
 the target's features from where its cached prefix ends. The features of tokens the target did not compute (its
 own cache held them) cannot be had: where the drafter's cached prefix is shorter than the target's, the request is
 not drafted for (`lost`) and decodes as without speculation.
+
+Under bounded residency the drafter's pool is bounded as the target's is, by its own pager (by recency: a window of
+the latest blocks beside the sink). A token's K/V depend on its own features alone, never on what else is
+resident, so every block is keyed exact; a block proposal attends to the resident ones.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch
 
 from kvtier.config import Config
 from kvtier.engine.assembly import build_kv, build_pool, digest_cache
+from kvtier.engine.runner import slot_runs
 from kvtier.engine.sequence import Sequence, SequenceStatus
 from kvtier.models.decoder import Decoder
 from kvtier.models.dflash import load_dflash
@@ -125,8 +130,9 @@ class DFlashDrafter(ShadowDrafter):
         size = min(self.block_size, self.model.config.layers.max_position_embeddings - n)
         if size < 2:
             return []
-        table = torch.tensor(shadow.kv.block_table[:-(-n // bs)], dtype=torch.long)
-        slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:n].to(self.pool.kv_cache.device)
+        # its context where it is resident (under bounded residency a window: keys carry their positions' RoPE)
+        slots = torch.cat([torch.arange(a, b) for a, b in slot_runs(shadow.kv.block_table, n, bs)])
+        slots = slots.to(self.pool.kv_cache.device)
         context = [(self.pool.kv_cache[0, i][slots], self.pool.kv_cache[1, i][slots])
                    for i in range(len(self.model.layers))]
         device = self.pool.kv_cache.device
