@@ -78,6 +78,19 @@ def test_kernels_bench_compares_ggml_with_torch(tmp_path):
     for name in ("torch float32", "torch bfloat16", "ggml q8_0", "ggml q4_1"):
         assert text.count(f"| {name} |") == 2
     assert text.count("| ggml q4_k |") == 1 and "not installed" not in text
+    # Q4_0 in ggml's CPU_REPACK layout, where this CPU has one: the same product as over the file's blocks
+    from kvtier.models import ggml
+    blocks, threads = ggml.quantize(torch.randn(32, 64), 2), torch.get_num_threads()
+    plain = ggml.Product(blocks, 2, 64, 32, 9, threads)
+    plain.x.normal_()
+    try:
+        repacked = ggml.Product(blocks, 2, 64, 32, 9, threads, repacked=True)
+    except ValueError:
+        assert "| ggml q4_0 repacked |" not in text
+        return
+    repacked.x.copy_(plain.x)
+    assert torch.allclose(repacked.run(), plain.run(), rtol=1e-5, atol=1e-5)
+    assert text.count("| ggml q4_0 repacked |") == 2
 
 
 def test_spec_bench_compares_every_method_on_the_same_turns(tiny_model_dir, tmp_path, capsys):

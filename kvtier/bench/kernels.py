@@ -1,7 +1,11 @@
 """Matrix products for quantized weights, measured side by side, at the bundled model's and a 7B model's shapes, for 1
 and 8 rows:
 - on CPU: torch's float32 and bfloat16 `F.linear`, torch's int8 weight-only kernel, and ggml's kernels over GGUF's
-  own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) through the prebuilt libggml-python wheel;
+  own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) through the prebuilt libggml-python wheel, and over Q4_0 and Q4_K blocks
+  in ggml's CPU_REPACK layout (rows interleaved for its multi-row kernels) where this CPU has one. kvtier keeps the
+  file's layout: a repacked weight is ggml's alone, and prompt rows, which dequantize the weight for torch's product
+  (faster than ggml's on CPU at 512 rows), would need a second copy; Q4_K's repacked product also rounds a row
+  differently by how many rows share it, which speculation's verify steps must not see;
 - on CUDA (--device cuda), rows in bfloat16: cuBLAS over bfloat16 weights, kvtier's Triton kernels over packed GGUF
   blocks (every packed type), the same blocks dequantized for cuBLAS (what prompt rows take), and torch's tinygemm
   int4 kernel (`_weight_int4pack_mm`, groups of 32).
@@ -31,6 +35,7 @@ CUDA_SECTION = "## CUDA matrix products for quantized weights"
 DENSE = "dense (cuBLAS)"         # F.linear over the weight in the rows' dtype
 GGML_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q4_k": 12, "q6_k": 14}     # GGUF's numbering
 K_QUANTS = ("q4_k", "q6_k")      # blocks of 256 columns
+REPACKED = ("q4_0", "q4_k")      # ggml's CPU_REPACK layouts for AVX2 (q4_1, q8_0, q6_k have none there)
 CYCLE_BYTES = 512 << 20          # float32 bytes the copies of a weight span, far past any cache
 
 
@@ -67,11 +72,16 @@ def candidates(weights: list[torch.Tensor], x: torch.Tensor, threads: int) -> di
         for name, ggml_type in GGML_TYPES.items():
             if name in K_QUANTS and in_features % 256:
                 continue
-            products = [ggml.Product(ggml.quantize(w, ggml_type, threads), ggml_type, in_features, out_features,
-                                     len(x), threads) for w in weights]
-            for product in products:
-                product.x.copy_(x)
-            found[f"ggml {name}"] = ([product.run for product in products], products[0].weight.numel())
+            for repacked in (False, True) if name in REPACKED else (False,):
+                try:
+                    products = [ggml.Product(ggml.quantize(w, ggml_type, threads), ggml_type, in_features,
+                                             out_features, len(x), threads, repacked) for w in weights]
+                except ValueError:      # no repacked layout for the type on this CPU
+                    continue
+                for product in products:
+                    product.x.copy_(x)
+                found[f"ggml {name}{' repacked' if repacked else ''}"] = ([product.run for product in products],
+                                                                          products[0].weight.numel())
     return found
 
 
@@ -174,7 +184,8 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         "kernel is per output channel; ggml's types are GGUF's blocks, quantized by ggml itself, and its products "
         f"run on a threadpool of {args.threads} threads kept between calls, which sleep between products (threads "
         f"that poll would starve torch's threads inside a model: kvtier's decode at batch 1 fell from 49 to 3 tok/s "
-        f"with polling ggml threads).{note}",
+        f"with polling ggml threads). \"repacked\": the blocks copied into ggml's CPU_REPACK layout, rows interleaved "
+        f"for its multi-row kernels; kvtier keeps the file's layout (the module's docstring says why).{note}",
         "",
     ])
 

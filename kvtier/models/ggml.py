@@ -34,8 +34,10 @@ class _CPlan(ctypes.Structure):     # ggml-cpu.h, struct ggml_cplan
                 ("abort_callback", _P), ("abort_callback_data", _P), ("use_ref", _B)]
 
 
-class _TensorHead(ctypes.Structure):   # the first fields of ggml.h's struct ggml_tensor
-    _fields_ = [("type", _I), ("buffer", _P), ("ne", _I64 * 4), ("nb", _SZ * 4)]
+class _TensorHead(ctypes.Structure):   # the fields of ggml.h's struct ggml_tensor up to `extra`
+    _fields_ = [("type", _I), ("buffer", _P), ("ne", _I64 * 4), ("nb", _SZ * 4), ("op", _I), ("op_params", _I * 16),
+                ("flags", _I), ("src", _P * 10), ("view_src", _P), ("view_offs", _SZ), ("data", _P),
+                ("name", ctypes.c_char * 64), ("extra", _P)]
 
 
 # name → (return type, argument types after the context, or all of them where the name is marked with !)
@@ -59,6 +61,10 @@ _FUNCTIONS = {
     "!ggml_backend_tensor_alloc": (_I, [_P, _P, _P]), "!ggml_backend_buffer_free": (None, [_P]),
     "!ggml_backend_cpu_buffer_from_ptr": (_P, [_P, _SZ]), "!ggml_backend_cpu_buffer_type": (_P, []),
     "!ggml_graph_plan": (_CPlan, [_P, _I, _P]), "!ggml_graph_compute": (_I, [_P, ctypes.POINTER(_CPlan)]),
+    "!ggml_backend_cpu_reg": (_P, []), "!ggml_backend_reg_dev_get": (_P, [_P, _SZ]),
+    "!ggml_backend_reg_get_proc_address": (_P, [_P, ctypes.c_char_p]),
+    "!ggml_backend_buft_alloc_buffer": (_P, [_P, _SZ]), "!ggml_backend_buft_get_alloc_size": (_SZ, [_P, _P]),
+    "!ggml_backend_buffer_get_base": (_P, [_P]), "!ggml_backend_tensor_set": (None, [_P, _P, _SZ, _SZ]),
 }
 
 
@@ -115,6 +121,19 @@ def quantize(weight: torch.Tensor, ggml_type: int, threads: int = 1) -> torch.Te
     return out
 
 
+@functools.cache
+def _repack_buffer_type(threads: int) -> int | None:
+    """ggml's CPU_REPACK buffer type (its first "extra" one), where weights take the interleaved layout of its
+    multi-row kernels for this CPU; None where this ggml has none."""
+    g = lib(threads)
+    reg = g.backend_cpu_reg()
+    address = g.backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not address:
+        return None
+    types = ctypes.CFUNCTYPE(ctypes.POINTER(_P), _P)(address)(g.backend_reg_dev_get(reg, 0))
+    return types[0] if types and types[0] else None
+
+
 def aligned(memory: torch.Tensor) -> torch.Tensor:
     """The tensor, or a copy where ggml could not read it in place (not contiguous, or not 32-byte aligned)."""
     return memory if memory.is_contiguous() and memory.data_ptr() % 32 == 0 else memory.clone(
@@ -168,6 +187,23 @@ class Context:
             raise RuntimeError("ggml refused to place a tensor at the given memory")
         return tensor
 
+    def place_repacked(self, blocks: torch.Tensor, ggml_type: int, ne: tuple[int, ...]) -> int | None:
+        """A weight's blocks copied into ggml's CPU_REPACK memory, interleaved for its multi-row kernels; None where
+        ggml has no such layout for the type on this CPU (or no CPU_REPACK at all)."""
+        buffer_type = _repack_buffer_type(self.lib.threads)
+        if buffer_type is None:
+            return None
+        tensor = self.tensor(ggml_type, *ne)
+        buffer = self.lib.backend_buft_alloc_buffer(buffer_type, self.lib.backend_buft_get_alloc_size(buffer_type,
+                                                                                                        tensor))
+        self._buffers.append(buffer)
+        if self.lib.backend_tensor_alloc(buffer, tensor, self.lib.backend_buffer_get_base(buffer)) != 0:
+            raise RuntimeError("ggml refused a tensor in its CPU_REPACK buffer")
+        if not _TensorHead.from_address(tensor).extra:      # no repacked layout for this type here
+            return None
+        self.lib.backend_tensor_set(tensor, blocks.data_ptr(), 0, blocks.numel())
+        return tensor
+
     def close(self) -> None:
         for buffer in self._buffers:
             self.lib.backend_buffer_free(buffer)
@@ -204,12 +240,18 @@ class Product:
     `self.x` and returns `self.y`, both reused call after call."""
 
     def __init__(self, weight: torch.Tensor, ggml_type: int, in_features: int, out_features: int, rows: int,
-                 threads: int):
+                 threads: int, repacked: bool = False):
+        """repacked: the weight copied into ggml's interleaved layout (`Context.place_repacked`); raises ValueError
+        where ggml has none for its type here."""
         self.ctx = Context(threads, max_tensors=4, max_nodes=4)
         self.weight = weight
         self.x = torch.empty(rows, in_features, dtype=torch.float32)
         self.y = torch.empty(rows, out_features, dtype=torch.float32)
-        w = self.ctx.place(weight, ggml_type, (in_features, out_features))
+        ne = (in_features, out_features)
+        w = self.ctx.place_repacked(weight, ggml_type, ne) if repacked else self.ctx.place(weight, ggml_type, ne)
+        if w is None:
+            self.ctx.close()
+            raise ValueError(f"ggml has no repacked layout for type {ggml_type} on this CPU")
         y = self.ctx.place(self.y, tensor=self.ctx.op("mul_mat", w, self.ctx.place(self.x)))
         self.graph = Graph(self.ctx, [y])
         weakref.finalize(self, _close_all, self.graph, self.ctx)
