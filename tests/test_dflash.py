@@ -150,7 +150,7 @@ def test_a_drafter_under_bounded_residency_keeps_its_window(monkeypatch, tiny_mo
         monkeypatch.setattr(engine.drafter.model, "block", lambda embedded, positions, context: (
             keys.append(len(context[0][0])), block(embedded, positions, context))[1])
         return engine
-    bounded_drafter_keeps_its_window(tiny_model_dir, make)
+    bounded_drafter_keeps_its_window(monkeypatch, tiny_model_dir, make)
     assert keys and max(keys) <= 8 * BS < 600
 
 

@@ -212,15 +212,20 @@ def test_a_preempted_sequences_draft_gives_its_blocks_back_too(monkeypatch, plai
 BOUNDED = dict(kv_resident_tokens=8 * BS, kv_reselect_every=4, max_batched_tokens=64, kv_host_gib=1)
 
 
-def bounded_drafter_keeps_its_window(tiny_model_dir, make):
+def bounded_drafter_keeps_its_window(monkeypatch, tiny_model_dir, make):
     """Under bounded residency (8 blocks of 16 for a 600-token prompt) the drafter `make(**settings)` builds is
     bounded too: its pool pages out to the host tier as the prompt goes by, holds at most the budget's blocks per
-    sequence (by recency: its sink, tail and latest), and proposes from there; the output is the one without
-    speculation, and both pools end empty. Returns the engine and its (accepted, proposed) tokens."""
+    sequence (by recency: its sink, tail and latest), and proposes from there; the blocks it seals past where its
+    K/V came from a window are keyed in its bounded namespace; the output is the one without speculation, and both
+    pools end empty. Returns the engine and its (accepted, proposed) tokens."""
     ids = [(13 * i + 5) % 900 + 20 for i in range(600)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     (off,) = run(engine_for(tiny_model_dir, None, **BOUNDED), [ids], params)
     engine = make(**BOUNDED)
+    namespaces = []
+    namespace_for = engine.drafter.kv.pager.namespace_for
+    monkeypatch.setattr(engine.drafter.kv.pager, "namespace_for", lambda state, block: (
+        namespaces.append(namespace_for(state, block)), namespaces[-1])[1])
     (on,) = run(engine, [ids], params)
     assert on["tokens"] == off["tokens"]
     accepted, proposed = counts(engine)
@@ -228,6 +233,7 @@ def bounded_drafter_keeps_its_window(tiny_model_dir, make):
     pager = engine.drafter.kv.pager
     assert pager.stats["page_outs"] > 0 and pager.stats["max_resident_blocks"] <= 8
     assert pager.bounded_namespace not in (engine.pager.bounded_namespace, engine.drafter.pool.namespace)
+    assert {pager.bounded_namespace, engine.drafter.pool.namespace} == set(namespaces)     # exact, then bounded
     for pool in (engine.pool, engine.drafter.pool):
         assert pool.num_free_blocks == pool.num_blocks
     return engine, (accepted, proposed)
@@ -265,9 +271,9 @@ def bounded_drafts_as_uninterrupted(monkeypatch, tmp_path, tiny_model_dir, make,
     return engine
 
 
-def test_a_draft_model_under_bounded_residency_keeps_its_window(tiny_model_dir):
+def test_a_draft_model_under_bounded_residency_keeps_its_window(monkeypatch, tiny_model_dir):
     _, (accepted, _) = bounded_drafter_keeps_its_window(
-        tiny_model_dir, lambda **kw: drafting(tiny_model_dir, tiny_model_dir, **kw))
+        monkeypatch, tiny_model_dir, lambda **kw: drafting(tiny_model_dir, tiny_model_dir, **kw))
     assert accepted > 0       # the model drafting for itself over its window
 
 

@@ -84,8 +84,9 @@ def build_kv(config: Config, pool: KVPool, max_model_len: int, share: float, hea
     the model's are, by recency (a drafter's attention only proposes: the verification decides)."""
     directory = disk_dir(config)
     tiers = build_tier_stack(config, pool, max_model_len, share)
-    pager = build_pager(config, pool, tiers, head_dim, fingerprint, "draft", "lru") if config.resident_blocks \
-        else None
+    # named after the model's policy too: a DFlash drafter's K/V follow the model's window
+    pager = build_pager(config, pool, tiers, head_dim, fingerprint, f"draft-over-{config.kv_policy}", "lru") \
+        if config.resident_blocks else None
     return KVManager(pool, tiers, pager, pager and manifest_store(config, pager, "draft-manifests"),
                      directory and os.path.join(directory, "partials"),
                      directory and rates_path(os.path.join(directory, "rates"), pool.namespace, pool.kv_cache.device))

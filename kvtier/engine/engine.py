@@ -259,10 +259,10 @@ class LLMEngine:
         if self.speculator.measure_now():      # this step only decodes: what a decode step costs now
             rooms = [0] * len(decoding)
         if self.drafter:
-            self.drafter.poll(list(self.scheduler.waiting))
             decoding_now = set(decoding)
             prefilling = [seq for seq in self.scheduler.running if seq not in decoding_now]
             try:
+                self.drafter.poll(list(self.scheduler.waiting))
                 return self.drafter.propose([(seq, self.speculator.plan(seq.spec, room, len(decoding)))
                                              for seq, room in zip(decoding, rooms)], prefilling)
             except Exception:      # a drafter's failure costs this step its proposals, never a request its answer

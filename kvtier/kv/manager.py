@@ -254,6 +254,11 @@ class KVManager:
             self._save(state.block_keys[first:], state.block_table[first:len(state.block_keys)])
         return moved
 
+    def mark_bounded(self, state: KVState, position: int) -> None:
+        """Under bounded residency: the sequence's tokens from `position` on depend on a partial resident set."""
+        if state.residency:
+            self.pager.mark_bounded(state, position)
+
     def _save(self, keys: list[bytes], blocks: list[int]) -> None:
         if self.mover:
             self.pool.pin(blocks)             # the slots stay ours until the copy lands

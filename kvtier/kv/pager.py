@@ -243,6 +243,12 @@ class Pager:
             return self.reselect(state, scores)
         return [], []
 
+    def mark_bounded(self, state, position: int) -> None:
+        """Tokens from `position` on were computed over a partial resident set (a drafter's rounds, or features of
+        such tokens): their blocks are keyed in the bounded namespace."""
+        res = state.residency
+        res.bounded_from = position if res.bounded_from is None else min(res.bounded_from, position)
+
     def reselect(self, state, scores: torch.Tensor) -> tuple[list[int], list[int]]:
         """Resident set := protected blocks + the best-scoring others: (losers to page out, winners to page in)."""
         start = time.perf_counter()

@@ -100,8 +100,8 @@ class GgmlDecodeSteps:
                 offset += span
         step.graph.compute()
         self.steps += 1
-        if self.feature_layers:      # [layers, rows, hidden] → each row's layers side by side
-            self.features = step.features.transpose(0, 1).reshape(step.batch, -1)
+        if self.feature_layers:      # each row's layers side by side, copied out of the graph's memory
+            self.features = torch.cat(list(step.features), -1)
         return step.logits.clone()
 
     def _start(self, table: list[int], span: int) -> int | None:

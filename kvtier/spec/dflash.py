@@ -15,8 +15,10 @@ own cache held them) cannot be had: where the drafter's cached prefix is shorter
 not drafted for (`lost`) and decodes as without speculation.
 
 Under bounded residency the drafter's pool is bounded as the target's is, by its own pager (by recency: a window of
-the latest blocks beside the sink). A token's K/V depend on its own features alone, never on what else is
-resident, so every block is keyed exact; a block proposal attends to the resident ones.
+the latest blocks beside the sink), and a block proposal attends to the resident blocks. A token's drafter K/V
+depend on its features alone, which depend on the target's window from where the target's K/V do
+(`bounded_from`): from there on the drafter's blocks are keyed in its bounded namespace, which names the target's
+policy too.
 """
 from __future__ import annotations
 
@@ -81,6 +83,11 @@ class DFlashDrafter(ShadowDrafter):
         shadow.token_ids += seq.token_ids[len(shadow.token_ids):]
         if shadow.status is not SequenceStatus.RUNNING:
             self._admit(shadow)
+        if shadow.status is not SequenceStatus.RUNNING:
+            log.warning("request %s: the DFlash drafter's pool or host budget has no room: no proposals for it",
+                        seq.request_id)
+            self.lost.add(seq.request_id)
+            return
         end = seq.num_computed_tokens
         if not start <= shadow.num_computed_tokens or shadow.kv.compute_first:
             log.info("request %s: the DFlash drafter holds %d of the %d tokens the model had cached: no proposals "
@@ -102,6 +109,9 @@ class DFlashDrafter(ShadowDrafter):
                 self.pool.kv_cache[0, i].index_copy_(0, slots, k.to(self.pool.kv_cache.dtype))
                 self.pool.kv_cache[1, i].index_copy_(0, slots, v.to(self.pool.kv_cache.dtype))
         shadow.num_computed_tokens = end
+        if seq.kv.residency and seq.kv.residency.bounded_from is not None:
+            # the model's K/V, and so the features, from there on came from its window: so do the drafter's
+            self.kv.mark_bounded(shadow.kv, seq.kv.residency.bounded_from)
         self.kv.commit(shadow.kv, end, None, False, False)
 
     def _admit(self, shadow: Sequence) -> None:

@@ -31,6 +31,7 @@ from kvtier.engine.assembly import build_kv, build_pool, decode_graphs, digest_c
 from kvtier.engine.runner import TORCH_THREADS, ModelRunner
 from kvtier.engine.scheduler import ScheduledBatch
 from kvtier.engine.sequence import Sequence, SequenceStatus
+from kvtier.kv.state import NOT_RESIDENT
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import LoadedModel, load_model
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
@@ -112,6 +113,8 @@ class DraftModel(ShadowDrafter):
             for shadow, _ in rounds.values():
                 n = len(shadow.token_ids) + len(shadow.draft) - shadow.num_computed_tokens
                 if self.kv.reserve(shadow.kv, shadow.num_computed_tokens + n):
+                    if NOT_RESIDENT in shadow.kv.block_table:     # its rows attend to a window (bounded residency)
+                        self.kv.mark_bounded(shadow.kv, shadow.num_computed_tokens)
                     batch.add(shadow, n)
             if not batch:
                 break
@@ -133,9 +136,7 @@ class DraftModel(ShadowDrafter):
         if shadow.status is not SequenceStatus.RUNNING:
             return
         shadow.num_computed_tokens = min(shadow.num_computed_tokens, len(shadow.token_ids))
-        # what it computed since its last commit, rounds did: decode rows, over its resident set when bounded
-        decoded = shadow.num_computed_tokens > shadow.kv.num_computed
-        self.kv.commit(shadow.kv, shadow.num_computed_tokens, None, False, decoded)
+        self.kv.commit(shadow.kv, shadow.num_computed_tokens, None, False, False)
         self.kv.truncate(shadow.kv, len(seq.token_ids))
 
     def _catch_up(self, shadows: list[Sequence]) -> set[str]:

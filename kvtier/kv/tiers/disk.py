@@ -62,7 +62,7 @@ LOCK_NAME = ".lock"
 # what else kvtier keeps under the directory, which the budget covers too: subdirectory → file suffix (manifests,
 # kv/manifest.py; partial blocks, kv/partials.py; what loading and computing cost, kv/rates.py; the Responses API's
 # kept conversations, server/responses.py), and the weights' digests (models/digest.py)
-SIDE_STORES = {"manifests": ".kvm", "partials": ".kvp", "rates": ".json", "responses": ".json"}
+SIDE_STORES = {"manifests": ".kvm", "draft-manifests": ".kvm", "partials": ".kvp", "rates": ".json", "responses": ".json"}
 FINGERPRINTS = "fingerprints.json"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EIO)   # worth making room and trying once more
 FIRST_BACKOFF_S = 5.0
