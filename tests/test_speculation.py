@@ -538,10 +538,13 @@ def test_a_speculator_that_always_verifies_measures_a_decode_step_now_and_then()
     assert spec.draft_cost(4) == pytest.approx(2.0)
 
 
-def test_a_draft_model_that_does_not_pay_probes_less_and_less_often():
-    """Its rounds cost more than the tokens they bring: each probe that finds nothing paying doubles the pause."""
-    spec = Speculator("draft", 8)
-    assert spec.draft_cost(1) > 1        # until measured, a round costs a decode step
+@pytest.mark.parametrize("method", ["draft", "dflash"])
+def test_a_model_drafter_that_does_not_pay_probes_less_and_less_often(method):
+    """Its rounds (a draft model's) or block (DFlash's) cost more than the tokens they bring: each probe that finds
+    nothing paying doubles the pause."""
+    spec = Speculator(method, 8)
+    if method == "draft":
+        assert spec.draft_cost(1) > 1        # until measured, a round costs a decode step
     spec.observe_step(1, 0, 0.010)
     spec.observe_step(1, 1, 0.035)       # one round and one verify row: 2.5 decode steps
     state = spec.new_state()

@@ -18,7 +18,8 @@ with nothing to copy pays for few verify rows and decodes at its plain speed. Co
 latest decode-only step; where every step would verify (a draft model always has a proposal), one step in
 REMEASURE_EVERY proposes nothing and measures that again. With a draft model, what k rows add includes its k decode
 rounds (assumed to cost a decode step each until measured), and a probe costs the draft model the tokens it skipped
-while paused, so its pauses double after each probe that finds nothing paying (up to 2^MAX_BACKOFF PROBE_EVERY).
+while paused, a DFlash drafter a whole block's forward, so their pauses double after each probe that finds nothing
+paying (up to 2^MAX_BACKOFF PROBE_EVERY).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ PRIOR = (3.0, 4.0)     # a new sequence's (accepted, tried) before any verify st
 SMOOTHING = 0.2        # weight of the newest step in the measured step times
 ROW_COST_PRIOR = 0.3   # a draft row's cost in decode tokens' time, until k rows' is measured: low, so k gets tried
 ROUND_COST_PRIOR = 1.0  # and a draft model's round, until measured: a decode step of the model itself
-MAX_BACKOFF = 4        # a draft model's pauses double after each probe that pays nothing, up to 2^4 PROBE_EVERY
+MAX_BACKOFF = 4        # a model drafter's pauses double after each probe that pays nothing, up to 2^4 PROBE_EVERY
 REMEASURE_EVERY = 64   # steps that verify, at most, before one that only decodes measures a decode step again
 
 
@@ -112,9 +113,9 @@ class Speculator:
         if most and not k:
             k, state.probe = int(state.probe), not state.probe
             state.pause = 0 if k else PROBE_EVERY << state.backoff
-            # a draft model's probe costs it the tokens it skipped: where probes keep finding nothing that pays, it
-            # probes less and less often
-            state.backoff = min(state.backoff + (not k and self.method == "draft"), MAX_BACKOFF)
+            # a model drafter's probe costs it the tokens it skipped (a draft model) or a block (DFlash): where probes
+            # keep finding nothing that pays, it probes less and less often
+            state.backoff = min(state.backoff + (not k and self.method != "ngram"), MAX_BACKOFF)
         elif k:
             state.backoff = 0
         return k
