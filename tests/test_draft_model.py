@@ -243,10 +243,10 @@ def bounded_drafts_as_uninterrupted(monkeypatch, tmp_path, tiny_model_dir, make,
     """A bounded two-turn conversation whose first turn comes back from the host tier (device cache off) or from disk
     after a restart: the drafter's pager state travels in its own manifest beside the model's, its resident blocks
     load from the tier, and it proposes from the second turn's first decode step what the uninterrupted conversation
-    proposes there. (The model's own output after the first token is not compared: a bounded model restored by a
-    manifest that has not landed yet restores its exact prefix instead, with another window; in a full suite run
-    that happened once. That speculation leaves a bounded model's output as it is: `bounded_drafter_keeps_its_window`.)
-    Returns the engine that restored."""
+    proposes there. (The model's own output after the first token is not compared: with a DFlash drafter restored
+    from disk it differed once in a full suite run, cause not yet known (docs/ARCHITECTURE.md, Seams). That
+    speculation leaves a bounded model's output as it is: `bounded_drafter_keeps_its_window`.) Returns the engine
+    that restored."""
     first_turn = prompt(40, 400)
     (answer,) = run(engine_for(tiny_model_dir, None, **BOUNDED), [first_turn], GREEDY)
     second_turn = first_turn + answer["tokens"] + prompt(41, 30)
