@@ -77,19 +77,25 @@ def manifest_store(config: Config, pager: Pager, name: str = "manifests") -> Man
     return ManifestStore(pager.bounded_namespace, directory and os.path.join(directory, name))
 
 
+def kv_manager(config: Config, pool: KVPool, tiers: TierStack, pager: Pager | None,
+               manifests: ManifestStore | None) -> KVManager:
+    """A pool's KV manager over its tiers (and pager and manifests under bounded residency), its side stores (partial
+    blocks, rates) beside the disk tier's."""
+    directory = disk_dir(config)
+    return KVManager(pool, tiers, pager, manifests, directory and os.path.join(directory, "partials"),
+                     directory and rates_path(os.path.join(directory, "rates"), pool.namespace, pool.kv_cache.device))
+
+
 def build_kv(config: Config, pool: KVPool, max_model_len: int, share: float, head_dim: int,
              fingerprint: str) -> KVManager:
-    """A drafter's KV manager: over host and disk tiers with its share of their budgets, its side stores (partial
-    blocks, rates, manifests) beside the disk tier's, as the model's. Under bounded residency its blocks are paged as
-    the model's are, by recency (a drafter's attention only proposes: the verification decides)."""
-    directory = disk_dir(config)
+    """A drafter's KV manager: over host and disk tiers with its share of their budgets, its side stores and
+    manifests beside the disk tier's, as the model's. Under bounded residency its blocks are paged as the model's
+    are, by recency (a drafter's attention only proposes: the verification decides)."""
     tiers = build_tier_stack(config, pool, max_model_len, share)
     # named after the model's policy too: a DFlash drafter's K/V follow the model's window
     pager = build_pager(config, pool, tiers, head_dim, fingerprint, f"draft-over-{config.kv_policy}", "lru") \
         if config.resident_blocks else None
-    return KVManager(pool, tiers, pager, pager and manifest_store(config, pager, "draft-manifests"),
-                     directory and os.path.join(directory, "partials"),
-                     directory and rates_path(os.path.join(directory, "rates"), pool.namespace, pool.kv_cache.device))
+    return kv_manager(config, pool, tiers, pager, pager and manifest_store(config, pager, "draft-manifests"))
 
 
 def digest_cache(config: Config) -> str | None:

@@ -11,8 +11,8 @@ import torch
 from kvtier.config import Config
 from kvtier.devices import bind_thread
 from kvtier.engine.detokenizer import IncrementalDetokenizer
-from kvtier.engine.assembly import (build_pager, build_pool, build_tier_stack, decode_graphs, digest_cache, disk_dir,
-                                    manifest_store, pool_tokens, tier_share)
+from kvtier.engine.assembly import (build_pager, build_pool, build_tier_stack, decode_graphs, digest_cache,
+                                    kv_manager, manifest_store, pool_tokens, tier_share)
 from kvtier.engine.outputs import RequestOutput, RequestRejected
 from kvtier.engine.runner import TORCH_THREADS, ModelRunner
 from kvtier.engine.grammar import GrammarCompiler, GrammarError
@@ -23,9 +23,7 @@ from kvtier.engine.scheduler import ScheduledBatch, Scheduler
 from kvtier.engine.sequence import Sequence
 from kvtier.engine.verify import choose
 from kvtier.kv.keys import salt_root
-from kvtier.kv.manager import KVManager
 from kvtier.kv.pager import CAPTURE_ROWS, PinRefused
-from kvtier.kv.rates import rates_path
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import hf_config, load_model, resolve_model_path
@@ -67,19 +65,14 @@ class LLMEngine:
             dflash_weight_bytes(drafter_path) if dflash else 0
         tokens = pool_tokens(config, [mc] + ([drafter_config] if drafter_config else []), self.device, reserve)
         self.pool = build_pool(config, mc, loaded.fingerprint, self.device, tokens)
-        ns = self.pool.namespace
         # the drafter's part of the tiers' budgets
         share = tier_share(drafter_config, mc) if drafter_config else 0.0
         self.tiers = build_tier_stack(config, self.pool, self.max_model_len, 1 - share)
         self.pager = build_pager(config, self.pool, self.tiers, mc.head_dim, loaded.fingerprint) \
             if config.resident_blocks else None
-        directory = disk_dir(config)
-        beside_disk = (lambda name: os.path.join(directory, name)) if directory else None
-        manifests = self.pager and manifest_store(config, self.pager)
         self.max_pinned_tokens = self.pager.max_pinned_tokens if self.pager else None
-        rates_file = beside_disk and rates_path(beside_disk("rates"), ns, self.device)
-        self.kv = KVManager(self.pool, self.tiers, self.pager, manifests, beside_disk and beside_disk("partials"),
-                            rates_file)
+        manifests = self.pager and manifest_store(config, self.pager)
+        self.kv = kv_manager(config, self.pool, self.tiers, self.pager, manifests)
         self.scheduler = Scheduler(self.kv, config.max_batched_tokens, config.max_num_seqs, config.max_itl_ratio)
         self.drafter = DraftModel(config, draft, share, self.device, tokens, self.max_model_len, mc.vocab_size) \
             if draft else DFlashDrafter(config, self.model, loaded.fingerprint, share, self.device, tokens,

@@ -172,5 +172,4 @@ class DFlashDrafter(ShadowDrafter):
         self.kv.shutdown()
 
     def stats(self) -> dict:
-        return {"model": self.name, "num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,
-                "num_cached_blocks": self.pool.num_cached_blocks, "lost_requests": len(self.lost), **self.kv.stats()}
+        return {**super().stats(), "lost_requests": len(self.lost)}

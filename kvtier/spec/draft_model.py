@@ -198,6 +198,3 @@ class DraftModel(ShadowDrafter):
             self.runner.graphs.close()
             self.runner.graphs = None
 
-    def stats(self) -> dict:
-        return {"model": self.name, "num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,
-                "num_cached_blocks": self.pool.num_cached_blocks, **self.kv.stats()}

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from kvtier.engine.sequence import Sequence
 from kvtier.kv.manager import KVManager
+from kvtier.kv.pool import KVPool
 
 
 class ShadowDrafter:
+    name: str
+    pool: KVPool
     kv: KVManager
     shadows: dict[str, Sequence]     # request id → its shadow
+
+    def stats(self) -> dict:
+        return {"model": self.name, "num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,
+                "num_cached_blocks": self.pool.num_cached_blocks, **self.kv.stats()}
 
     def poll(self, waiting: list[Sequence]) -> None:
         """Each step: landed copies, and lookups of the waiting requests' drafter prefixes below the device. A
