@@ -154,11 +154,10 @@ def test_a_drafter_under_bounded_residency_keeps_its_window(monkeypatch, tiny_mo
     assert keys and max(keys) <= 8 * BS < 600
 
 
-def test_a_bounded_conversation_restores_the_drafters_window(monkeypatch, tmp_path, tiny_model_dir, dflash_dir):
-    """From the host tier. From disk after a restart the drafter came back without proposals (lost) in about one run
-    of ten beside the other tests, never alone: an open finding (docs/ARCHITECTURE.md, Seams), not tested here."""
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_bounded_conversation_restores_the_drafters_window(monkeypatch, tmp_path, tiny_model_dir, dflash_dir, tier):
     bounded_drafts_as_uninterrupted(monkeypatch, tmp_path, tiny_model_dir,
-                                    lambda **kw: drafting(tiny_model_dir, dflash_dir, **kw), "host").shutdown()
+                                    lambda **kw: drafting(tiny_model_dir, dflash_dir, **kw), tier).shutdown()
 
 
 def test_cancel_while_drafting_frees_both_pools(tiny_model_dir, dflash_dir):

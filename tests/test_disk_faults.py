@@ -147,7 +147,7 @@ def test_manifests_are_written_like_block_files_and_fifos_never_hang_startup(tmp
     directory = tmp_path / "manifests"
     store = ManifestStore(b"bounded-ns-01234", str(directory))
     key = keys_for(5)[-1]
-    store.put(key, manifest(3))
+    store.write(key, manifest(3))
     path = directory / (key.hex() + manifest_module.SUFFIX)
     assert oct(path.stat().st_mode & 0o777) == "0o600"
     assert [p.name for p in directory.iterdir()] == [path.name]     # no temp file left

@@ -243,10 +243,7 @@ def bounded_drafts_as_uninterrupted(monkeypatch, tmp_path, tiny_model_dir, make,
     """A bounded two-turn conversation whose first turn comes back from the host tier (device cache off) or from disk
     after a restart: the drafter's pager state travels in its own manifest beside the model's, its resident blocks
     load from the tier, and it proposes from the second turn's first decode step what the uninterrupted conversation
-    proposes there. (The model's own output after the first token is not compared: with a DFlash drafter restored
-    from disk it differed once in a full suite run, cause not yet known (docs/ARCHITECTURE.md, Seams). That
-    speculation leaves a bounded model's output as it is: `bounded_drafter_keeps_its_window`.) Returns the engine
-    that restored."""
+    proposes there, and the model answers as it did. Returns the engine that restored."""
     first_turn = prompt(40, 400)
     (answer,) = run(engine_for(tiny_model_dir, None, **BOUNDED), [first_turn], GREEDY)
     second_turn = first_turn + answer["tokens"] + prompt(41, 30)
@@ -267,7 +264,7 @@ def bounded_drafts_as_uninterrupted(monkeypatch, tmp_path, tiny_model_dir, make,
                                                                    restore(state, manifest)))
     drafts = record_drafts(monkeypatch, engine)
     (restored,) = run(engine, [second_turn], GREEDY)
-    assert restored["tokens"][0] == uninterrupted["tokens"][0]
+    assert restored["tokens"] == uninterrupted["tokens"]
     assert restored_windows and not all(restored_windows[0])      # a window: some blocks stayed paged out
     assert engine.drafter.stats()["tiers"][tier]["hit_blocks"] > 0
     assert drafts[0] == expected[0] and drafts[0][0] == len(second_turn) + 1     # from its first decode step

@@ -277,6 +277,28 @@ def test_manifest_round_trip_continues_like_the_uninterrupted_run(tiny_model_dir
     assert second.tiers.host.pinned_bytes == 0         # given back when the sequence finished
 
 
+def test_a_next_turn_that_comes_at_once_restores_through_the_manifest(tiny_model_dir, tmp_path, monkeypatch):
+    """An agent's next turn comes as soon as the last one ends: while the finished sequence's last blocks are still
+    being saved, before its manifest is written (after them). It restores the finished sequence's window through that
+    manifest all the same, not just its exact prompt blocks (a drafter's came back shorter than the model's prefix
+    that way, and proposed nothing)."""
+    engine = manifest_engine(tiny_model_dir, tmp_path)
+    copy_out = engine.kv.mover._copy_out_run
+    monkeypatch.setattr(engine.kv.mover, "_copy_out_run", lambda *args: (time.sleep(0.2), copy_out(*args))[1])
+    p, head, finished = prompt(300, salt=13), [], False
+    engine.add_request("first", p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    while not finished:
+        for out in engine.step():
+            head, finished = head + out.new_token_ids, out.finished
+    assert engine.kv.busy           # its saves are in flight
+    jobs, load = [], engine.kv.mover.load
+    engine.kv.mover.load = lambda job: (jobs.append(job), load(job))
+    rest = run(engine, p + head, max_tokens=5)
+    assert [job.manifest_key is not None for job in jobs] == [True]
+    assert rest.cached == 19 * BS
+    engine.shutdown()
+
+
 def test_a_restore_aborted_while_loading_gives_back_its_host_pins(tiny_model_dir, tmp_path):
     p = prompt(300, salt=12)
     first = manifest_engine(tiny_model_dir, tmp_path)

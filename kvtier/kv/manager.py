@@ -345,7 +345,9 @@ class KVManager:
             bs = self.block_size
             exact = chain_keys(state.token_ids[:len(state.block_keys) * bs], bs, self.pool.namespace, state.root_key)
             key, manifest = self.pager.manifest_key(exact[-1]), self.pager.manifest(state)
-            self.mover.after_saves(lambda: self.manifests.put(key, manifest))
+            # found by a next turn from now on, however soon it comes (its blocks' saves are waited for there)
+            self.manifests.keep(key, manifest)
+            self.mover.after_saves(lambda: self.manifests.write(key, manifest))
         self.release(state)
 
     def _keep_partial(self, state: KVState) -> None:

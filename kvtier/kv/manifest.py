@@ -147,13 +147,17 @@ class ManifestStore:
                 return self._memory[key].keys
             return self._on_disk.get(key)
 
-    def put(self, key: bytes, manifest: Manifest) -> None:
-        """Keep it in memory and write it to disk (call off the engine loop)."""
+    def keep(self, key: bytes, manifest: Manifest) -> None:
+        """Keep it in memory: a next turn finds it from here on."""
         with self._lock:
             self._memory[key] = manifest
             self._memory.move_to_end(key)
             while len(self._memory) > MAX_IN_MEMORY:
                 self._memory.popitem(last=False)
+
+    def write(self, key: bytes, manifest: Manifest) -> None:
+        """Write it to disk (off the engine loop, once the blocks it names are saved: a manifest on disk never names
+        a block that is not there)."""
         if self.directory is None:
             return
         path = self._path(key)

@@ -117,12 +117,19 @@ class LoadPlanner:
         while keys is None and count > pager.max_shared_blocks:     # the longest saved prefix
             keys = self.manifests.block_keys(pager.manifest_key(exact[count - 1]))
             count -= keys is None
-        if keys is None or not all(self.stack.holds(key) for key in keys):
+        if keys is None:
+            return None
+        # a manifest is kept as its sequence finishes: blocks it names may still be saving (a next turn that comes at
+        # once), which land in the first tier, and which the load waits for
+        saving = [key for key in keys if not self.stack.holds(key)]
+        if self.saving_run(saving) < len(saving):
             return None
         need = min(count, pager.budget_blocks)
         if not self.pool.can_allocate(need):
             return None
-        tiers = {name: n * self.block_size for name, n in self.stack.holders(keys).items()}
+        held = self.stack.holders(keys)
+        held[self.stack.tiers[0].name] += len(saving)
+        tiers = {name: n * self.block_size for name, n in held.items()}
         return LoadPlan(keys, need, tiers, manifest_key=pager.manifest_key(exact[count - 1]))
 
     def _long_prefix(self, keys: list[bytes]) -> LoadPlan | None:
