@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvtier.bench import throughput
+from kvtier.spec.speculator import Speculator
 
 
 def test_throughput_bench_writes_its_section(tiny_model_dir, tmp_path, capsys):
@@ -102,6 +103,14 @@ def test_spec_bench_compares_every_method_on_the_same_turns(tiny_model_dir, tmp_
     for method in ("off", "ngram", "draft"):
         assert f"| chat | {method} |" in text
     assert "draft / off (a model drafting for itself: no target): chat" in text and "The draft model is" in text
+
+
+def test_the_spec_bench_says_what_the_row_costs_allow():
+    from kvtier.bench.spec import ceiling
+    speculator = Speculator("ngram", 8)
+    assert ceiling(speculator) is None
+    speculator.draft_costs = {2: 0.5, 8: 5.0}      # 3 tokens for 1.5 steps beats 9 for 6
+    assert ceiling(speculator) == pytest.approx(2.0)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter runs the CUDA kernels")
