@@ -104,6 +104,37 @@ def test_prefill_chunks_and_decodes_match_a_dense_reference(device, bs, layout):
         assert len(prefills[2].prefix_runs) >= RUNS and max(map(len, decode_runs)) >= RUNS
 
 
+def test_on_cpu_a_verify_steps_rows_read_their_context_once(monkeypatch):
+    """A verify step's 9 rows (its last token and a draft of 8) after 700 tokens in scattered blocks, beside a decode
+    of a long context: each row attends causally up to its own position, as the dense reference does, and the
+    verify step's context is read in one call for all its rows (as a prompt chunk after a cached prefix), not in
+    one per row."""
+    bs, n, scale = 16, 9, DIM ** -0.5
+    gen = torch.Generator().manual_seed(7)
+    work = [(700, n), (CPU_DECODE_APART + 5, 1)]
+    num_blocks = sum(-(-(s + m) // bs) for s, m in work) + 4
+    k_cache, v_cache = (torch.randn(num_blocks * bs, KV_HEADS, DIM, generator=gen) for _ in range(2))
+    tables = block_tables(num_blocks, [s + m for s, m in work], bs, consecutive=False)
+    q, k, v = (torch.randn(n + 1, heads, DIM, generator=gen) for heads in (HEADS, KV_HEADS, KV_HEADS))
+    slot_mapping, runs, expected, row = [], [], [], 0
+    for (start, m), table in zip(work, tables):
+        slots = [table[p // bs] * bs + p % bs for p in range(start + m)]
+        slot_mapping += slots[start:]
+        runs += [slot_runs(table, start + j + 1, bs) for j in range(m)]
+        expected.append(reference(q[row:row + m], torch.cat([k_cache[slots[:start]], k[row:row + m]]),
+                                  torch.cat([v_cache[slots[:start]], v[row:row + m]]), scale))
+        row += m
+    reads = []
+    segment_parts = attention._segment_parts_cpu
+    monkeypatch.setattr(attention, "_segment_parts_cpu", lambda *a: reads.append(len(a[2])) or segment_parts(*a))
+    meta = AttentionMetadata(positions=torch.zeros(n + 1, dtype=torch.long), slot_mapping=torch.tensor(slot_mapping),
+                             prefills=[], block_size=bs, decode=DecodeGroup(list(range(n + 1)), runs, verify=[
+                                 (0, n, slot_runs(tables[0], work[0][0], bs))]))
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    assert torch.allclose(out.double(), torch.cat(expected), atol=1e-4)
+    assert reads == [1, 1]      # one segment read once for the verify step, one for the decode
+
+
 @pytest.mark.parametrize("length", [700, CONTEXT_SEGMENT + 300])
 def test_on_cpu_a_context_computes_the_same_wherever_its_blocks_lie(length):
     """A prompt chunk after a cached prefix, and a decode, over the same context in consecutive blocks and in

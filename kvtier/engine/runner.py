@@ -73,7 +73,7 @@ class ModelRunner:
         a verify step's every row. capture[i]: how many of sequence i's last rows should hand back their
         queries."""
         token_ids, positions, slot_mapping, prefills, out_rows, capture_rows = [], [], [], [], [], []
-        decode_rows, decode_runs, generated_rows = [], [], []
+        decode_rows, decode_runs, generated_rows, verify = [], [], [], []
         bounded = []      # (prompt chunk, its sequence's KV state, its blocks before it): it attends to paged-out ones
         row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
@@ -87,6 +87,8 @@ class ModelRunner:
                 if generates(seq, n):
                     generated_rows += range(row, row + n)
                 decode_runs += [slot_runs(table, start + j + 1, self.pool.block_size) for j in range(n)]
+                if n > 1:
+                    verify.append((len(decode_rows) - n, n, slot_runs(table, start, self.pool.block_size)))
             else:
                 table = self.kv.step_table(seq.kv)        # blocks whose page-out is in flight are still read in place
                 prefix = slot_runs(table, start, self.pool.block_size)
@@ -104,7 +106,7 @@ class ModelRunner:
             positions=to_device(torch.tensor(positions, dtype=torch.long), self.device),
             slot_mapping=to_device(torch.cat(slot_mapping), self.device),
             prefills=prefills,
-            decode=DecodeGroup(decode_rows, decode_runs) if decode_rows else None,
+            decode=DecodeGroup(decode_rows, decode_runs, verify=verify) if decode_rows else None,
             generated_rows=generated_rows,
             capture_rows=to_device(torch.tensor(capture_rows, dtype=torch.long), self.device) if capture_rows else None,
             block_size=self.pool.block_size,

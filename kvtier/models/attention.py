@@ -64,6 +64,9 @@ class DecodeGroup:
     tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     longest: int = 0     # tokens of the longest context
     num_splits: int | None = None   # the kernel's parts per context: set by a graph at capture, else from `longest`
+    # verify steps: (index of the first of its rows in query_rows, its rows, pool slot ranges of the context before
+    # them), attended on CPU as one chunk after that context
+    verify: list[tuple[int, int, list[tuple[int, int]]]] = field(default_factory=list)
 
     def __post_init__(self):
         if self.tensors is None:
@@ -193,23 +196,39 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                            kernels.multiprocessors(q.device))
             kernels.decode(q, k_cache, v_cache, out, rows, tables, lens, meta.block_size, scale, splits)
         else:
-            # on CPU a lone decode or a long context is read where it lies, one sequence at a time; the others are
-            # gathered and padded into one batched call, which costs less than a call per sequence while they are short
-            apart = [i for i, runs in enumerate(d.runs) if q.device.type == "cpu"
+            # on CPU a verify step's rows attend as a prompt chunk after the context before them (one read of it
+            # for them all, not one per row); a lone decode or a long context is read where it lies, one sequence at
+            # a time; the others are gathered and padded into one batched call, which costs less than a call per
+            # sequence while they are short
+            chunked = _verify_chunks_cpu(q, k, v, k_cache, v_cache, out, d, scale) if q.device.type == "cpu" else set()
+            apart = [i for i, runs in enumerate(d.runs) if q.device.type == "cpu" and i not in chunked
                      and (len(d.runs) == 1 or sum(b - a for a, b in runs) >= CPU_DECODE_APART)]
             for i in apart:
                 row, runs = d.query_rows[i], d.runs[i]
                 qs = q[row:row + 1].transpose(0, 1).unsqueeze(0)     # [1, H, 1, D]
                 parts = _segment_parts_cpu(qs, k.shape[1], _context_segments(runs, k_cache, v_cache), scale)
                 out[row] = _merged(parts)[0, :, 0]
-            if len(apart) < len(d.runs):
-                rows, kv_slots, mask = meta.kernel_args("gathered", lambda: d.padded(q.device, skip=set(apart)))
+            if len(apart) + len(chunked) < len(d.runs):
+                rows, kv_slots, mask = meta.kernel_args("gathered", lambda: d.padded(q.device, skip=set(apart) | chunked))
                 qs = q[rows].unsqueeze(2)                                 # [B, H, 1, D]
                 ks = k_cache[kv_slots].permute(0, 2, 1, 3)                # [B, KVH, L, D]
                 vs = v_cache[kv_slots].permute(0, 2, 1, 3)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
                 out[rows] = o.squeeze(2)
     return out
+
+
+def _verify_chunks_cpu(q, k, v, k_cache, v_cache, out, d: DecodeGroup, scale: float) -> set[int]:
+    """Each verify step's rows, causally over themselves after the context before them (as a prompt chunk after a
+    cached prefix). Returns the indices in d.query_rows it attended."""
+    chunked = set()
+    for i, n, prefix in d.verify:
+        rows = slice(d.query_rows[i], d.query_rows[i] + n)
+        qs, ks, vs = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        o = _attention_after_segments_cpu(qs, ks, vs, _context_segments(prefix, k_cache, v_cache), scale)
+        out[rows] = o.squeeze(0).transpose(0, 1)
+        chunked.update(range(i, i + n))
+    return chunked
 
 
 def _prefills_by_kernel(kernels, q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float) -> list[PrefillSeq]:
