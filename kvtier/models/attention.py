@@ -209,7 +209,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 parts = _segment_parts_cpu(qs, k.shape[1], _context_segments(runs, k_cache, v_cache), scale)
                 out[row] = _merged(parts)[0, :, 0]
             if len(apart) + len(chunked) < len(d.runs):
-                rows, kv_slots, mask = meta.kernel_args("gathered", lambda: d.padded(q.device, skip=set(apart) | chunked))
+                skip = set(apart) | chunked
+                rows, kv_slots, mask = meta.kernel_args("gathered", lambda: d.padded(q.device, skip=skip))
                 qs = q[rows].unsqueeze(2)                                 # [B, H, 1, D]
                 ks = k_cache[kv_slots].permute(0, 2, 1, 3)                # [B, KVH, L, D]
                 vs = v_cache[kv_slots].permute(0, 2, 1, 3)
