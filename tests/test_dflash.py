@@ -131,6 +131,23 @@ def test_the_drafters_state_is_sealed_for_the_conversations_tokens(monkeypatch, 
     assert sum(written) < 20 + 40 + BS       # the new message and the answer, not the history
 
 
+def test_a_sequence_that_sits_out_pays_for_no_drafter_work_until_it_proposes(monkeypatch, tiny_model_dir, dflash_dir):
+    """While the speculator has a sequence propose nothing (a drafter whose proposals do not pay), its steps write
+    none of the drafter's state: the rows wait and are written in one forward when it proposes again, or, as here,
+    when the request ends, and the drafter's blocks are the conversation's all the same."""
+    engine = drafting(tiny_model_dir, dflash_dir)
+    monkeypatch.setattr(engine.speculator, "plan", lambda state, room, batch=1: 0)
+    pool, sealed, written = engine.drafter.pool, [], []
+    seal, context_kv = pool.seal, engine.drafter.model.context_kv
+    monkeypatch.setattr(pool, "seal", lambda block, key: (sealed.append(key), seal(block, key)))
+    monkeypatch.setattr(engine.drafter.model, "context_kv", lambda f, p: (written.append(len(p)), context_kv(f, p))[1])
+    ids = prompt(12, 100)
+    (out,) = run(engine, [ids], GREEDY)
+    tokens = ids + out["tokens"]
+    assert written == [len(ids), len(out["tokens"]) - 1]       # the prompt's chunk, then every decode row at once
+    assert set(sealed[:-1]) == set(chain_keys(tokens[:(len(tokens) - 1) // BS * BS], BS, pool.namespace, None))
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_a_restored_conversation_drafts_what_the_uninterrupted_one_does(monkeypatch, tmp_path, tiny_model_dir,
                                                                          dflash_dir, tier):

@@ -26,6 +26,7 @@ from torch import nn
 from kvtier.models.config import ModelConfig
 from kvtier.models.decoder import DecoderLayer, RMSNorm, RotaryEmbedding, apply_rope
 from kvtier.models.loader import _safetensors_files, fingerprint, hf_config
+from kvtier.models.products import Linear
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,10 @@ class DFlashAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
@@ -77,7 +78,7 @@ class DFlash(nn.Module):
         super().__init__()
         self.config = cfg
         hidden = cfg.layers.hidden_size
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * target_hidden, hidden, bias=False)
+        self.fc = Linear(len(cfg.target_layer_ids) * target_hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, cfg.layers.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg.layers) for _ in range(cfg.layers.num_layers))
         self.norm = RMSNorm(hidden, cfg.layers.rms_norm_eps)

@@ -8,6 +8,11 @@ saved to the host and disk tiers and restored from them as the target's blocks a
 spec/draft_model.py has). So a conversation restored from a tier proposes from its first decode step what the
 uninterrupted one would.
 
+The writes wait until the drafter proposes for the sequence, or the request ends, or WRITE_AFTER rows wait: while
+the speculator has a sequence sit out (a drafter whose proposals do not pay), its steps pay for none of the
+drafter's work, and what waited is written in one forward (a projection of every feature layer's output per row,
+which one row at a time read the projection's weights every step).
+
 A shadow Sequence per request holds the drafter's state over the target's tokens. It looks its cached
 prefix up as the request waits (its admission waits for a load of it in flight: `ShadowDrafter.poll`), and takes up
 the target's features from where its cached prefix ends. The features of tokens the target did not compute (its
@@ -38,6 +43,8 @@ from kvtier.spec.drafter import ShadowDrafter
 
 log = logging.getLogger("kvtier.spec")
 
+WRITE_AFTER = 64      # rows of features a sequence keeps waiting at most before its drafter state is written
+
 
 def dflash_weight_bytes(path: str) -> int:
     """What a DFlash drafter's weights take on the device (its safetensors files, about)."""
@@ -59,6 +66,7 @@ class DFlashDrafter(ShadowDrafter):
         self.name = os.path.basename(os.path.abspath(config.draft_model))
         self.shadows: dict[str, Sequence] = {}
         self.lost: set[str] = set()       # requests whose target computed past a gap in the drafter's context
+        self.waiting: dict[str, list[tuple[int, torch.Tensor]]] = {}   # per request, (start, features) not written
 
     def attach(self, seq: Sequence, root_key: bytes | None) -> None:
         shadow = Sequence(seq.request_id, seq.token_ids, seq.params, None, seq.arrival)
@@ -68,18 +76,36 @@ class DFlashDrafter(ShadowDrafter):
 
     def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
         """The target computed the sequence's tokens from `start` to its num_computed_tokens, these rows' features
-        [rows, F] (a verify step's rejected rows among them, past num_computed_tokens): the drafter's K/V there. A
-        failure here costs the request its proposals, never its answer."""
-        shadow = self.shadows.get(seq.request_id)
-        if shadow is None or seq.request_id in self.lost:
+        [rows, F] (a verify step's rejected rows among them, past num_computed_tokens): the drafter's K/V there,
+        written when it is needed (`_write_waiting`)."""
+        if seq.request_id not in self.shadows or seq.request_id in self.lost:
             return
+        waiting = self.waiting.setdefault(seq.request_id, [])
+        waiting.append((start, features[:max(0, seq.num_computed_tokens - start)]))
+        if sum(len(f) for _, f in waiting) >= WRITE_AFTER:
+            self._write_waiting(seq)
+
+    def _write_waiting(self, seq: Sequence) -> None:
+        """Write the drafter's K/V from the features the sequence has waiting, runs of consecutive rows in one
+        forward each. A failure here costs the request its proposals, never its answer."""
+        shadow, waiting = self.shadows.get(seq.request_id), self.waiting.pop(seq.request_id, [])
+        runs = []
+        for start, features in waiting:
+            if runs and runs[-1][0] + sum(len(f) for f in runs[-1][1]) == start:
+                runs[-1][1].append(features)
+            else:
+                runs.append((start, [features]))
         try:
-            self._write(seq, shadow, start, features)
+            for start, parts in runs:
+                if shadow is None or seq.request_id in self.lost:
+                    return
+                self._write(seq, shadow, start, torch.cat(parts))
         except Exception:
             log.exception("request %s: the DFlash drafter failed: no proposals for it", seq.request_id)
             self.lost.add(seq.request_id)
 
     def _write(self, seq: Sequence, shadow: Sequence, start: int, features: torch.Tensor) -> None:
+        """The drafter's K/V of tokens start .. start + len(features) - 1."""
         shadow.token_ids += seq.token_ids[len(shadow.token_ids):]
         if shadow.status is not SequenceStatus.RUNNING:
             self._admit(shadow)
@@ -88,7 +114,7 @@ class DFlashDrafter(ShadowDrafter):
                         seq.request_id)
             self.lost.add(seq.request_id)
             return
-        end = seq.num_computed_tokens
+        end = start + len(features)
         if not start <= shadow.num_computed_tokens or shadow.kv.compute_first:
             log.info("request %s: the DFlash drafter holds %d of the %d tokens the model had cached: no proposals "
                      "for it", seq.request_id, shadow.num_computed_tokens, start)
@@ -127,6 +153,8 @@ class DFlashDrafter(ShadowDrafter):
         for seq, k in wanted:
             shadow = self.shadows.get(seq.request_id)
             seq.draft = []
+            if k > 0:
+                self._write_waiting(seq)
             if k <= 0 or shadow is None or seq.request_id in self.lost or \
                     shadow.num_computed_tokens != len(seq.token_ids) - 1:
                 continue
@@ -158,11 +186,15 @@ class DFlashDrafter(ShadowDrafter):
     def end(self, seq: Sequence) -> None:
         """The request finished: as the target's, its drafter state is kept for a next turn if it stopped or reached
         its length, else given back."""
+        keep = seq.finish_reason in ("stop", "length")
+        if keep:
+            self._write_waiting(seq)
+        self.waiting.pop(seq.request_id, None)
         shadow = self.shadows.pop(seq.request_id, None)
         self.lost.discard(seq.request_id)
         if shadow is None:
             return
-        if shadow.status is SequenceStatus.RUNNING and seq.finish_reason in ("stop", "length"):
+        if shadow.status is SequenceStatus.RUNNING and keep:
             shadow.token_ids += seq.token_ids[len(shadow.token_ids):]
             self.kv.finish(shadow.kv)
         else:
