@@ -158,12 +158,13 @@ class DFlashDrafter(ShadowDrafter):
             if k <= 0 or shadow is None or seq.request_id in self.lost or \
                     shadow.num_computed_tokens != len(seq.token_ids) - 1:
                 continue
-            seq.draft = self._block(shadow, seq)[:k]
+            seq.draft = self._block(shadow, seq, k)
         return time.perf_counter() - start
 
     @torch.inference_mode()
-    def _block(self, shadow: Sequence, seq: Sequence) -> list[int]:
-        """The block's proposals; a block shortened where it would pass the drafter's positions."""
+    def _block(self, shadow: Sequence, seq: Sequence, k: int) -> list[int]:
+        """The block's first k proposals (the LM head reads those rows only); a block shortened where it would pass
+        the drafter's positions."""
         n, bs = shadow.num_computed_tokens, self.pool.block_size
         size = min(self.block_size, self.model.config.layers.max_position_embeddings - n)
         if size < 2:
@@ -177,7 +178,7 @@ class DFlashDrafter(ShadowDrafter):
         ids = torch.tensor([seq.token_ids[-1]] + [self.mask_token_id] * (size - 1), device=device)
         embedded = self.target.model.embed_tokens(ids)
         hidden = self.model.block(embedded, torch.arange(n, n + size, device=device), context)
-        return self.target.logits(hidden[1:]).argmax(-1).tolist()
+        return self.target.logits(hidden[1:k + 1]).argmax(-1).tolist()
 
     def preempted(self, seq: Sequence) -> None:
         """The target gave its blocks back; the drafter's state stays: it could not be computed again where the
