@@ -109,21 +109,31 @@ def test_ggml_decode_steps_hand_the_drafter_its_features(monkeypatch, tiny_model
                                    engine.runner.graphs)
 
 
+def recording_writes(monkeypatch, engine) -> tuple[list[bytes], list[int]]:
+    """The keys of the blocks the drafter seals, and the rows of each of its K/V writes, from here on."""
+    pool, sealed, written = engine.drafter.pool, [], []
+    seal, context_kv = pool.seal, engine.drafter.model.context_kv
+    monkeypatch.setattr(pool, "seal", lambda block, key: (sealed.append(key), seal(block, key)))
+    monkeypatch.setattr(engine.drafter.model, "context_kv", lambda f, p: (written.append(len(p)), context_kv(f, p))[1])
+    return sealed, written
+
+
+def conversation_blocks(engine, tokens: list[int]) -> set[bytes]:
+    """The drafter's keys of the full blocks of a conversation's tokens but the last (computed)."""
+    bs = engine.drafter.pool.block_size
+    return set(chain_keys(tokens[:(len(tokens) - 1) // bs * bs], bs, engine.drafter.pool.namespace, None))
+
+
 def test_the_drafters_state_is_sealed_for_the_conversations_tokens(monkeypatch, tiny_model_dir, dflash_dir):
     """Its blocks hold the K/V of the target's features at the conversation's own tokens, under a namespace of its
     own; a next turn writes only its new tokens' K/V."""
     engine = drafting(tiny_model_dir, dflash_dir)
-    pool = engine.drafter.pool
-    sealed, written = [], []
-    seal, context_kv = pool.seal, engine.drafter.model.context_kv
-    monkeypatch.setattr(pool, "seal", lambda block, key: (sealed.append(key), seal(block, key)))
-    monkeypatch.setattr(engine.drafter.model, "context_kv", lambda f, p: (written.append(len(p)), context_kv(f, p))[1])
+    sealed, written = recording_writes(monkeypatch, engine)
     ids = prompt(9, 70)
     (out,) = run(engine, [ids], GREEDY)
     tokens = ids + out["tokens"]
-    full = chain_keys(tokens[:(len(tokens) - 1) // BS * BS], BS, pool.namespace, None)
-    assert pool.namespace not in (engine.pool.namespace,)
-    assert set(sealed[:-1]) == set(full)     # and the finished partial block
+    assert engine.drafter.pool.namespace != engine.pool.namespace
+    assert set(sealed[:-1]) == conversation_blocks(engine, tokens)     # and the finished partial block
     assert sum(written) == len(tokens) - 1
     written.clear()
     follow_up = tokens + prompt(10, 20)
@@ -137,15 +147,11 @@ def test_a_sequence_that_sits_out_pays_for_no_drafter_work_until_it_proposes(mon
     when the request ends, and the drafter's blocks are the conversation's all the same."""
     engine = drafting(tiny_model_dir, dflash_dir)
     monkeypatch.setattr(engine.speculator, "plan", lambda state, room, batch=1: 0)
-    pool, sealed, written = engine.drafter.pool, [], []
-    seal, context_kv = pool.seal, engine.drafter.model.context_kv
-    monkeypatch.setattr(pool, "seal", lambda block, key: (sealed.append(key), seal(block, key)))
-    monkeypatch.setattr(engine.drafter.model, "context_kv", lambda f, p: (written.append(len(p)), context_kv(f, p))[1])
+    sealed, written = recording_writes(monkeypatch, engine)
     ids = prompt(12, 100)
     (out,) = run(engine, [ids], GREEDY)
-    tokens = ids + out["tokens"]
     assert written == [len(ids), len(out["tokens"]) - 1]       # the prompt's chunk, then every decode row at once
-    assert set(sealed[:-1]) == set(chain_keys(tokens[:(len(tokens) - 1) // BS * BS], BS, pool.namespace, None))
+    assert set(sealed[:-1]) == conversation_blocks(engine, ids + out["tokens"])
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
