@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_draft_model import (bounded_drafter_keeps_its_window, bounded_drafts_as_uninterrupted, counts,
+from test_draft_model import (BOUNDED, bounded_drafter_keeps_its_window, bounded_drafts_as_uninterrupted, counts,
                               drafts_as_uninterrupted)
 from test_speculation import BS, engine_for, prompt, run
 
@@ -15,6 +15,7 @@ from kvtier.config import Config, ConfigError
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.kv.keys import chain_keys
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
+from kvtier.spec.dflash import WRITE_AFTER
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 BLOCK = 5          # the drafter proposes 4 tokens after the last one
@@ -143,15 +144,30 @@ def test_the_drafters_state_is_sealed_for_the_conversations_tokens(monkeypatch, 
 
 def test_a_sequence_that_sits_out_pays_for_no_drafter_work_until_it_proposes(monkeypatch, tiny_model_dir, dflash_dir):
     """While the speculator has a sequence propose nothing (a drafter whose proposals do not pay), its steps write
-    none of the drafter's state: the rows wait and are written in one forward when it proposes again, or, as here,
-    when the request ends, and the drafter's blocks are the conversation's all the same."""
+    none of the drafter's state: the rows wait and are written in one forward when it proposes again, when
+    WRITE_AFTER wait, or when the request ends, and the drafter's blocks are the conversation's all the same."""
     engine = drafting(tiny_model_dir, dflash_dir)
     monkeypatch.setattr(engine.speculator, "plan", lambda state, room, batch=1: 0)
     sealed, written = recording_writes(monkeypatch, engine)
     ids = prompt(12, 100)
-    (out,) = run(engine, [ids], GREEDY)
-    assert written == [len(ids), len(out["tokens"]) - 1]       # the prompt's chunk, then every decode row at once
+    (out,) = run(engine, [ids], SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True))
+    # the prompt's chunk, the first WRITE_AFTER decode rows once they waited, the rest at the end
+    assert written == [len(ids), WRITE_AFTER, len(out["tokens"]) - 1 - WRITE_AFTER]
     assert set(sealed[:-1]) == conversation_blocks(engine, ids + out["tokens"])
+
+
+def test_rows_written_after_a_bounded_request_ends_are_keyed_bounded(monkeypatch, tiny_model_dir, dflash_dir):
+    """Under bounded residency a sequence that sits out has its drafter rows written as it ends, after the model's
+    residency was given back: the rows whose features came from the model's window are keyed bounded all the same."""
+    engine = drafting(tiny_model_dir, dflash_dir, **BOUNDED)
+    monkeypatch.setattr(engine.speculator, "plan", lambda state, room, batch=1: 0)
+    pager, namespaces = engine.drafter.kv.pager, []
+    namespace_for = pager.namespace_for
+    monkeypatch.setattr(pager, "namespace_for", lambda state, block: (
+        namespaces.append(namespace_for(state, block)), namespaces[-1])[1])
+    ids = [(13 * i + 5) % 900 + 20 for i in range(600)]
+    run(engine, [ids], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    assert namespaces[0] == engine.drafter.pool.namespace and namespaces[-1] == pager.bounded_namespace
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])

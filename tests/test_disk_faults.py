@@ -143,10 +143,28 @@ def manifest(n: int) -> Manifest:
     return Manifest(keys, [True] * n, list(range(n)), 0, [], tensors)
 
 
+def test_a_kept_manifest_stays_in_memory_until_written_and_a_discarded_one_is_not_written(tmp_path):
+    """Manifests kept as their sequences finish are found until their writes (after their blocks' saves) land, however
+    many finish meanwhile; after that memory keeps only the newest; one discarded before its write is never written."""
+    store = ManifestStore(b"bounded-ns-01234", str(tmp_path))
+    keys = [keys_for(20 + i)[-1] for i in range(manifest_module.MAX_IN_MEMORY + 4)]
+    for key in keys:
+        store.keep(key, manifest(3))
+    assert all(store.block_keys(key) == keys_for(3) for key in keys)
+    store.discard(keys[0])
+    for key in keys:
+        store.write(key, manifest(3))
+    assert not (tmp_path / (keys[0].hex() + manifest_module.SUFFIX)).exists() and store.block_keys(keys[0]) is None
+    store.keep(keys_for(99)[-1], manifest(3))
+    assert len(store._memory) == manifest_module.MAX_IN_MEMORY
+    assert all(store.block_keys(key) == keys_for(3) for key in keys[1:])      # from the files now
+
+
 def test_manifests_are_written_like_block_files_and_fifos_never_hang_startup(tmp_path):
     directory = tmp_path / "manifests"
     store = ManifestStore(b"bounded-ns-01234", str(directory))
     key = keys_for(5)[-1]
+    store.keep(key, manifest(3))
     store.write(key, manifest(3))
     path = directory / (key.hex() + manifest_module.SUFFIX)
     assert oct(path.stat().st_mode & 0o777) == "0o600"

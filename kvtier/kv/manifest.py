@@ -115,6 +115,7 @@ class ManifestStore:
         self.namespace, self.directory = namespace, directory
         self._memory: OrderedDict[bytes, Manifest] = OrderedDict()
         self._on_disk: dict[bytes, list[bytes]] = {}    # manifest key → its block keys, from the file headers
+        self._unwritten: set[bytes] = set()             # kept, its write still to come: never dropped from memory
         self._lock = threading.Lock()
         if directory is not None:
             try:
@@ -148,16 +149,22 @@ class ManifestStore:
             return self._on_disk.get(key)
 
     def keep(self, key: bytes, manifest: Manifest) -> None:
-        """Keep it in memory: a next turn finds it from here on."""
+        """Keep it in memory: a next turn finds it from here on. `write` must follow."""
         with self._lock:
             self._memory[key] = manifest
             self._memory.move_to_end(key)
-            while len(self._memory) > MAX_IN_MEMORY:
-                self._memory.popitem(last=False)
+            self._unwritten.add(key)
+            written = [k for k in self._memory if k not in self._unwritten]
+            for old in written[:max(0, len(self._memory) - MAX_IN_MEMORY)]:
+                del self._memory[old]
 
     def write(self, key: bytes, manifest: Manifest) -> None:
-        """Write it to disk (off the engine loop, once the blocks it names are saved: a manifest on disk never names
-        a block that is not there)."""
+        """Write a kept manifest to disk (off the engine loop, once the blocks it names are saved: a manifest on disk
+        never names a block that is not there); one discarded meanwhile is not."""
+        with self._lock:
+            if key not in self._unwritten:
+                return
+            self._unwritten.discard(key)
         if self.directory is None:
             return
         path = self._path(key)
@@ -192,6 +199,7 @@ class ManifestStore:
         """Forget a manifest that did not fit its request (and delete its file)."""
         with self._lock:
             self._memory.pop(key, None)
+            self._unwritten.discard(key)
             on_disk = self._on_disk.pop(key, None) is not None
         if on_disk:
             remove(self._path(key))

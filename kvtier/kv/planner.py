@@ -120,14 +120,16 @@ class LoadPlanner:
         if keys is None:
             return None
         # a manifest is kept as its sequence finishes: blocks it names may still be saving (a next turn that comes at
-        # once), which land in the first tier, and which the load waits for
-        saving = [key for key in keys if not self.stack.holds(key)]
-        if self.saving_run(saving) < len(saving):
+        # once), which land in the first tier, and which the load waits for (asked first: a save that lands between
+        # the two questions is held by then)
+        saving = {key for key in keys if self.saving_run([key])}
+        rest = [key for key in keys if key not in saving]
+        if not all(self.stack.holds(key) for key in rest):
             return None
         need = min(count, pager.budget_blocks)
         if not self.pool.can_allocate(need):
             return None
-        held = self.stack.holders(keys)
+        held = self.stack.holders(rest)
         held[self.stack.tiers[0].name] += len(saving)
         tiers = {name: n * self.block_size for name, n in held.items()}
         return LoadPlan(keys, need, tiers, manifest_key=pager.manifest_key(exact[count - 1]))

@@ -1,8 +1,8 @@
 """`--speculative dflash --draft-model DIR`: a DFlash block drafter (models/dflash.py) proposes each decoding
 sequence's next tokens in one forward, from the target's hidden features over its context.
 
-The drafter's state over a context is the K/V its layers take from the target's features there: written as the
-target computes the tokens (prompt chunks, decode and verify steps; of a verify step only the rows of tokens it
+The drafter's state over a context is the K/V its layers take from the target's features there: from the features
+of the tokens the target computes (prompt chunks, decode and verify steps; of a verify step only the rows of tokens it
 accepted), into a pool of the drafter's own under a namespace of the drafter's and the target's weights, sealed,
 saved to the host and disk tiers and restored from them as the target's blocks are (its own KV manager, as
 spec/draft_model.py has). So a conversation restored from a tier proposes from its first decode step what the
@@ -78,16 +78,47 @@ class DFlashDrafter(ShadowDrafter):
         """The target computed the sequence's tokens from `start` to its num_computed_tokens, these rows' features
         [rows, F] (a verify step's rejected rows among them, past num_computed_tokens): the drafter's K/V there,
         written when it is needed (`_write_waiting`)."""
-        if seq.request_id not in self.shadows or seq.request_id in self.lost:
+        shadow = self.shadows.get(seq.request_id)
+        if shadow is None or seq.request_id in self.lost:
+            return
+        try:
+            if not self._admitted(seq, shadow):
+                return
+            if seq.kv.residency and seq.kv.residency.bounded_from is not None:
+                # the model's K/V, and so the features, from there on came from its window: so do the drafter's
+                # (marked now: the model's residency is reset when it ends, before the rows waiting are written)
+                self.kv.mark_bounded(shadow.kv, seq.kv.residency.bounded_from)
+        except Exception:
+            self._failed(seq)
             return
         waiting = self.waiting.setdefault(seq.request_id, [])
-        waiting.append((start, features[:max(0, seq.num_computed_tokens - start)]))
+        # a copy: a view would keep the whole step's features (every sequence's rows) alive while it waits
+        waiting.append((start, features[:max(0, seq.num_computed_tokens - start)].clone()))
         if sum(len(f) for _, f in waiting) >= WRITE_AFTER:
             self._write_waiting(seq)
 
+    def _failed(self, seq: Sequence) -> None:
+        """The drafter failed for the request: it costs it its proposals, never its answer."""
+        log.exception("request %s: the DFlash drafter failed: no proposals for it", seq.request_id)
+        self.lost.add(seq.request_id)
+
+    def _admitted(self, seq: Sequence, shadow: Sequence) -> bool:
+        """Its shadow admitted (its cached prefix held in the drafter's pool from the first step on), or the request
+        lost."""
+        if shadow.status is not SequenceStatus.RUNNING:
+            shadow.token_ids += seq.token_ids[len(shadow.token_ids):]
+            admitted = self.kv.admit(shadow.kv, 0)
+            if admitted is not None:
+                shadow.status, shadow.num_computed_tokens = SequenceStatus.RUNNING, admitted[0]
+        if shadow.status is not SequenceStatus.RUNNING:
+            log.warning("request %s: the DFlash drafter's pool or host budget has no room: no proposals for it",
+                        seq.request_id)
+            self.lost.add(seq.request_id)
+        return seq.request_id not in self.lost
+
     def _write_waiting(self, seq: Sequence) -> None:
         """Write the drafter's K/V from the features the sequence has waiting, runs of consecutive rows in one
-        forward each. A failure here costs the request its proposals, never its answer."""
+        forward each."""
         shadow, waiting = self.shadows.get(seq.request_id), self.waiting.pop(seq.request_id, [])
         runs = []
         for start, features in waiting:
@@ -101,19 +132,11 @@ class DFlashDrafter(ShadowDrafter):
                     return
                 self._write(seq, shadow, start, torch.cat(parts))
         except Exception:
-            log.exception("request %s: the DFlash drafter failed: no proposals for it", seq.request_id)
-            self.lost.add(seq.request_id)
+            self._failed(seq)
 
     def _write(self, seq: Sequence, shadow: Sequence, start: int, features: torch.Tensor) -> None:
         """The drafter's K/V of tokens start .. start + len(features) - 1."""
         shadow.token_ids += seq.token_ids[len(shadow.token_ids):]
-        if shadow.status is not SequenceStatus.RUNNING:
-            self._admit(shadow)
-        if shadow.status is not SequenceStatus.RUNNING:
-            log.warning("request %s: the DFlash drafter's pool or host budget has no room: no proposals for it",
-                        seq.request_id)
-            self.lost.add(seq.request_id)
-            return
         end = start + len(features)
         if not start <= shadow.num_computed_tokens or shadow.kv.compute_first:
             log.info("request %s: the DFlash drafter holds %d of the %d tokens the model had cached: no proposals "
@@ -135,16 +158,7 @@ class DFlashDrafter(ShadowDrafter):
                 self.pool.kv_cache[0, i].index_copy_(0, slots, k.to(self.pool.kv_cache.dtype))
                 self.pool.kv_cache[1, i].index_copy_(0, slots, v.to(self.pool.kv_cache.dtype))
         shadow.num_computed_tokens = end
-        if seq.kv.residency and seq.kv.residency.bounded_from is not None:
-            # the model's K/V, and so the features, from there on came from its window: so do the drafter's
-            self.kv.mark_bounded(shadow.kv, seq.kv.residency.bounded_from)
         self.kv.commit(shadow.kv, end, None, False, False)
-
-    def _admit(self, shadow: Sequence) -> None:
-        """Its cached prefix (device cache, or a load that landed), as the target is admitted."""
-        admitted = self.kv.admit(shadow.kv, 0)
-        if admitted is not None:
-            shadow.status, shadow.num_computed_tokens = SequenceStatus.RUNNING, admitted[0]
 
     def propose(self, wanted: list[tuple[Sequence, int]], prefilling: list[Sequence]) -> float:
         """Set each sequence's draft (up to k tokens) from one block forward each. Returns the seconds it took (the
