@@ -180,7 +180,8 @@ def test_a_restored_conversation_drafts_what_the_uninterrupted_one_does(monkeypa
 
 
 def test_a_drafter_under_bounded_residency_keeps_its_window(monkeypatch, tiny_model_dir, dflash_dir):
-    """Its block proposals attend to its resident blocks only: never more keys than the budget holds."""
+    """Its block proposals attend to its resident blocks only: never more keys than the budget holds. It computes no
+    prompt chunks, so no host memory is set aside to gather paged-out K/V for one (the draft model's is)."""
     keys = []
 
     def make(**kw):
@@ -189,8 +190,9 @@ def test_a_drafter_under_bounded_residency_keeps_its_window(monkeypatch, tiny_mo
         monkeypatch.setattr(engine.drafter.model, "block", lambda embedded, positions, context: (
             keys.append(len(context[0][0])), block(embedded, positions, context))[1])
         return engine
-    bounded_drafter_keeps_its_window(monkeypatch, tiny_model_dir, make)
+    engine, _ = bounded_drafter_keeps_its_window(monkeypatch, tiny_model_dir, make)
     assert keys and max(keys) <= 8 * BS < 600
+    assert engine.drafter.kv.stack.gather.buffer.numel() == 0 < engine.tiers.gather.buffer.numel()
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])

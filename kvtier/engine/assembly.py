@@ -87,11 +87,12 @@ def kv_manager(config: Config, pool: KVPool, tiers: TierStack, pager: Pager | No
 
 
 def build_kv(config: Config, pool: KVPool, max_model_len: int, share: float, head_dim: int,
-             fingerprint: str) -> KVManager:
+             fingerprint: str, prompt_chunks: bool) -> KVManager:
     """A drafter's KV manager: over host and disk tiers with its share of their budgets, its side stores and
     manifests beside the disk tier's, as the model's. Under bounded residency its blocks are paged as the model's
-    are, by recency (a drafter's attention only proposes: the verification decides)."""
-    tiers = build_tier_stack(config, pool, max_model_len, share)
+    are, by recency (a drafter's attention only proposes: the verification decides). prompt_chunks: whether the
+    drafter computes prompt chunks (a draft model does, a DFlash drafter writes its K/V from features)."""
+    tiers = build_tier_stack(config, pool, max_model_len, share, prompt_chunks)
     # named after the model's policy too: a DFlash drafter's K/V follow the model's window
     pager = build_pager(config, pool, tiers, head_dim, fingerprint, f"draft-over-{config.kv_policy}", "lru") \
         if config.resident_blocks else None
@@ -132,9 +133,11 @@ def disk_dir(config: Config) -> str | None:
     return os.path.expanduser(config.kv_disk_dir) if config.kv_disk and config.kv_disk_gib > 0 else None
 
 
-def build_tier_stack(config: Config, pool: KVPool, max_model_len: int, share: float = 1.0) -> TierStack:
+def build_tier_stack(config: Config, pool: KVPool, max_model_len: int, share: float = 1.0,
+                     prompt_chunks: bool = True) -> TierStack:
     """The tiers below the device that the config asks for, fastest first, and the mover's read buffers. share: the
-    part of the host and disk budgets this pool's blocks may take (a draft model's pool takes the rest)."""
+    part of the host and disk budgets this pool's blocks may take (a draft model's pool takes the rest).
+    prompt_chunks: whether the pool's prompt chunks need the buffer a bounded one gathers its paged-out K/V into."""
     tiers = []
     host = None
     if config.kv_host_gib > 0:
@@ -155,5 +158,5 @@ def build_tier_stack(config: Config, pool: KVPool, max_model_len: int, share: fl
         return TierStack(tiers, Staging(torch.empty(size, dtype=torch.uint8, pin_memory=cuda)) if below_host else None)
     size = min(size, host.budget_bytes // 8 // pool.block_bytes * pool.block_bytes)
     staging = Staging(host.carve(size)) if size and below_host else None
-    gather = Staging(host.carve(size)) if size and config.resident_blocks else None
+    gather = Staging(host.carve(size)) if size and config.resident_blocks and prompt_chunks else None
     return TierStack(tiers, staging, gather)

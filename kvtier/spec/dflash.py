@@ -62,7 +62,8 @@ class DFlashDrafter(ShadowDrafter):
             cfg.target_layer_ids
         # its K/V depend on the target's weights too
         self.pool = build_pool(config, cfg.layers, f"{own}+{fingerprint}", device, pool_tokens, "dflash")
-        self.kv = build_kv(config, self.pool, max_model_len, share, cfg.layers.head_dim, f"{own}+{fingerprint}")
+        self.kv = build_kv(config, self.pool, max_model_len, share, cfg.layers.head_dim, f"{own}+{fingerprint}",
+                           prompt_chunks=False)
         self.name = os.path.basename(os.path.abspath(config.draft_model))
         self.shadows: dict[str, Sequence] = {}
         self.lost: set[str] = set()       # requests whose target computed past a gap in the drafter's context

@@ -75,7 +75,8 @@ class DraftModel(ShadowDrafter):
         sequence the target runs fits; vocab_size: the target's (a draft's padded rows are never proposed)."""
         self.model = Decoder.from_weights(loaded.config, loaded.weights, config.torch_dtype, device)
         self.pool = build_pool(config, loaded.config, loaded.fingerprint, device, pool_tokens, "draft")
-        self.kv = build_kv(config, self.pool, max_model_len, share, loaded.config.head_dim, loaded.fingerprint)
+        self.kv = build_kv(config, self.pool, max_model_len, share, loaded.config.head_dim, loaded.fingerprint,
+                           prompt_chunks=True)
         self.runner = ModelRunner(self.model, self.kv, device, decode_graphs(config, self.model, self.pool,
                                                                              max_model_len),
                                   config.num_threads or TORCH_THREADS)
