@@ -18,8 +18,9 @@ log = logging.getLogger("kvtier.models")
 # matrix, one row padded to two. MKL's matrix-vector product (one row) reads the weight at about 10 GB/s where its
 # two-column product reads it at about 29 GB/s, near the memory's read bandwidth: one row through SmolLM2's 30 layers
 # takes 35 ms as F.linear and 15 ms padded to two, 2-4 rows about 2x less than F.linear (2-core EPYC, weights out of
-# cache). More rows take many_rows_product: from 6 rows oneDNN's product is faster still, where it is chosen.
-FEW_ROWS = 5
+# cache). More rows take many_rows_product: from 5 rows oneDNN's product is faster still, where it is chosen (SmolLM2's
+# MLP weights at 5 rows: 12.1-12.3 ms against 15.5-17.0 ms through BLAS; at 4 rows 11.8 against 9.4-10.4).
+FEW_ROWS = 4
 
 
 class Linear(nn.Linear):
