@@ -121,12 +121,13 @@ class DFlashDrafter(ShadowDrafter):
         """Write the drafter's K/V from the features the sequence has waiting, runs of consecutive rows in one
         forward each."""
         shadow, waiting = self.shadows.get(seq.request_id), self.waiting.pop(seq.request_id, [])
-        runs = []
+        runs, end = [], None      # (start, its parts); where the last run ends
         for start, features in waiting:
-            if runs and runs[-1][0] + sum(len(f) for f in runs[-1][1]) == start:
+            if start == end:
                 runs[-1][1].append(features)
             else:
                 runs.append((start, [features]))
+            end = start + len(features)
         try:
             for start, parts in runs:
                 if shadow is None or seq.request_id in self.lost:
