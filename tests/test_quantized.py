@@ -23,7 +23,8 @@ from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.loader import BUNDLED_MODEL, load_model, read_gguf
-from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear, weight_bytes
+from kvtier.models import products
+from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear, dequantized_product, quantize, weight_bytes
 
 pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
 
@@ -144,9 +145,11 @@ def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, ov
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter runs the CUDA kernels")
-def test_the_cuda_kernels_score_as_the_dequantized_weights(tmp_path):
+def test_the_cuda_kernels_score_as_the_dequantized_weights(tmp_path, monkeypatch):
     """What CUDA runs (Triton's kernels over packed blocks), here in Triton's interpreter: a decoder of mixed types,
-    one of them (Q5_0) without a kernel, against the float32 path over the same weights dequantized."""
+    one of them (Q5_0) without a kernel, against the float32 path over the same weights dequantized (prompt rows in
+    float32, as CUDA multiplies them in the activations' dtype)."""
+    monkeypatch.setattr("kvtier.models.quantized.dequantized_dtype", lambda: torch.float32)
     types = {"q_proj": Q.Q5_0, "o_proj": Q.Q4_0, "gate_proj": Q.Q4_1, "up_proj": Q.Q4_1, "down_proj": Q.Q6_K,
              "embed_tokens": Q.Q8_0, "lm_head": Q.Q5_K}
     path = tiny_gguf(tmp_path / "m.gguf", qtype=Q.Q4_K, types=types)
@@ -199,6 +202,22 @@ def test_a_ggml_decode_step_hands_back_the_feature_layers_outputs(tmp_path):
     want = meta.stacked_features()
     assert steps.features.shape == want.shape == (rows, 2 * TINY["hidden_size"])
     assert (steps.features - want).abs().max() <= 0.02 * want.abs().max()
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=str)
+def test_prompt_rows_multiply_by_dequantized_weights_in_the_chosen_dtype(monkeypatch, dtype, tolerance):
+    """On CPU float32 prompt rows multiply in dequantized_dtype() (bfloat16 where the CPU runs it faster), a slice
+    of the weight at a time, and come back in float32."""
+    assert products.dequantized_dtype() in (torch.float32, torch.bfloat16)
+    monkeypatch.setattr("kvtier.models.quantized.dequantized_dtype", lambda: dtype)
+    monkeypatch.setattr("kvtier.models.quantized.DEQUANTIZED_ELEMENTS", 100 * 64)     # 3 slices of 100 rows
+    weight = quantize(torch.randn(300, 64), Q.Q4_1)
+    x = torch.randn(7, 64)
+    want = x @ weight.dequantized().T
+    got = dequantized_product(weight, x)
+    error = (got - want).abs().max() / want.abs().max()
+    assert got.dtype == torch.float32 and got.shape == want.shape and error <= tolerance
+    assert (error > 1e-5) == (dtype == torch.bfloat16)      # bfloat16's rounding shows: the product took that dtype
 
 
 def test_quantize_int8_and_int4_at_load(tiny_model_dir):

@@ -10,14 +10,15 @@ does not change with the traffic beside it:
 - decode rows: a product over the blocks, which reads 4-8x fewer bytes than float weights. On CPU ggml's (the
   activations quantized to 8 bits per block of 32, as llama.cpp does), whole decode steps as one ggml graph
   (ggml_decoder.py); on CUDA a Triton kernel that dequantizes tiles in registers into the activations' dtype;
-- prompt rows: the weight dequantized, a slice at a time, for torch's product in the activations' dtype. On CPU
-  torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0 kernels (the wheel's
-  AVX2 build; Q4_K about even; `kvtier bench kernels`): prefill about as fast as with float32 weights, and a
-  prompt's K/V as the float32 weights compute it.
+- prompt rows: the weight dequantized, a slice at a time, for torch's product: on CUDA in the activations' dtype;
+  on CPU in bfloat16 where the CPU multiplies it faster (AVX512-BF16, AMX; `products.dequantized_dtype`), else in
+  float32. torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0 kernels (the
+  wheel's AVX2 build; Q4_K about even; `kvtier bench kernels`), its bfloat16 product 1.6-2x faster again: prefill
+  1.13-1.17x as fast as with float32 weights on a 2-core EPYC.
 `Decoder.forward` says which rows decode (`decoding`); rows outside it are prompt rows. On CPU the decode rows'
-quantized activations round differently from float32's, so greedy output can differ from float32 weights' where two
-tokens nearly tie, and a prompt whose last tokens were computed in another chunk (a prefix cache hit) can differ
-likewise.
+quantized activations and the prompt rows' bfloat16 round differently from float32's, so greedy output can differ
+from float32 weights' where two tokens nearly tie, and a prompt whose last tokens were computed in another chunk (a
+prefix cache hit) can differ likewise.
 """
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ from torch import nn
 
 from kvtier.models import ggml
 from kvtier.models.packed import PackedWeight
-from kvtier.models.products import many_rows_product
+from kvtier.models.products import dequantized_dtype, many_rows_product
 
-DEQUANTIZED_BYTES = 64 << 20     # the most weight a prompt row's product dequantizes at once
+DEQUANTIZED_ELEMENTS = 16 << 20     # the most weights a prompt row's product dequantizes at once
 _DECODE_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("decode_rows", default=None)
 # `--quantize`: the block type of every projection; embeddings and the LM head take Q8_0 in both
 QUANTIZE_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
@@ -125,23 +126,28 @@ def _ggml_op(op: str, weight: QuantizedWeight, x: torch.Tensor, out: torch.Tenso
 def _dequantized_buffer(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Where prompt rows' products dequantize their weights, reused product after product (the engine thread's, in
     stream order on CUDA): fresh memory each time would cost its page faults, about a fifth of a 512-token prefill
-    on CPU."""
-    return torch.empty(DEQUANTIZED_BYTES // dtype.itemsize, dtype=dtype, device=device)
+    on CPU. ggml dequantizes into float32; a bfloat16 product takes a copy in a second buffer."""
+    return torch.empty(DEQUANTIZED_ELEMENTS, dtype=dtype, device=device)
 
 
 def dequantized_product(weight: QuantizedWeight | PackedWeight, x: torch.Tensor) -> torch.Tensor:
-    """x [rows, in_features] @ weight.T in x's dtype, the weight dequantized DEQUANTIZED_BYTES at a time (an LM
-    head of 128K rows would take 2 GB at once)."""
-    step = max(1, DEQUANTIZED_BYTES // (x.dtype.itemsize * weight.in_features))
+    """x [rows, in_features] @ weight.T in x's dtype, the weight dequantized DEQUANTIZED_ELEMENTS at a time (an
+    LM head of 128K rows would take 2 GB at once). On CPU float32 rows multiply in `dequantized_dtype()`."""
+    cpu = x.device.type == "cpu"
+    dtype = dequantized_dtype() if cpu and x.dtype == torch.float32 else x.dtype
+    step = max(1, DEQUANTIZED_ELEMENTS // weight.in_features)
     rows = torch.arange(weight.out_features, dtype=torch.int32, device=x.device)
     buffer = _dequantized_buffer(x.device, x.dtype)
-    multiply = many_rows_product(x.dtype) if x.device.type == "cpu" else F.linear
+    multiply = many_rows_product(dtype) if cpu else F.linear
+    xs = x.to(dtype)
     slices = []
     for a in range(0, weight.out_features, step):
         ids = rows[a:a + step]
         w = weight.rows(ids, buffer[:len(ids) * weight.in_features].view(len(ids), weight.in_features))
-        slices.append(multiply(x, w, None))
-    return _joined(slices)
+        if dtype != x.dtype:
+            w = _dequantized_buffer(x.device, dtype)[:w.numel()].view_as(w).copy_(w)
+        slices.append(multiply(xs, w, None))
+    return _joined(slices).to(x.dtype)
 
 
 def _joined(ys: list[torch.Tensor]) -> torch.Tensor:
