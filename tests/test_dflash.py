@@ -170,6 +170,30 @@ def test_rows_written_after_a_bounded_request_ends_are_keyed_bounded(monkeypatch
     assert namespaces[0] == engine.drafter.pool.namespace and namespaces[-1] == pager.bounded_namespace
 
 
+def test_a_verify_step_that_goes_bounded_and_ends_the_request_keys_its_rows_bounded(monkeypatch, tiny_model_dir,
+                                                                                    dflash_dir):
+    """The first decode step over the model's window is a verify step that completes a block and ends the request:
+    the drafter sees the step's features before the request's residency is given back, so that block is keyed
+    bounded."""
+    ids = [(13 * i + 5) % 900 + 20 for i in range(40 * BS - 3)]     # a draft of 2 completes the last block
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)      # ends with that step's token
+    want = run(engine_for(tiny_model_dir, None, **BOUNDED), [ids], params)[0]["tokens"]
+    engine = drafting(tiny_model_dir, dflash_dir, **BOUNDED)
+    propose, pager, namespaces = engine.drafter.propose, engine.drafter.kv.pager, []
+
+    def oracle(wanted, prefilling):     # the drafter's own work, then the model's tokens as the draft
+        seconds = propose(wanted, prefilling)
+        for seq, k in wanted:
+            seq.draft = want[seq.num_output_tokens:seq.num_output_tokens + k]
+        return seconds
+    monkeypatch.setattr(engine.drafter, "propose", oracle)
+    namespace_for = pager.namespace_for
+    monkeypatch.setattr(pager, "namespace_for", lambda state, block: (
+        namespaces.append(namespace_for(state, block)), namespaces[-1])[1])
+    assert run(engine, [ids], params)[0]["tokens"] == want and counts(engine) == (2, 2)
+    assert len(namespaces) == 40 and namespaces[-1] == pager.bounded_namespace != namespaces[0]
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_a_restored_conversation_drafts_what_the_uninterrupted_one_does(monkeypatch, tmp_path, tiny_model_dir,
                                                                          dflash_dir, tier):

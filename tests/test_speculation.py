@@ -356,7 +356,7 @@ def test_bounded_sequences_speculate_with_the_resident_sets_of_their_decode_step
     drafts = []
     verify = bounded._verify
     monkeypatch.setattr(bounded, "_verify", lambda seq, n, logits, queries: (drafts.append(n - 1),
-                                                                             verify(seq, n, logits, queries)))
+                                                                             verify(seq, n, logits, queries))[1])
     (on,) = run(bounded, [ids], params)
     assert on["tokens"] == off["tokens"]
     stats = bounded.stats()["residency"]
@@ -383,7 +383,7 @@ def test_a_restored_conversation_speculates_from_its_first_step(monkeypatch, tmp
     starts = []
     verify = engine._verify
     monkeypatch.setattr(engine, "_verify", lambda seq, n, logits, queries: (starts.append(seq.num_computed_tokens),
-                                                                            verify(seq, n, logits, queries)))
+                                                                            verify(seq, n, logits, queries))[1])
     (restored,) = run(engine, [ids], params)
     assert restored["tokens"] == expected["tokens"]
     assert restored["cached"] >= len(ids) // BS * BS - BS

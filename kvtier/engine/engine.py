@@ -187,14 +187,16 @@ class LLMEngine:
                 if result is None:
                     raise RuntimeError("the model forward failed for this request")
                 logits, queries = result
-                first = seq.num_computed_tokens
+                first, ends = seq.num_computed_tokens, None
                 if seq.num_drafted(n):
-                    self._verify(seq, n, logits, queries)
+                    ends = self._verify(seq, n, logits, queries)
                     verified.append(seq)
                 elif self._advance(seq, n, queries):
                     due.append((seq, self._processed(seq, logits[-1]), logits[-1]))
                 if features is not None:      # the DFlash drafter's state over what the step computed
                     self.drafter.observe(seq, first, features[i])
+                if ends:      # after the drafter saw the step: finishing gives the sequence's residency back
+                    self.scheduler.finish(seq, ends)
             except Exception as e:     # it belongs to this request: fail it alone, the others go on
                 self._fail(seq, e)
         outputs = [self._output(seq) for seq in self._append_tokens(due) + verified]
@@ -267,13 +269,14 @@ class LLMEngine:
             seq.draft = self.speculator.propose(seq.spec, seq.token_ids, room, len(decoding))
         return 0.0
 
-    def _verify(self, seq: Sequence, n: int, logits: torch.Tensor, queries: torch.Tensor | None) -> None:
+    def _verify(self, seq: Sequence, n: int, logits: torch.Tensor, queries: torch.Tensor | None) -> str | None:
         """A verify step computed the sequence's last token and n - 1 draft tokens after it (logits [n, vocab]):
         the target's token at each row is taken while it is the draft's, then one more of its own. Only the
         accepted tokens' K/V count as computed: they alone are sealed and saved, and the blocks reserved for the
         rest are given back. A bounded sequence commits row by row, as its decode steps would, with each row's
         queries: once the pager moves blocks, the rows after it attended to a resident set the decode steps would
-        not have, and end the step as a rejection would."""
+        not have, and end the step as a rejection would. Returns why the sequence ends, if it does (the caller
+        finishes it)."""
         draft, start, reason, accepted = seq.draft, seq.num_computed_tokens, None, 0
         seq.draft = []
         bounded = seq.kv.residency is not None
@@ -293,8 +296,7 @@ class LLMEngine:
         self.kv.truncate(seq.kv, len(seq.token_ids))
         # a stop, or the pager, may end the step on an accepted token: that is not a rejection
         self.speculator.verified(seq.spec, len(draft), accepted, rejected=token != proposed and proposed is not None)
-        if reason:
-            self.scheduler.finish(seq, reason)
+        return reason
 
     def _advance(self, seq: Sequence, n: int, queries: torch.Tensor | None) -> bool:
         """Account for n computed tokens; True when the next token is to be sampled (the prompt is done or the
