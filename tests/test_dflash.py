@@ -179,19 +179,43 @@ def test_a_verify_step_that_goes_bounded_and_ends_the_request_keys_its_rows_boun
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)      # ends with that step's token
     want = run(engine_for(tiny_model_dir, None, **BOUNDED), [ids], params)[0]["tokens"]
     engine = drafting(tiny_model_dir, dflash_dir, **BOUNDED)
-    propose, pager, namespaces = engine.drafter.propose, engine.drafter.kv.pager, []
-
-    def oracle(wanted, prefilling):     # the drafter's own work, then the model's tokens as the draft
-        seconds = propose(wanted, prefilling)
-        for seq, k in wanted:
-            seq.draft = want[seq.num_output_tokens:seq.num_output_tokens + k]
-        return seconds
-    monkeypatch.setattr(engine.drafter, "propose", oracle)
+    drafts_the_answer(monkeypatch, engine, want)
+    pager, namespaces = engine.drafter.kv.pager, []
     namespace_for = pager.namespace_for
     monkeypatch.setattr(pager, "namespace_for", lambda state, block: (
         namespaces.append(namespace_for(state, block)), namespaces[-1])[1])
     assert run(engine, [ids], params)[0]["tokens"] == want and counts(engine) == (2, 2)
     assert len(namespaces) == 40 and namespaces[-1] == pager.bounded_namespace != namespaces[0]
+
+
+def drafts_the_answer(monkeypatch, engine, answer: list[int]) -> None:
+    """The drafter does its own work, then proposes the answer's next tokens."""
+    propose = engine.drafter.propose
+
+    def oracle(wanted, prefilling):
+        seconds = propose(wanted, prefilling)
+        for seq, k in wanted:
+            seq.draft = answer[seq.num_output_tokens:seq.num_output_tokens + k]
+        return seconds
+    monkeypatch.setattr(engine.drafter, "propose", oracle)
+
+
+def test_a_request_whose_step_fails_after_it_was_verified_is_output_once_as_failed(monkeypatch, plain,
+                                                                                    tiny_model_dir, dflash_dir):
+    engine = drafting(tiny_model_dir, dflash_dir)
+    drafts_the_answer(monkeypatch, engine, run(plain, [prompt(0)], GREEDY)[0]["tokens"])
+    observe = engine.drafter.observe
+
+    def broken(seq, start, features):      # fails on the request's first verify step that accepts a token
+        if start >= seq.num_prompt_tokens and seq.num_computed_tokens - start > 1:
+            raise RuntimeError("the drafter broke")
+        observe(seq, start, features)
+    monkeypatch.setattr(engine.drafter, "observe", broken)
+    engine.add_request("q0", prompt(0), GREEDY)
+    finished = []
+    while engine.has_unfinished():
+        finished += [out.finish_reason for out in engine.step() if out.finished]
+    assert finished == ["error"]
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])

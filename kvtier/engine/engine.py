@@ -187,16 +187,20 @@ class LLMEngine:
                 if result is None:
                     raise RuntimeError("the model forward failed for this request")
                 logits, queries = result
-                first, ends = seq.num_computed_tokens, None
-                if seq.num_drafted(n):
+                first, verifying, ends, sampling = seq.num_computed_tokens, seq.num_drafted(n), None, False
+                if verifying:
                     ends = self._verify(seq, n, logits, queries)
-                    verified.append(seq)
-                elif self._advance(seq, n, queries):
-                    due.append((seq, self._processed(seq, logits[-1]), logits[-1]))
+                else:
+                    sampling = self._advance(seq, n, queries)
                 if features is not None:      # the DFlash drafter's state over what the step computed
                     self.drafter.observe(seq, first, features[i])
                 if ends:      # after the drafter saw the step: finishing gives the sequence's residency back
                     self.scheduler.finish(seq, ends)
+                # listed for output last: a sequence failed above is output once, as failed
+                if verifying:
+                    verified.append(seq)
+                elif sampling:
+                    due.append((seq, self._processed(seq, logits[-1]), logits[-1]))
             except Exception as e:     # it belongs to this request: fail it alone, the others go on
                 self._fail(seq, e)
         outputs = [self._output(seq) for seq in self._append_tokens(due) + verified]
