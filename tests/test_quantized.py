@@ -23,7 +23,6 @@ from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.loader import BUNDLED_MODEL, load_model, read_gguf
-from kvtier.models import products
 from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear, dequantized_product, quantize, weight_bytes
 
 pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
@@ -208,9 +207,8 @@ def test_a_ggml_decode_step_hands_back_the_feature_layers_outputs(tmp_path):
 def test_prompt_rows_multiply_by_dequantized_weights_in_the_chosen_dtype(monkeypatch, dtype, tolerance):
     """On CPU float32 prompt rows multiply in dequantized_dtype() (bfloat16 where the CPU runs it faster), a slice
     of the weight at a time, and come back in float32."""
-    assert products.dequantized_dtype() in (torch.float32, torch.bfloat16)
     monkeypatch.setattr("kvtier.models.quantized.dequantized_dtype", lambda: dtype)
-    monkeypatch.setattr("kvtier.models.quantized.DEQUANTIZED_ELEMENTS", 100 * 64)     # 3 slices of 100 rows
+    monkeypatch.setattr("kvtier.models.quantized.DEQUANTIZED_BYTES", 100 * 64 * 4)     # 3 slices of 100 rows
     weight = quantize(torch.randn(300, 64), Q.Q4_1)
     x = torch.randn(7, 64)
     want = x @ weight.dequantized().T
@@ -218,6 +216,27 @@ def test_prompt_rows_multiply_by_dequantized_weights_in_the_chosen_dtype(monkeyp
     error = (got - want).abs().max() / want.abs().max()
     assert got.dtype == torch.float32 and got.shape == want.shape and error <= tolerance
     assert (error > 1e-5) == (dtype == torch.bfloat16)      # bfloat16's rounding shows: the product took that dtype
+
+
+def test_a_prompt_product_runs_in_and_out_of_inference_mode(monkeypatch):
+    """The reused buffers, made under inference mode, are written in place out of it too (a bfloat16 product
+    copies its dequantized slice into its own)."""
+    from kvtier.models import quantized
+    monkeypatch.setattr("kvtier.models.quantized.dequantized_dtype", lambda: torch.bfloat16)
+    quantized._dequantized_buffer.cache_clear()
+    weight, x = quantize(torch.randn(64, 64), Q.Q4_1), torch.randn(3, 64)
+    with torch.inference_mode():
+        inside = dequantized_product(weight, x)
+    assert torch.equal(dequantized_product(weight, x), inside)
+
+
+def test_the_dtype_prompt_rows_multiply_in_names_the_weights(monkeypatch):
+    """Prompt K/V computed in bfloat16 never mixes with float32's in the caches: the fingerprint names the dtype."""
+    fingerprints = set()
+    for dtype in (torch.float32, torch.bfloat16):
+        monkeypatch.setattr("kvtier.models.loader.dequantized_dtype", lambda dtype=dtype: dtype)
+        fingerprints.add(load_model(BUNDLED_MODEL, quantize="gguf").fingerprint)
+    assert len(fingerprints) == 2
 
 
 def test_quantize_int8_and_int4_at_load(tiny_model_dir):

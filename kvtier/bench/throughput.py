@@ -32,6 +32,7 @@ from kvtier.engine.sampling_params import SamplingParams
 from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.loader import resolve_model_path
+from kvtier.models.products import dequantized_dtype
 from kvtier.models.quantized import weight_bytes
 
 SECTION = "## Throughput (kvtier vs transformers)"
@@ -310,7 +311,9 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
     graphs = eng.runner.graphs
     decode_path = ("eager" if graphs is None else "one ggml graph per step" if isinstance(graphs, GgmlDecodeSteps)
                    else f"CUDA graphs (batch buckets {graphs.buckets})")
-    weights = (f"weights kept quantized ({eng.weights_mode}, {weight_bytes(eng.model) / 1e6:.0f} MB)"
+    prompt_rows = (f", prompt rows in {str(dequantized_dtype()).removeprefix('torch.')}"
+                   if args.device == "cpu" and eng.config.dtype == "float32" else "")
+    weights = (f"weights kept quantized ({eng.weights_mode}, {weight_bytes(eng.model) / 1e6:.0f} MB{prompt_rows})"
                if eng.model.quantized else f"{eng.config.dtype} weights")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     machine = (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, transformers "

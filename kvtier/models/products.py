@@ -70,32 +70,13 @@ def many_rows_product(dtype: torch.dtype):
 
 @functools.cache
 def dequantized_dtype() -> torch.dtype:
-    """The dtype in which prompt rows multiply by a quantized weight dequantized on CPU (quantized.py): bfloat16 where
-    this CPU multiplies 256 rows in it, the conversions included, at least 1.3x faster than in float32 (bfloat16 dot
-    products in hardware: AVX512-BF16, AMX), else float32; timed once per process. Its rounding (2^-9 of a value) is
-    far below the blocks' own (4-bit quants: 2^-5 of a block's range) and near that of the 8-bit activations of the
-    decode rows' products. On a 2-core EPYC with AVX512-BF16 SmolLM2's Q4_1 projections at 512 rows take
-    1.5-1.7x less time, dequantization included."""
-    x, weight = torch.randn(256, 1024), torch.randn(2048, 1024)
-    bf16 = many_rows_product(torch.bfloat16)
-
-    def in_bfloat16():
-        return bf16(x.to(torch.bfloat16), weight.to(torch.bfloat16), None).float()
-
-    try:
-        if not torch.allclose(in_bfloat16(), many_rows_product(torch.float32)(x, weight, None), rtol=0.05, atol=0.5):
-            return torch.float32
-    except RuntimeError:
-        return torch.float32
-    best = {torch.float32: math.inf, torch.bfloat16: math.inf}     # seconds, the best of 3 alternating runs
-    for _ in range(3):
-        for dtype, product in ((torch.float32, lambda: many_rows_product(torch.float32)(x, weight, None)),
-                               (torch.bfloat16, in_bfloat16)):
-            start = time.perf_counter()
-            product()
-            best[dtype] = min(best[dtype], time.perf_counter() - start)
-    ratio = best[torch.float32] / best[torch.bfloat16]
-    chosen = torch.bfloat16 if ratio >= 1.3 else torch.float32
-    log.info("CPU products of prompt rows by dequantized weights: %s (bfloat16 %.2fx as fast as float32 here)",
-             chosen, ratio)
-    return chosen
+    """The dtype in which prompt rows multiply by a quantized weight dequantized on CPU (quantized.py): bfloat16
+    where the CPU has bfloat16 dot products (AVX512-BF16, AMX), which oneDNN's product uses, else float32. Chosen by
+    the CPU, not by a timing, so that the K/V a prompt computes is the same from one start to the next (the weights'
+    fingerprint names it). On a 2-core EPYC with AVX512-BF16 SmolLM2's Q4_1 projections at 512 rows take 1.5-1.7x
+    less time in bfloat16, dequantization included. Its rounding (at most 2^-8 of a value) is well below a 4-bit
+    block's own (2^-5 of the block's range) and about that of Q8_0's blocks and of the decode rows' 8-bit
+    activations."""
+    capabilities = getattr(torch.cpu, "get_capabilities", dict)()
+    native = capabilities.get("avx512_bf16") or capabilities.get("amx_bf16")
+    return torch.bfloat16 if native and torch.backends.mkldnn.is_available() else torch.float32

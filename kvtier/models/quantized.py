@@ -11,8 +11,8 @@ does not change with the traffic beside it:
   activations quantized to 8 bits per block of 32, as llama.cpp does), whole decode steps as one ggml graph
   (ggml_decoder.py); on CUDA a Triton kernel that dequantizes tiles in registers into the activations' dtype;
 - prompt rows: the weight dequantized, a slice at a time, for torch's product: on CUDA in the activations' dtype;
-  on CPU in bfloat16 where the CPU multiplies it faster (AVX512-BF16, AMX; `products.dequantized_dtype`), else in
-  float32. torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0 kernels (the
+  on CPU in bfloat16 where the CPU has bfloat16 dot products (AVX512-BF16, AMX; `products.dequantized_dtype`),
+  else in float32. torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0 kernels (the
   wheel's AVX2 build; Q4_K about even; `kvtier bench kernels`), its bfloat16 product about 2x faster again: prefill
   1.13-1.23x as fast as with float32 weights on a 2-core EPYC (two runs).
 `Decoder.forward` says which rows decode (`decoding`); rows outside it are prompt rows. On CPU the decode rows'
@@ -40,7 +40,7 @@ from kvtier.models import ggml
 from kvtier.models.packed import PackedWeight
 from kvtier.models.products import dequantized_dtype, many_rows_product
 
-DEQUANTIZED_ELEMENTS = 16 << 20     # the most weights a prompt row's product dequantizes at once
+DEQUANTIZED_BYTES = 64 << 20     # the most weight a prompt row's product dequantizes at once, in x's dtype
 _DECODE_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("decode_rows", default=None)
 # `--quantize`: the block type of every projection; embeddings and the LM head take Q8_0 in both
 QUANTIZE_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
@@ -123,29 +123,33 @@ def _ggml_op(op: str, weight: QuantizedWeight, x: torch.Tensor, out: torch.Tenso
 
 
 @functools.cache
-def _dequantized_buffer(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _dequantized_buffer(device: torch.device, dtype: torch.dtype, elements: int) -> torch.Tensor:
     """Where prompt rows' products dequantize their weights, reused product after product (the engine thread's, in
     stream order on CUDA): fresh memory each time would cost its page faults, about a fifth of a 512-token prefill
-    on CPU. ggml dequantizes into float32; a bfloat16 product takes a copy in a second buffer."""
-    return torch.empty(DEQUANTIZED_ELEMENTS, dtype=dtype, device=device)
+    on CPU. On CPU ggml dequantizes into float32, and a bfloat16 product takes a copy in a second buffer: a normal
+    tensor, which torch writes in place in inference mode and out of it alike."""
+    with torch.inference_mode(False):
+        return torch.empty(elements, dtype=dtype, device=device)
 
 
 def dequantized_product(weight: QuantizedWeight | PackedWeight, x: torch.Tensor) -> torch.Tensor:
-    """x [rows, in_features] @ weight.T in x's dtype, the weight dequantized DEQUANTIZED_ELEMENTS at a time (an
-    LM head of 128K rows would take 2 GB at once). On CPU float32 rows multiply in `dequantized_dtype()`."""
+    """x [rows, in_features] @ weight.T, returned in x's dtype, the weight dequantized DEQUANTIZED_BYTES at a time
+    (an LM head of 128K rows would take 2 GB at once). On CPU float32 rows multiply in `dequantized_dtype()`."""
     cpu = x.device.type == "cpu"
     dtype = dequantized_dtype() if cpu and x.dtype == torch.float32 else x.dtype
-    step = max(1, DEQUANTIZED_ELEMENTS // weight.in_features)
+    elements = DEQUANTIZED_BYTES // x.dtype.itemsize
+    step = max(1, elements // weight.in_features)
     rows = torch.arange(weight.out_features, dtype=torch.int32, device=x.device)
-    buffer = _dequantized_buffer(x.device, x.dtype)
+    buffer = _dequantized_buffer(x.device, x.dtype, elements)
+    copy = _dequantized_buffer(x.device, dtype, elements) if dtype != x.dtype else None
     multiply = many_rows_product(dtype) if cpu else F.linear
     xs = x.to(dtype)
     slices = []
     for a in range(0, weight.out_features, step):
         ids = rows[a:a + step]
         w = weight.rows(ids, buffer[:len(ids) * weight.in_features].view(len(ids), weight.in_features))
-        if dtype != x.dtype:
-            w = _dequantized_buffer(x.device, dtype)[:w.numel()].view_as(w).copy_(w)
+        if copy is not None:
+            w = copy[:w.numel()].view_as(w).copy_(w)
         slices.append(multiply(xs, w, None))
     return _joined(slices).to(x.dtype)
 
