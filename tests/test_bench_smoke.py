@@ -79,6 +79,8 @@ def test_kernels_bench_compares_ggml_with_torch(tmp_path):
     for name in ("torch float32", "torch bfloat16", "ggml q8_0", "ggml q4_1"):
         assert text.count(f"| {name} |") == 2
     assert text.count("| ggml q4_k |") == 1 and "not installed" not in text
+    for dtype in ("float32", "bfloat16"):      # what prompt rows take
+        assert text.count(f"| ggml q4_1 dequantized + torch {dtype} |") == 2
     # Q4_0 in ggml's CPU_REPACK layout, where this CPU has one: the same product as over the file's blocks
     from kvtier.models import ggml
     blocks, threads = ggml.quantize(torch.randn(32, 64), 2), torch.get_num_threads()

@@ -2,7 +2,8 @@
 and 8 rows:
 - on CPU: torch's float32 and bfloat16 `F.linear`, torch's int8 weight-only kernel, and ggml's kernels over GGUF's
   own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) through the prebuilt libggml-python wheel, and over Q4_0 and Q4_K blocks
-  in ggml's CPU_REPACK layout (rows interleaved for its multi-row kernels) where this CPU has one. kvtier keeps the
+  in ggml's CPU_REPACK layout (rows interleaved for its multi-row kernels) where this CPU has one, and Q4_1 and
+  Q4_K blocks dequantized for torch's float32 and bfloat16 products (what prompt rows take). kvtier keeps the
   file's layout: a repacked weight is ggml's alone, and prompt rows, which dequantize the weight for torch's product
   (faster than ggml's on CPU at 512 rows), would need a second copy; Q4_K's repacked product also rounds a row
   differently by how many rows share it, which speculation's verify steps must not see;
@@ -29,6 +30,7 @@ from gguf import GGMLQuantizationType
 from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish
 from kvtier.models import ggml
 from kvtier.models.packed import PACKED_TYPES, pack
+from kvtier.models.quantized import QuantizedWeight, dequantized_product
 
 SECTION = "## CPU matrix products for quantized weights"
 CUDA_SECTION = "## CUDA matrix products for quantized weights"
@@ -36,6 +38,7 @@ DENSE = "dense (cuBLAS)"         # F.linear over the weight in the rows' dtype
 GGML_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q4_k": 12, "q6_k": 14}     # GGUF's numbering
 K_QUANTS = ("q4_k", "q6_k")      # blocks of 256 columns
 REPACKED = ("q4_0", "q4_k")      # ggml's CPU_REPACK layouts for AVX2 (q4_1, q8_0, q6_k have none there)
+DEQUANTIZED = ("q4_1", "q4_k")   # the bundled model's type and the K-quant files' most common one, as prompt rows
 CYCLE_BYTES = 512 << 20          # float32 bytes the copies of a weight span, far past any cache
 
 
@@ -82,6 +85,12 @@ def candidates(weights: list[torch.Tensor], x: torch.Tensor, threads: int) -> di
                     product.x.copy_(x)
                 found[f"ggml {name}{' repacked' if repacked else ''}"] = ([product.run for product in products],
                                                                           products[0].weight.numel())
+                if name in DEQUANTIZED and not repacked:
+                    blocks = [QuantizedWeight(product.weight, ggml_type, in_features) for product in products]
+                    for dtype in (torch.float32, torch.bfloat16):
+                        found[f"ggml {name} dequantized + torch {str(dtype).removeprefix('torch.')}"] = (
+                            [lambda q=q, dtype=dtype: dequantized_product(q, x, dtype) for q in blocks],
+                            products[0].weight.numel())
     return found
 
 
@@ -185,7 +194,10 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         f"run on a threadpool of {args.threads} threads kept between calls, which sleep between products (threads "
         f"that poll would starve torch's threads inside a model: kvtier's decode at batch 1 fell from 49 to 3 tok/s "
         f"with polling ggml threads). \"repacked\": the blocks copied into ggml's CPU_REPACK layout, rows interleaved "
-        f"for its multi-row kernels; kvtier keeps the file's layout (the module's docstring says why).{note}",
+        f"for its multi-row kernels; kvtier keeps the file's layout (the module's docstring says why). "
+        "\"dequantized\": what prompt rows take, the blocks dequantized by ggml on one thread, a slice at a time, for "
+        "torch's product (in bfloat16 the slice copied to bfloat16 first; kvtier takes it where the CPU has bfloat16 "
+        f"dot products).{note}",
         "",
     ])
 

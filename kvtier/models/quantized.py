@@ -12,9 +12,9 @@ does not change with the traffic beside it:
   (ggml_decoder.py); on CUDA a Triton kernel that dequantizes tiles in registers into the activations' dtype;
 - prompt rows: the weight dequantized, a slice at a time, for torch's product: on CUDA in the activations' dtype;
   on CPU in bfloat16 where the CPU has bfloat16 dot products (AVX512-BF16, AMX; `products.dequantized_dtype`),
-  else in float32. torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0 kernels (the
-  wheel's AVX2 build; Q4_K about even; `kvtier bench kernels`), its bfloat16 product about 2x faster again: prefill
-  1.13-1.23x as fast as with float32 weights on a 2-core EPYC (two runs).
+  else in float32. torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0
+  kernels (the wheel's AVX2 build; Q4_K about even; `kvtier bench kernels`), its bfloat16 product about 2x faster
+  again: prefill 1.13-1.23x as fast as with float32 weights on a 2-core EPYC (two runs).
 `Decoder.forward` says which rows decode (`decoding`); rows outside it are prompt rows. On CPU the decode rows'
 quantized activations and the prompt rows' bfloat16 round differently from float32's, so greedy output can differ
 from float32 weights' where two tokens nearly tie, and a prompt whose last tokens were computed in another chunk (a
@@ -132,11 +132,14 @@ def _dequantized_buffer(device: torch.device, dtype: torch.dtype, elements: int)
         return torch.empty(elements, dtype=dtype, device=device)
 
 
-def dequantized_product(weight: QuantizedWeight | PackedWeight, x: torch.Tensor) -> torch.Tensor:
+def dequantized_product(weight: QuantizedWeight | PackedWeight, x: torch.Tensor,
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [rows, in_features] @ weight.T, returned in x's dtype, the weight dequantized DEQUANTIZED_BYTES at a time
-    (an LM head of 128K rows would take 2 GB at once). On CPU float32 rows multiply in `dequantized_dtype()`."""
+    (an LM head of 128K rows would take 2 GB at once). dtype: what the product multiplies in; by default on CPU
+    float32 rows multiply in `dequantized_dtype()`, others in their own dtype (`kvtier bench kernels` sets it)."""
     cpu = x.device.type == "cpu"
-    dtype = dequantized_dtype() if cpu and x.dtype == torch.float32 else x.dtype
+    if dtype is None:
+        dtype = dequantized_dtype() if cpu and x.dtype == torch.float32 else x.dtype
     elements = DEQUANTIZED_BYTES // x.dtype.itemsize
     step = max(1, elements // weight.in_features)
     rows = torch.arange(weight.out_features, dtype=torch.int32, device=x.device)
