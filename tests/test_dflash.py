@@ -243,6 +243,17 @@ def test_a_drafter_under_bounded_residency_keeps_its_window(monkeypatch, tiny_mo
     assert engine.drafter.kv.stack.gather.buffer.numel() == 0 < engine.tiers.gather.buffer.numel()
 
 
+def test_a_drafter_with_small_blocks_writes_in_pieces_its_budget_holds(tiny_model_dir, dflash_dir):
+    """Under bounded residency the rows waiting to be written (up to 64) can span more blocks of 4 than the budget's
+    8: the drafter writes them in pieces the budget holds, as the model's prompt chunks are, and goes on proposing."""
+    settings = dict(BOUNDED, block_size=4, kv_resident_tokens=8 * 4)
+    ids = [(13 * i + 5) % 900 + 20 for i in range(300)]
+    want = run(engine_for(tiny_model_dir, None, **settings), [ids], GREEDY)[0]["tokens"]
+    engine = drafting(tiny_model_dir, dflash_dir, **settings)
+    assert run(engine, [ids], GREEDY)[0]["tokens"] == want
+    assert counts(engine)[1] > 0 and engine.drafter.kv.pager.stats["page_outs"] > 0
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_a_bounded_conversation_restores_the_drafters_window(monkeypatch, tmp_path, tiny_model_dir, dflash_dir, tier):
     bounded_drafts_as_uninterrupted(monkeypatch, tmp_path, tiny_model_dir,

@@ -145,22 +145,22 @@ class DFlashDrafter(ShadowDrafter):
                      "for it", seq.request_id, shadow.num_computed_tokens, start)
             self.lost.add(seq.request_id)     # a gap: the features before `start` are nowhere
             return
-        first = shadow.num_computed_tokens
-        if first >= end:
-            return
-        if not self.kv.reserve(shadow.kv, end):
-            log.warning("request %s: the DFlash drafter's pool is full: no proposals for it", seq.request_id)
-            self.lost.add(seq.request_id)
-            return
-        positions = torch.arange(first, end, device=features.device)
-        slots = torch.tensor([shadow.kv.block_table[p // self.pool.block_size] * self.pool.block_size +
-                              p % self.pool.block_size for p in range(first, end)], device=features.device)
-        with torch.inference_mode():
-            for i, (k, v) in enumerate(self.model.context_kv(features[first - start:end - start], positions)):
-                self.pool.kv_cache[0, i].index_copy_(0, slots, k.to(self.pool.kv_cache.dtype))
-                self.pool.kv_cache[1, i].index_copy_(0, slots, v.to(self.pool.kv_cache.dtype))
-        shadow.num_computed_tokens = end
-        self.kv.commit(shadow.kv, end, None, False, False)
+        first, bs = shadow.num_computed_tokens, self.pool.block_size
+        while first < end:      # in pieces its residency budget holds, as the model's prompt chunks are
+            last = first + self.kv.chunk(shadow.kv, first, end - first)
+            if last == first or not self.kv.reserve(shadow.kv, last):
+                log.warning("request %s: the DFlash drafter's pool is full: no proposals for it", seq.request_id)
+                self.lost.add(seq.request_id)
+                return
+            positions = torch.arange(first, last, device=features.device)
+            slots = torch.tensor([shadow.kv.block_table[p // bs] * bs + p % bs for p in range(first, last)],
+                                 device=features.device)
+            with torch.inference_mode():
+                for i, (k, v) in enumerate(self.model.context_kv(features[first - start:last - start], positions)):
+                    self.pool.kv_cache[0, i].index_copy_(0, slots, k.to(self.pool.kv_cache.dtype))
+                    self.pool.kv_cache[1, i].index_copy_(0, slots, v.to(self.pool.kv_cache.dtype))
+            shadow.num_computed_tokens = first = last
+            self.kv.commit(shadow.kv, last, None, False, False)
 
     def propose(self, wanted: list[tuple[Sequence, int]], prefilling: list[Sequence]) -> float:
         """Set each sequence's draft (up to k tokens) from one block forward each. Returns the seconds it took (the
