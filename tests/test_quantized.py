@@ -234,7 +234,7 @@ def test_the_dtype_prompt_rows_multiply_in_names_the_weights(monkeypatch):
     """Prompt K/V computed in bfloat16 never mixes with float32's in the caches: the fingerprint names the dtype."""
     fingerprints = set()
     for dtype in (torch.float32, torch.bfloat16):
-        monkeypatch.setattr("kvtier.models.loader.dequantized_dtype", lambda dtype=dtype: dtype)
+        monkeypatch.setattr("kvtier.models.quantized.dequantized_dtype", lambda dtype=dtype: dtype)
         fingerprints.add(load_model(BUNDLED_MODEL, quantize="gguf").fingerprint)
     assert len(fingerprints) == 2
 

@@ -32,8 +32,7 @@ from kvtier.engine.sampling_params import SamplingParams
 from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.loader import resolve_model_path
-from kvtier.models.products import dequantized_dtype
-from kvtier.models.quantized import weight_bytes
+from kvtier.models.quantized import prompt_dtype, weight_bytes
 
 SECTION = "## Throughput (kvtier vs transformers)"
 PREFILL_TARGET = 1.0      # kvtier / transformers, at every prompt length
@@ -311,8 +310,8 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
     graphs = eng.runner.graphs
     decode_path = ("eager" if graphs is None else "one ggml graph per step" if isinstance(graphs, GgmlDecodeSteps)
                    else f"CUDA graphs (batch buckets {graphs.buckets})")
-    prompt_rows = (f", prompt rows in {str(dequantized_dtype()).removeprefix('torch.')}"
-                   if args.device == "cpu" and eng.config.dtype == "float32" else "")
+    prompt = prompt_dtype(eng.config.torch_dtype, torch.device(args.device).type)
+    prompt_rows = f", prompt rows in {str(prompt).removeprefix('torch.')}" if prompt != eng.config.torch_dtype else ""
     weights = (f"weights kept quantized ({eng.weights_mode}, {weight_bytes(eng.model) / 1e6:.0f} MB{prompt_rows})"
                if eng.model.quantized else f"{eng.config.dtype} weights")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

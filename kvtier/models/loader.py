@@ -22,8 +22,8 @@ from tqdm import tqdm
 from kvtier.config import cache_home
 from kvtier.models.config import ARCHITECTURES, ModelConfig
 from kvtier.models.digest import file_digest
-from kvtier.models.products import dequantized_dtype
-from kvtier.models.quantized import FLOAT_TYPES, QUANTIZE_TYPES, QuantizedWeight, from_gguf_bytes, quantize_weights
+from kvtier.models.quantized import (FLOAT_TYPES, QUANTIZE_TYPES, QuantizedWeight, from_gguf_bytes, prompt_dtype,
+                                     quantize_weights)
 from kvtier.models.tokenizer import Tokenizer
 
 
@@ -89,8 +89,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, digest_cache: str 
     if any(isinstance(w, QuantizedWeight) for w in weights.values()):
         # the K/V quantized weights compute differs a little from the float weights', and with the dtype in which
         # prompt rows multiply
-        prompt = dequantized_dtype() if dtype == torch.float32 else dtype
-        fingerprint = xxhash.xxh3_128_hexdigest(f"{fingerprint};weights={quantize};prompt rows in {prompt}".encode())
+        fingerprint = xxhash.xxh3_128_hexdigest(
+            f"{fingerprint};weights={quantize};prompt rows in {prompt_dtype(dtype)}".encode())
     tokenizer = Tokenizer.load(path, config.eos_token_ids)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the embedding only "

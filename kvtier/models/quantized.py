@@ -132,14 +132,20 @@ def _dequantized_buffer(device: torch.device, dtype: torch.dtype, elements: int)
         return torch.empty(elements, dtype=dtype, device=device)
 
 
+def prompt_dtype(dtype: torch.dtype, device_type: str = "cpu") -> torch.dtype:
+    """The dtype in which prompt rows of activations in `dtype` multiply by dequantized weights: float32 ones on CPU
+    in `dequantized_dtype()`, others in their own."""
+    return dequantized_dtype() if device_type == "cpu" and dtype == torch.float32 else dtype
+
+
 def dequantized_product(weight: QuantizedWeight | PackedWeight, x: torch.Tensor,
                         dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [rows, in_features] @ weight.T, returned in x's dtype, the weight dequantized DEQUANTIZED_BYTES at a time
-    (an LM head of 128K rows would take 2 GB at once). dtype: what the product multiplies in; by default on CPU
-    float32 rows multiply in `dequantized_dtype()`, others in their own dtype (`kvtier bench kernels` sets it)."""
+    (an LM head of 128K rows would take 2 GB at once). dtype: what the product multiplies in, by default
+    `prompt_dtype` (`kvtier bench kernels` sets it)."""
     cpu = x.device.type == "cpu"
     if dtype is None:
-        dtype = dequantized_dtype() if cpu and x.dtype == torch.float32 else x.dtype
+        dtype = prompt_dtype(x.dtype, x.device.type)
     elements = DEQUANTIZED_BYTES // x.dtype.itemsize
     step = max(1, elements // weight.in_features)
     rows = torch.arange(weight.out_features, dtype=torch.int32, device=x.device)

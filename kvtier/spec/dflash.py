@@ -107,7 +107,7 @@ class DFlashDrafter(ShadowDrafter):
         """Its shadow admitted (its cached prefix held in the drafter's pool from the first step on), or the request
         lost."""
         if shadow.status is not SequenceStatus.RUNNING:
-            shadow.token_ids += seq.token_ids[len(shadow.token_ids):]
+            _catch_up(shadow, seq)
             admitted = self.kv.admit(shadow.kv, 0)
             if admitted is not None:
                 shadow.status, shadow.num_computed_tokens = SequenceStatus.RUNNING, admitted[0]
@@ -138,7 +138,7 @@ class DFlashDrafter(ShadowDrafter):
 
     def _write(self, seq: Sequence, shadow: Sequence, start: int, features: torch.Tensor) -> None:
         """The drafter's K/V of tokens start .. start + len(features) - 1."""
-        shadow.token_ids += seq.token_ids[len(shadow.token_ids):]
+        _catch_up(shadow, seq)
         end = start + len(features)
         if not start <= shadow.num_computed_tokens or shadow.kv.compute_first:
             log.info("request %s: the DFlash drafter holds %d of the %d tokens the model had cached: no proposals "
@@ -212,7 +212,7 @@ class DFlashDrafter(ShadowDrafter):
         if shadow is None:
             return
         if shadow.status is SequenceStatus.RUNNING and keep:
-            shadow.token_ids += seq.token_ids[len(shadow.token_ids):]
+            _catch_up(shadow, seq)
             self.kv.finish(shadow.kv)
         else:
             self.kv.release(shadow.kv)
@@ -222,3 +222,8 @@ class DFlashDrafter(ShadowDrafter):
 
     def stats(self) -> dict:
         return {**super().stats(), "lost_requests": len(self.lost)}
+
+
+def _catch_up(shadow: Sequence, seq: Sequence) -> None:
+    """The shadow's tokens up to the request's."""
+    shadow.token_ids += seq.token_ids[len(shadow.token_ids):]
