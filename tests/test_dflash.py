@@ -3,6 +3,7 @@ target's output unchanged, and the drafter's state over a conversation (K/V from
 cached, saved and restored from the tiers, so a restored conversation proposes what the uninterrupted one does."""
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -288,6 +289,30 @@ def test_steps_are_timed_as_they_ran(tiny_model_dir, dflash_dir):
     run(engine, [prompt(3)], GREEDY)
     assert 0 < engine.scheduler.pacer.decode_seconds < 1
     assert all(cost < 100 for cost in engine.speculator.draft_costs.values())
+
+
+def test_rows_written_as_they_waited_are_not_what_a_step_costs(monkeypatch, tiny_model_dir, dflash_dir):
+    """A sequence that sits out has its WRITE_AFTER waiting rows written inside a decode step: the drafter's own work,
+    which the speculator leaves out of what a decode step costs (else draft rows would look cheap beside it), while
+    the pacer, which keeps the streams' pace, counts it."""
+    engine = drafting(tiny_model_dir, dflash_dir)
+    monkeypatch.setattr(engine.speculator, "plan", lambda state, room, batch=1: 0)
+    context_kv = engine.drafter.model.context_kv
+
+    def slow(features, positions):
+        if len(positions) == WRITE_AFTER:
+            time.sleep(1.0)
+        return context_kv(features, positions)
+    monkeypatch.setattr(engine.drafter.model, "context_kv", slow)
+    learned, observe_step = [], engine.speculator.observe_step
+    paced, observe = [], engine.scheduler.pacer.observe
+    monkeypatch.setattr(engine.speculator, "observe_step",
+                        lambda *a: (observe_step(*a), learned.append(engine.speculator.decode_seconds)))
+    monkeypatch.setattr(engine.scheduler.pacer, "observe", lambda *a: (observe(*a), paced.append(a[-1])))
+    run(engine, [prompt(12, 100)], SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True))
+    assert engine.drafter.writing >= 1.0
+    assert 0 < max(learned) < 0.1
+    assert max(paced) >= 1.0
 
 
 def test_a_block_stops_at_the_drafters_last_position(plain, tiny_model_dir, dflash_dir, caplog):

@@ -177,6 +177,7 @@ class LLMEngine:
         if self.drafter:
             for seq in batch.preempted:
                 self.drafter.preempted(seq)
+        writing = self.drafter.writing if self.drafter else 0.0
         start = time.perf_counter()
         results = self._forward(batch) if batch else []
         due = []       # sequences whose next token is to be sampled, with their logits
@@ -205,14 +206,17 @@ class LLMEngine:
                 self._fail(seq, e)
         outputs = [self._output(seq) for seq in self._append_tokens(due) + verified]
         seconds = time.perf_counter() - start      # sampling synchronized the device
+        # the DFlash drafter writing rows that waited (WRITE_AFTER of them, or a request's end) is its own work,
+        # whatever the step computed: not the model's rate, nor what draft rows cost; the streams wait for it all
+        computing = seconds - (self.drafter.writing - writing if self.drafter else 0.0)
         prompt_tokens = sum(batch.num_tokens) - batch.num_decodes - batch.num_drafted
         if prompt_tokens:    # a prefill step: the rate of compute
-            self.kv.rates.observe_prefill(sum(batch.num_tokens), seconds)
+            self.kv.rates.observe_prefill(sum(batch.num_tokens), computing)
         if batch:      # a verify step counts as the decode it is, at what it cost, the drafter's work included
             self.scheduler.pacer.observe(batch.num_decodes, prompt_tokens, seconds + proposing)
         if self.speculator and batch and not prompt_tokens:       # what a draft row costs, its rounds included
             self.speculator.observe_step(batch.num_decodes, batch.num_drafted,
-                                         seconds + (drafting if batch.num_drafted else 0.0))
+                                         computing + (drafting if batch.num_drafted else 0.0))
         self.runner.restore_threads()
         outputs += [self._output(seq) for seq in self._ended]
         self._ended.clear()

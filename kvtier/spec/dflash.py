@@ -11,7 +11,8 @@ uninterrupted one would.
 The writes wait until the drafter proposes for the sequence, or the request ends, or WRITE_AFTER rows wait: while
 the speculator has a sequence sit out (a drafter whose proposals do not pay), its steps pay for none of the
 drafter's work, and what waited is written in one forward (a projection of every feature layer's output per row,
-which one row at a time read the projection's weights every step).
+which one row at a time read the projection's weights every step). The seconds they take (`writing`) are the
+drafter's own work, whatever a step verifies: the engine leaves them out of what it learns a step's rows cost.
 
 A shadow Sequence per request holds the drafter's state over the target's tokens. It looks its cached
 prefix up as the request waits (its admission waits for a load of it in flight: `ShadowDrafter.poll`), and takes up
@@ -120,21 +121,24 @@ class DFlashDrafter(ShadowDrafter):
     def _write_waiting(self, seq: Sequence) -> None:
         """Write the drafter's K/V from the features the sequence has waiting, runs of consecutive rows in one
         forward each."""
+        start = time.perf_counter()
         shadow, waiting = self.shadows.get(seq.request_id), self.waiting.pop(seq.request_id, [])
         runs, end = [], None      # (start, its parts); where the last run ends
-        for start, features in waiting:
-            if start == end:
+        for first, features in waiting:
+            if first == end:
                 runs[-1][1].append(features)
             else:
-                runs.append((start, [features]))
-            end = start + len(features)
+                runs.append((first, [features]))
+            end = first + len(features)
         try:
-            for start, parts in runs:
+            for first, parts in runs:
                 if shadow is None or seq.request_id in self.lost:
                     return
-                self._write(seq, shadow, start, torch.cat(parts))
+                self._write(seq, shadow, first, torch.cat(parts))
         except Exception:
             self._failed(seq)
+        finally:
+            self.writing += time.perf_counter() - start
 
     def _write(self, seq: Sequence, shadow: Sequence, start: int, features: torch.Tensor) -> None:
         """The drafter's K/V of tokens start .. start + len(features) - 1."""

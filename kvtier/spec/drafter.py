@@ -12,6 +12,9 @@ class ShadowDrafter:
     pool: KVPool
     kv: KVManager
     shadows: dict[str, Sequence]     # request id → its shadow
+    # seconds of its own work done inside the model's steps, over its life (a DFlash drafter writing rows that
+    # waited): the engine leaves it out of what it learns those steps cost
+    writing: float = 0.0
 
     def stats(self) -> dict:
         return {"model": self.name, "num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,
