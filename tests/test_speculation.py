@@ -11,6 +11,7 @@ from kvtier.engine.async_engine import AsyncEngine
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampler import probabilities
 from kvtier.engine.sampling_params import SamplingParams
+from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.engine.verify import choose
 from kvtier.kv.keys import chain_keys
 from kvtier.spec.ngram import NgramIndex
@@ -340,17 +341,20 @@ def test_cancel_during_a_verify_step_frees_its_blocks(monkeypatch, plain, specul
 
 
 @pytest.mark.parametrize("policy", ["lru", "meankey"])
+@pytest.mark.parametrize("quantize", ["none", "int8"])
 def test_bounded_sequences_speculate_with_the_resident_sets_of_their_decode_steps(monkeypatch, tiny_model_dir,
-                                                                                  policy):
+                                                                                  policy, quantize):
     """Under bounded residency (8 blocks of 16 for a 600-token prompt, reselecting every 4 tokens), a verify step's
     rows attend to the blocks the decode steps would, the pager commits them row by row, and the greedy output is
-    the one decoding without speculation, while blocks are paged out and in along the way."""
+    the one decoding without speculation, while blocks are paged out and in along the way. With quantized weights
+    ggml's graphs run the bounded decode and verify steps too (handing the pager their queries), so every row
+    scores bitwise as its decode would: the logprobs are the same to the bit."""
     settings = dict(kv_resident_tokens=8 * BS, kv_policy=policy, kv_reselect_every=4, kv_pool_tokens=120 * BS,
-                    max_batched_tokens=64, kv_host_gib=1)
+                    max_batched_tokens=64, kv_host_gib=1, quantize=quantize)
     plain_bounded = engine_for(tiny_model_dir, None, **settings)
     bounded = engine_for(tiny_model_dir, "ngram", **settings)
     ids = [(13 * i + 5) % 900 + 20 for i in range(600)]
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
     (off,) = run(plain_bounded, [ids], params)
     oracle(monkeypatch, bounded, [ids], [off["tokens"]])
     drafts = []
@@ -359,6 +363,9 @@ def test_bounded_sequences_speculate_with_the_resident_sets_of_their_decode_step
                                                                              verify(seq, n, logits, queries))[1])
     (on,) = run(bounded, [ids], params)
     assert on["tokens"] == off["tokens"]
+    if quantize == "int8":
+        assert on["logprobs"] == off["logprobs"]
+        assert isinstance(bounded.runner.graphs, GgmlDecodeSteps) and bounded.runner.graphs.steps > 0
     stats = bounded.stats()["residency"]
     assert stats["page_outs"] > 0 and stats["reselects"] > 0
     assert drafts and max(drafts) < BS and bounded.speculator.stats()["accepted_tokens"] > 0
@@ -463,6 +470,22 @@ def test_the_bundled_model_copies_faster_with_the_same_output():
         steps.append(n)
     assert outs[0] == outs[1]
     assert steps[1] < 0.7 * steps[0], steps
+
+
+@pytest.mark.integration
+def test_the_bundled_model_under_bounded_residency_verifies_rows_as_it_decodes_them(monkeypatch):
+    """Bounded residency (the pager reads every step's queries) on the bundled model's quantized weights: its verify
+    steps score each row bitwise as its decode step would, so text and logprobs are those without speculation (they
+    once ran eagerly, attending as a prompt chunk, which changed the story at its 7th token)."""
+    settings = dict(kv_host_gib=1, kv_disk=False, kv_resident_tokens=256)
+    plain_bounded, bounded = (LLMEngine(Config(**settings, speculative=s)) for s in (None, "ngram"))
+    ids = bounded.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a long story about a dragon."}])
+    params = SamplingParams(max_tokens=80, temperature=0.0, logprobs=0)
+    (off,) = run(plain_bounded, [ids], params)
+    oracle(monkeypatch, bounded, [ids], [off["tokens"]])
+    (on,) = run(bounded, [ids], params)
+    assert bounded.speculator.stats()["accepted_tokens"] > 0
+    assert on["tokens"] == off["tokens"] and on["logprobs"] == off["logprobs"]
 
 
 def served_and_plain(args: list[str], messages: list[dict], log):

@@ -124,7 +124,7 @@ class ModelRunner:
         self.features = None
         graphed = self._graphed(batch, capture)
         if len(graphed) == len(batch.seqs):
-            return self._run_graphs(batch, graphed), [None] * len(batch.seqs)
+            return self._run_graphs(batch, graphed, capture)
         if not graphed:
             return self._run_eagerly(batch, capture)
         # ggml's decode steps take a mixed step's decodes too: a decode row's numerics never depend on the step
@@ -132,12 +132,12 @@ class ModelRunner:
         part = ScheduledBatch()
         for i in eager:
             part.add(batch.seqs[i], batch.num_tokens[i])
-        graph_logits = self._run_graphs(batch, graphed)
+        graph_logits, graph_queries = self._run_graphs(batch, graphed, capture)
         graph_features = self.features
         eager_logits, eager_queries = self._run_eagerly(part, [capture[i] for i in eager])
         logits, queries = [None] * len(batch.seqs), [None] * len(batch.seqs)
-        for i, rows in zip(graphed, graph_logits):
-            logits[i] = rows
+        for i, rows, q in zip(graphed, graph_logits, graph_queries):
+            logits[i], queries[i] = rows, q
         for i, rows, q in zip(eager, eager_logits, eager_queries):
             logits[i], queries[i] = rows, q
         if graph_features is not None and self.features is not None:     # each sequence's, in the batch's order
@@ -153,17 +153,26 @@ class ModelRunner:
         if torch.get_num_threads() != self.torch_threads:
             torch.set_num_threads(self.torch_threads)
 
-    def _run_graphs(self, batch: ScheduledBatch, which: list[int]) -> list[torch.Tensor]:
-        """Per sequence of `which`, its logits [rows, vocab] from the decode graphs."""
+    def _run_graphs(self, batch: ScheduledBatch, which: list[int], capture: list[int]
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Per sequence of `which`, its logits [rows, vocab] from the decode graphs, and its last capture[i] rows'
+        queries [rows, layers, heads, head_dim] (ggml's graphs hand them back; CUDA's take no sequence that
+        wants them)."""
         if isinstance(self.graphs, GgmlDecodeSteps) and torch.get_num_threads() != 1:
             # torch's threads spin a while after each parallel region, on the cores ggml's threads need (12 ms a
             # step instead of 5.4 for SmolLM2 on 2 cores): the step's torch work (sampling) runs on one thread
             torch.set_num_threads(1)
         inputs = self._decode_inputs(batch, which)
-        logits = self.graphs.run(*inputs).split(inputs[-1])
+        rows = inputs[-1]
+        logits = self.graphs.run(*inputs).split(rows)
         if self.graphs.features is not None:
-            self.features = list(self.graphs.features.split(inputs[-1]))
-        return list(logits)
+            self.features = list(self.graphs.features.split(rows))
+        queries, end = [], 0
+        for i, n in zip(which, rows):
+            end += n
+            wanted = min(capture[i], n)
+            queries.append(self.graphs.queries[:, end - wanted:end].transpose(0, 1).clone() if wanted else None)
+        return list(logits), queries
 
     def _run_eagerly(self, batch: ScheduledBatch, capture: list[int]) -> tuple[list[torch.Tensor], list]:
         self.restore_threads()
@@ -196,17 +205,19 @@ class ModelRunner:
         return logits, queries
 
     def _graphed(self, batch: ScheduledBatch, capture: list[int]) -> list[int]:
-        """The sequences whose step the decode graphs run: those decoding, none of whose queries the pager wants.
-        CUDA graphs take a step of such decodes (and verify steps) only, whose rows a graph holds; ggml's decode
-        steps take a mixed step's decodes too."""
+        """The sequences whose step the decode graphs run: those decoding. CUDA graphs take a step of such decodes
+        (and verify steps) only, whose rows a graph holds, none of whose queries the pager wants; ggml's decode steps
+        take a mixed step's decodes too, bounded ones with them (they hand back their queries), so that every
+        decode and verify row of quantized weights scores as any other would."""
         if self.graphs is None:
             return []
+        ggml_steps = isinstance(self.graphs, GgmlDecodeSteps)
         decoding = [i for i, (seq, n, wanted) in enumerate(zip(batch.seqs, batch.num_tokens, capture))
-                    if decodes(seq, n) and not wanted]
+                    if decodes(seq, n) and (ggml_steps or not wanted)]
         if self.model.quantized:
             # a cached prompt's last token is a prompt row, which quantized weights multiply another way
             decoding = [i for i in decoding if generates(batch.seqs[i], batch.num_tokens[i])]
-        if isinstance(self.graphs, GgmlDecodeSteps):
+        if ggml_steps:
             return decoding
         rows = sum(batch.num_tokens[i] for i in decoding)
         return decoding if len(decoding) == len(batch.seqs) and self.graphs.bucket(rows) is not None else []

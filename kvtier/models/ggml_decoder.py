@@ -62,6 +62,9 @@ class GgmlDecodeSteps:
         self.freq_factors = self._float((base / rope_inv_freq(cfg)).float())
         self.feature_layers = feature_layers
         self.features: torch.Tensor | None = None     # the last step's feature layers' outputs [rows, features]
+        # the last step's queries after RoPE [layers, rows, heads, head_dim], for the pager of bounded sequences:
+        # its graph's memory, valid until the next step
+        self.queries: torch.Tensor | None = None
         self.built: OrderedDict[tuple, _Step] = OrderedDict()     # the graphs of the last shapes, least recent first
         self.steps = 0
         self._finalizer = weakref.finalize(self, _close, self.weights, self.__dict__)
@@ -100,6 +103,7 @@ class GgmlDecodeSteps:
                 offset += span
         step.graph.compute()
         self.steps += 1
+        self.queries = step.queries
         if self.feature_layers:      # each row's layers side by side, copied out of the graph's memory
             self.features = torch.cat(list(step.features), -1)
         return step.logits.clone()
@@ -167,6 +171,7 @@ class _Step:
         self.gather = torch.zeros(gathered, dtype=torch.int32) if gathered else None
         self.logits = torch.empty(batch, cfg.vocab_size)
         self.features = torch.empty(len(steps.feature_layers), batch, cfg.hidden_size)
+        self.queries = torch.empty(cfg.num_layers, batch, cfg.num_heads, cfg.head_dim)
         self.batch, self.rows, self.spans, self.starts = batch, rows, spans, starts
         self.inputs = {"pos": ctx.place(self.positions), "slots": ctx.place(self.slots), "mask": ctx.place(self.mask)}
         if self.gather is not None:
@@ -174,7 +179,7 @@ class _Step:
         x = ctx.op("get_rows", steps.embed, ctx.place(self.ids))
         last = cfg.num_layers - 1
         for i, weights in enumerate(steps.layers):
-            x = self._layer(x, weights, *steps.caches[i])
+            x = self._layer(x, weights, *steps.caches[i], self.queries[i])
             if i in steps.feature_layers and i != last:
                 x = self._feature(x, i)
         x = ctx.op("mul", ctx.op("rms_norm", x, cfg.rms_norm_eps), steps.norm)
@@ -207,7 +212,8 @@ class _Step:
         d = self.steps.config.head_dim
         return self.ctx.op("view_3d", x, d, heads, self.batch, d * 4, ggml.shape(x)[1][1], 0)
 
-    def _layer(self, x: int, w: dict, k_cache: int, v_cache: int) -> int:
+    def _layer(self, x: int, w: dict, k_cache: int, v_cache: int, queries: torch.Tensor) -> int:
+        """A layer over x [hidden, batch]; its queries after RoPE are computed into `queries` [batch, heads, dim]."""
         cfg, ctx, steps = self.steps.config, self.ctx, self.steps
         d, heads, kv_heads, b = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, self.batch
         h = ctx.op("mul", ctx.op("rms_norm", x, cfg.rms_norm_eps), w["input_norm"])
@@ -218,6 +224,7 @@ class _Step:
             k = ctx.op("mul", ctx.op("rms_norm", k, cfg.rms_norm_eps), w["k_norm"])
         q, k = (ctx.op("rope_ext", t, self.inputs["pos"], steps.freq_factors, d, ggml.ROPE_NEOX,
                        cfg.max_position_embeddings, cfg.rope_theta, 1.0, 0.0, 1.0, 32.0, 1.0) for t in (q, k))
+        q = ctx.place(queries, tensor=q)
         k_all = ctx.op("set_rows", k_cache, ctx.op("reshape_2d", k, steps.row, b), self.inputs["slots"])
         v_all = ctx.op("set_rows", v_cache, v, self.inputs["slots"])
         (o,) = self._project(self._attention(q, k_all, v_all), w["o"], [cfg.hidden_size])
