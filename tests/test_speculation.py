@@ -372,6 +372,31 @@ def test_bounded_sequences_speculate_with_the_resident_sets_of_their_decode_step
     assert bounded.pool.num_free_blocks == bounded.pool.num_blocks
 
 
+def test_ggml_steps_hand_the_pager_the_queries_an_eager_step_would(tiny_model_dir):
+    """A bounded sequence's decode steps through ggml's graphs hand back each layer's queries after RoPE as the eager
+    decoder captures them ([rows, layers, heads, head_dim]): the same numbers, within the two paths' rounding."""
+    settings = dict(kv_resident_tokens=8 * BS, kv_pool_tokens=120 * BS, max_batched_tokens=64, kv_host_gib=1,
+                    quantize="int8")
+    got = {}
+    for eager in (False, True):
+        engine = engine_for(tiny_model_dir, None, enforce_eager=eager, **settings)
+        assert isinstance(engine.runner.graphs, GgmlDecodeSteps) != eager
+        steps, run_step = [], engine.runner.run
+
+        def recording(batch, capture=None, run_step=run_step, steps=steps):
+            logits, queries = run_step(batch, capture)
+            if batch.num_tokens == [1] and batch.seqs[0].num_computed_tokens >= batch.seqs[0].num_prompt_tokens:
+                steps.append(queries[0])
+            return logits, queries
+        engine.runner.run = recording
+        run(engine, [prompt(3, 200)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        got[eager] = steps
+    assert len(got[False]) == len(got[True]) == 3
+    for graph, eager in zip(got[False], got[True]):
+        assert graph.shape == eager.shape == (1, 2, 4, 16) and graph.is_contiguous()
+        assert (graph - eager).abs().max() <= 0.02 * eager.abs().max()
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_a_restored_conversation_speculates_from_its_first_step(monkeypatch, tmp_path, tiny_model_dir, plain, tier):
     """A prefix restored from the host tier (device cache off) or from disk after a restart: its first decode step

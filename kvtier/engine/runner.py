@@ -171,7 +171,8 @@ class ModelRunner:
         for i, n in zip(which, rows):
             end += n
             wanted = min(capture[i], n)
-            queries.append(self.graphs.queries[:, end - wanted:end].transpose(0, 1).clone() if wanted else None)
+            queries.append(self.graphs.queries[:, end - wanted:end].transpose(0, 1).clone(
+                memory_format=torch.contiguous_format) if wanted else None)
         return list(logits), queries
 
     def _run_eagerly(self, batch: ScheduledBatch, capture: list[int]) -> tuple[list[torch.Tensor], list]:

@@ -12,7 +12,7 @@ The writes wait until the drafter proposes for the sequence, or the request ends
 the speculator has a sequence sit out (a drafter whose proposals do not pay), its steps pay for none of the
 drafter's work, and what waited is written in one forward (a projection of every feature layer's output per row,
 which one row at a time read the projection's weights every step). The seconds they take (`writing`) are the
-drafter's own work, whatever a step verifies: the engine leaves them out of what it learns a step's rows cost.
+drafter's own work, whatever a step verifies: neither a proposal's cost nor a step's, as the engine learns them.
 
 A shadow Sequence per request holds the drafter's state over the target's tokens. It looks its cached
 prefix up as the request waits (its admission waits for a load of it in flight: `ShadowDrafter.poll`), and takes up
@@ -167,9 +167,11 @@ class DFlashDrafter(ShadowDrafter):
             self.kv.commit(shadow.kv, last, None, False, False)
 
     def propose(self, wanted: list[tuple[Sequence, int]], prefilling: list[Sequence]) -> float:
-        """Set each sequence's draft (up to k tokens) from one block forward each. Returns the seconds it took (the
-        prefilling sequences' drafter state is written from their own steps' features: `observe`)."""
-        start = time.perf_counter()
+        """Set each sequence's draft (up to k tokens) from one block forward each. Returns the seconds the block
+        forwards took: writing the rows that waited first is the drafter's own work (`writing`), not what the
+        proposal costs (the prefilling sequences' drafter state is written from their own steps' features:
+        `observe`)."""
+        start, written = time.perf_counter(), self.writing
         for seq, k in wanted:
             shadow = self.shadows.get(seq.request_id)
             seq.draft = []
@@ -179,7 +181,7 @@ class DFlashDrafter(ShadowDrafter):
                     shadow.num_computed_tokens != len(seq.token_ids) - 1:
                 continue
             seq.draft = self._block(shadow, seq, k)
-        return time.perf_counter() - start
+        return time.perf_counter() - start - (self.writing - written)
 
     @torch.inference_mode()
     def _block(self, shadow: Sequence, seq: Sequence, k: int) -> list[int]:

@@ -12,8 +12,8 @@ class ShadowDrafter:
     pool: KVPool
     kv: KVManager
     shadows: dict[str, Sequence]     # request id → its shadow
-    # seconds of its own work done inside the model's steps, over its life (a DFlash drafter writing rows that
-    # waited): the engine leaves it out of what it learns those steps cost
+    # seconds of its own work over its life, beside its proposals and the model's steps (a DFlash drafter writing
+    # rows that waited): the engine leaves it out of what it learns proposals and steps cost
     writing: float = 0.0
 
     def stats(self) -> dict:
