@@ -46,6 +46,9 @@ class Constraint:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
         self.matcher = matcher
         self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+        # the grammar is complete and allows nothing more (end-of-sequence aside): read from the matcher only here
+        # and in accept, never while a worker fills its next mask (llguidance refuses a matcher in use elsewhere)
+        self.done = matcher.is_stopped()
         self._next_mask: Future = MASK_WORKERS.submit(self._fill)
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
@@ -56,16 +59,13 @@ class Constraint:
         return masked
 
     def accept(self, token_id: int) -> None:
+        self._next_mask.result()        # the mask for this token was used; its fill is over
         if not self.matcher.consume_token(token_id):
             raise GrammarError(f"token {token_id} breaks the grammar: {self.matcher.get_error()}")
-        if not self.matcher.is_stopped():
+        self.done = self.matcher.is_stopped()
+        if not self.done:
             self._next_mask = MASK_WORKERS.submit(self._fill)     # ready by the next step
 
     def _fill(self) -> None:
         llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-
-    @property
-    def done(self) -> bool:
-        """The grammar is complete and allows nothing more (end-of-sequence aside)."""
-        return self.matcher.is_stopped()
 

@@ -1,0 +1,71 @@
+"""A request's grammar state (engine/grammar.py): its next mask is filled in a worker while the engine goes on."""
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import llguidance
+import llguidance.torch
+import torch
+
+from kvtier.engine import grammar
+from kvtier.engine.grammar import GrammarCompiler
+
+LLMatcher, fill_next_token_bitmask = llguidance.LLMatcher, llguidance.torch.fill_next_token_bitmask
+
+
+class WatchedMatcher:
+    """llguidance's matcher, refusing any use while a worker fills a mask with it, as llguidance itself refuses a
+    use that overlaps a fill ("Already mutably borrowed")."""
+    grammar_from_lark = staticmethod(LLMatcher.grammar_from_lark)
+
+    def __init__(self, *args):
+        self.matcher, self.filling = LLMatcher(*args), False
+
+    def __getattr__(self, name):
+        if self.filling:
+            raise RuntimeError("Already mutably borrowed")
+        return getattr(self.matcher, name)
+
+
+class SlowFills:
+    """The mask workers, each fill holding its matcher 20 ms, and `submit` returning once the fill holds it: the
+    overlap that happened now and then, made certain."""
+
+    def __init__(self):
+        self.workers, self.holding = ThreadPoolExecutor(1), threading.Event()
+
+    def submit(self, fn):
+        self.holding.clear()
+        future = self.workers.submit(fn)
+        self.holding.wait()
+        return future
+
+    def fill(self, watched: WatchedMatcher, bitmask: torch.Tensor, index: int) -> None:
+        watched.filling = True
+        self.holding.set()
+        time.sleep(0.02)
+        fill_next_token_bitmask(watched.matcher, bitmask, index)
+        watched.filling = False
+
+
+def test_a_grammar_is_never_asked_anything_while_its_next_mask_is_filled(monkeypatch, bundled_tokenizer):
+    """The engine asks `done` right after each accepted token, while a worker fills the next mask: it once asked
+    the matcher itself, and a request failed now and then (seen in a speculation test's run)."""
+    monkeypatch.setattr(grammar.llguidance, "LLMatcher", WatchedMatcher)
+    fills = SlowFills()
+    monkeypatch.setattr(grammar, "MASK_WORKERS", fills)
+    monkeypatch.setattr(grammar.llguidance.torch, "fill_next_token_bitmask", fills.fill)
+    hf = bundled_tokenizer.hf
+    constraint = GrammarCompiler(hf).constraint('start: ("ab" | "cd")+ "."')
+    words = [hf.encode(w) for w in ("ab", "cd", ".")]
+    assert all(len(ids) == 1 for ids in words)
+    logits = torch.zeros(hf.vocab_size)
+    for i in range(10):
+        token = words[i % 2][0]
+        masked = constraint.masked(logits)
+        assert masked[token] == 0 and torch.isinf(masked).sum() > hf.vocab_size // 2
+        constraint.accept(token)
+        assert not constraint.done
+    constraint.masked(logits)
+    constraint.accept(words[2][0])
+    assert constraint.done
