@@ -14,6 +14,7 @@ import os
 import sys
 import weakref
 
+import numpy as np
 import torch
 
 _P = ctypes.c_void_p
@@ -43,7 +44,7 @@ class _TensorHead(ctypes.Structure):   # the fields of ggml.h's struct ggml_tens
 # name → (return type, argument types after the context, or all of them where the name is marked with !)
 _FUNCTIONS = {
     "ggml_init": (_P, [_InitParams]), "!ggml_free": (None, [_P]),
-    "!ggml_tensor_overhead": (_SZ, []), "!ggml_graph_overhead_custom": (_SZ, [_SZ, _B]),
+    "!ggml_tensor_overhead": (_SZ, []), "!ggml_get_mem_buffer": (_P, [_P]), "!ggml_get_mem_size": (_SZ, [_P]), "!ggml_graph_overhead_custom": (_SZ, [_SZ, _B]),
     "ggml_new_tensor_4d": (_P, [_I, _I64, _I64, _I64, _I64]),
     "!ggml_nbytes": (_SZ, [_P]), "!ggml_row_size": (_SZ, [_I, _I64]),
     "!ggml_quantize_chunk": (_SZ, [_I, _P, _P, _I64, _I64, _I64, _P]),
@@ -209,6 +210,38 @@ class Context:
             self.lib.backend_buffer_free(buffer)
         self.lib.free(self.ptr)
         self._buffers, self._kept, self.ptr = [], [], None
+
+
+class Lengths:
+    """Sizes of a context's built tensors that follow lengths set before each compute: a graph planned (its memory
+    allocated) for the largest lengths computes over smaller ones. A followed size and the strides after it (unless
+    the tensor is a strided view, whose strides stay) scale with the length it follows, one vector store per step."""
+
+    def __init__(self, ctx: Context):
+        base = ctx.lib.get_mem_buffer(ctx.ptr)
+        self.base = base
+        self.words = np.ctypeslib.as_array((ctypes.c_int64 * (ctx.lib.get_mem_size(ctx.ptr) // 8)).from_address(base))
+        self.fields, self.which, self.scales = [], [], []     # the int64 words set, whose length, and its multiple
+
+    def follow(self, tensor: int, dim: int, which: int, strided: bool = False) -> None:
+        """Size `dim` of `tensor`, as built, holds length number `which` (its largest)."""
+        head = _TensorHead.from_address(tensor)
+        built = head.ne[dim]
+        fields = [(_TensorHead.ne.offset + 8 * dim, built)]
+        if not strided:
+            fields += [(_TensorHead.nb.offset + 8 * i, head.nb[i]) for i in range(dim + 1, 4)]
+        for offset, value in fields:
+            self.fields.append((tensor + offset - self.base) // 8)
+            self.which.append(which)
+            self.scales.append(value // built)
+
+    def set(self, lengths: np.ndarray) -> None:
+        self.words[self.fields] = lengths[self.which] * self.scales
+
+    def freeze(self) -> None:
+        """Followed: the index arrays as numpy's."""
+        self.fields, self.which, self.scales = (np.asarray(a, dtype=np.int64) for a in (self.fields, self.which,
+                                                                                        self.scales))
 
 
 class Graph:

@@ -5,17 +5,16 @@ multiplying by its weights. Here the whole step (embedding, per layer the norms,
 RoPE, the K/V write into kvtier's pool, attention, the MLP; the final norm and the LM head) is one ggml graph run on
 ggml's threadpool, as llama.cpp runs it. The graph reads the weights and the pool where torch keeps them, and is
 built once per shape (rows per sequence, each row's context length rounded up to CONTEXT_STEP, where each context
-starts), the last KEPT_GRAPHS kept: a step only writes its token ids, positions, K/V slots and attention mask into
-the graph's inputs.
+starts), the last KEPT_GRAPHS kept: a step writes its token ids, positions and K/V slots into the graph's inputs,
+and sets the sizes of each row's attention tensors to its own context length (`ggml.Lengths`: the graph, planned
+for the rounded-up lengths, computes over the exact ones), so no row reads a key past its own position.
 
 A sequence feeds one token, or a verify step's several (its last token and a draft): each row attends up to its
-own position in attention ops of its own (softmax of K·q, then out_prod sums V's rows weighted), over as many keys
-(its own context rounded up) as it would decode alone, so it scores exactly as it would decode alone: ggml's ops
-sum in another order over several query rows at once, and over another count of keys, even masked ones; greedy
-output would change with speculation and with the batch. Each sequence attends on its own. A context in consecutive pool slots (the pool grows a sequence into the blocks after its own)
-is read where it lies; the others are gathered (ggml_get_rows). Padding positions are masked out: their keys score
--inf and their values weigh 0, so what their slots hold changes nothing as long as it is finite (the pool starts
-zeroed, and a model's K/V are finite).
+own position in attention ops of its own (softmax of K·q, then out_prod sums V's rows weighted), over exactly the
+keys it would decode alone over, so it scores exactly as it would decode alone: ggml's ops sum in another order
+over several query rows at once, and over another count of keys; greedy output would change with speculation and
+with the batch. Each sequence attends on its own. A context in consecutive pool slots (the pool grows a sequence
+into the blocks after its own) is read where it lies; the others are gathered (ggml_get_rows).
 
 A DFlash drafter reads the outputs of some of the model's layers (`feature_layers`): a step hands them back beside
 the logits, as `features` [rows, features] (each layer's output side by side, the last layer's normed), as the CUDA
@@ -73,8 +72,9 @@ class GgmlDecodeSteps:
             lens: list[int], rows: list[int]) -> torch.Tensor:
         """token_ids, positions, slots: per row; tables, lens (its context after the step), rows: per sequence."""
         bs = self.block_size
-        spans = tuple(-(-(n - (r - 1 - j)) // CONTEXT_STEP) * CONTEXT_STEP
-                      for n, r in zip(lens, rows) for j in range(r))
+        # row j of a sequence's r sees its context up to its own position
+        lengths = np.array([n - (r - 1 - j) for n, r in zip(lens, rows) for j in range(r)])
+        spans = tuple((-(-lengths // CONTEXT_STEP) * CONTEXT_STEP).tolist())
         ends = np.cumsum(rows) - 1       # a sequence's last row has its longest span
         starts = tuple(self._start(table, spans[end]) for table, end in zip(tables, ends))
         key = (tuple(rows), spans, starts)
@@ -87,13 +87,7 @@ class GgmlDecodeSteps:
         step.ids.numpy()[:] = token_ids
         step.positions.numpy()[:] = positions
         step.slots.numpy()[:] = slots
-        mask = step.mask.numpy()
-        mask[:] = -np.inf
-        first = 0
-        for n, r in zip(lens, rows):
-            for j in range(r):       # row j of a sequence's r sees its context up to its own position
-                mask[first + j, :n - (r - 1 - j)] = 0
-            first += r
+        step.lengths.set(lengths)
         if step.gather is not None:
             gather, offset = step.gather.numpy(), 0
             for i in (i for i, start in enumerate(starts) if start is None):
@@ -165,7 +159,6 @@ class _Step:
         self.ids = torch.zeros(batch, dtype=torch.int32)
         self.positions = torch.zeros(batch, dtype=torch.int32)
         self.slots = torch.zeros(batch, dtype=torch.int64)
-        self.mask = torch.zeros(batch, max(spans), dtype=torch.float16)
         self.seq_spans = [spans[end] for end in np.cumsum(rows) - 1]
         gathered = sum(span for span, start in zip(self.seq_spans, starts) if start is None)
         self.gather = torch.zeros(gathered, dtype=torch.int32) if gathered else None
@@ -173,7 +166,8 @@ class _Step:
         self.features = torch.empty(len(steps.feature_layers), batch, cfg.hidden_size)
         self.queries = torch.empty(cfg.num_layers, batch, cfg.num_heads, cfg.head_dim)
         self.batch, self.rows, self.spans, self.starts = batch, rows, spans, starts
-        self.inputs = {"pos": ctx.place(self.positions), "slots": ctx.place(self.slots), "mask": ctx.place(self.mask)}
+        self.inputs = {"pos": ctx.place(self.positions), "slots": ctx.place(self.slots)}
+        self.lengths = ggml.Lengths(ctx)        # each row's keys: its own context, set each step
         if self.gather is not None:
             self.inputs["gather"] = ctx.place(self.gather)
         x = ctx.op("get_rows", steps.embed, ctx.place(self.ids))
@@ -187,6 +181,7 @@ class _Step:
             x = self._feature(x, last)
         (logits,) = self._project(x, steps.lm_head, [cfg.vocab_size])
         self.graph = ggml.Graph(ctx, [ctx.place(self.logits, tensor=logits)])
+        self.lengths.freeze()
         self.steps = None       # built: no reference back, so the steps' finalizer can free this step with them
 
     def _feature(self, x: int, layer: int) -> int:
@@ -238,7 +233,7 @@ class _Step:
         """[heads * head_dim, batch]: each sequence's queries (q: [head_dim, heads, batch]) over its context in the
         pool after this step's write, read in place where it lies in consecutive slots, else gathered."""
         cfg, ctx, row = self.steps.config, self.ctx, self.steps.row
-        d, heads, kv_heads, width = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, self.mask.shape[1]
+        d, heads, kv_heads = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         pool, gathered = (k_all, v_all), None
         if self.gather is not None:      # [row, the gathered sequences' spans]
             gathered = tuple(ctx.op("get_rows", t, self.inputs["gather"]) for t in pool)
@@ -248,18 +243,20 @@ class _Step:
                 source, offset = pool, start            # in slots of the source
             else:
                 source, offset, g = gathered, g, g + span
-            for i in range(first, first + r):     # a row at a time, over its own span, as it decodes (module doc)
-                n = self.spans[i]
+            for i in range(first, first + r):     # a row at a time, over its own keys, as it decodes (module doc)
+                n = self.spans[i]       # built for its span, computed over its length
                 keys, values = (ctx.op("view_4d", t, d, n, kv_heads, 1, row * 4, d * 4, row * 4 * n, offset * row * 4)
                                 for t in source)
                 query = ctx.op("view_3d", q, d, 1, heads, d * heads * 4, d * 4, i * d * heads * 4)
-                mask = ctx.op("view_4d", self.inputs["mask"], n, 1, 1, 1, width * 2, width * 2, width * 2,
-                              i * width * 2)
                 # softmax(K·q) then V's rows weighted and summed (out_prod): ggml's flash attention computes two
                 # exponentials per key one at a time, 1.3x as long at 2-4K tokens of context; each K/V head serves
                 # its group of query heads (both ops broadcast)
-                probs = ctx.op("soft_max_ext", ctx.op("mul_mat", keys, query), mask, d ** -0.5, 0.0)   # [n, 1, heads]
-                out = ctx.op("out_prod", values, ctx.op("reshape_3d", probs, 1, n, heads))           # [d, 1, heads]
+                scores = ctx.op("mul_mat", keys, query)
+                probs = ctx.op("soft_max_ext", scores, None, d ** -0.5, 0.0)                       # [n, 1, heads]
+                weights = ctx.op("reshape_3d", probs, 1, n, heads)
+                for tensor, dim in ((keys, 1), (values, 1), (scores, 0), (probs, 0), (weights, 1)):
+                    self.lengths.follow(tensor, dim, i, strided=tensor in (keys, values))
+                out = ctx.op("out_prod", values, weights)                                           # [d, 1, heads]
                 outs.append(ctx.op("reshape_3d", out, d, heads, 1))
             first += r
         while len(outs) > 1:     # side by side in pairs: each output copied log2(batch) times
