@@ -4,12 +4,12 @@ import os
 import shutil
 
 import pytest
-from gguf import GGUFReader
 
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.models import digest
+from kvtier.models.gguf_file import GGUFFile
 from kvtier.models.loader import BUNDLED_MODEL
 
 
@@ -49,7 +49,7 @@ def test_weights_changed_past_the_first_64_kib_of_a_tensor_never_hit_old_files(t
     assert cached_tokens(engine, prompt) == 0
     engine.shutdown()     # the saves reach the disk
     assert cached_tokens(LLMEngine(Config(model=str(model), **config)), prompt) == 299   # a restart hits
-    tensor = max(GGUFReader(model).tensors, key=lambda t: t.n_bytes)
+    tensor = max(GGUFFile(str(model)).tensors, key=lambda t: t.n_bytes)
     offset = int(tensor.data_offset) + 100_000     # well past the first 64 KiB of the largest tensor
     stat = os.stat(model)
     with open(model, "r+b") as f:

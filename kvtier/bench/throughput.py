@@ -21,7 +21,6 @@ import resource
 import time
 
 import torch
-from gguf import GGUFReader
 
 from kvtier.bench import llama_cpp
 from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish, verdict
@@ -31,6 +30,7 @@ from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
+from kvtier.models.gguf_file import GGUFFile
 from kvtier.models.loader import resolve_model_path
 from kvtier.models.quantized import prompt_dtype, weight_bytes
 
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         llama = llama_cpp.LlamaCpp(path, args.threads, need + 64 * batch, batch)
         results["llama_flash"] = llama.flash_attention
-    results["file_tensor_bytes"] = sum(int(t.n_bytes) for t in GGUFReader(path).tensors) \
+    results["file_tensor_bytes"] = sum(int(t.n_bytes) for t in GGUFFile(path).tensors) \
         if os.path.isfile(path) else 0
     print(f"kvtier: {eng.model_name}, {args.dtype}, {args.device}, {args.threads} threads", flush=True)
     results |= measure(args, eng, contestants(eng, float_eng, hf, llama, device), hf, device)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import xxhash
-from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors import safe_open
 from tqdm import tqdm
@@ -22,6 +21,7 @@ from tqdm import tqdm
 from kvtier.config import cache_home
 from kvtier.models.config import ARCHITECTURES, ModelConfig
 from kvtier.models.digest import file_digest
+from kvtier.models.gguf_file import GGUFFile
 from kvtier.models.quantized import (FLOAT_TYPES, QUANTIZE_TYPES, QuantizedWeight, from_gguf_bytes, prompt_dtype,
                                      quantize_weights)
 from kvtier.models.tokenizer import Tokenizer
@@ -255,9 +255,9 @@ def _ids(value) -> tuple[int, ...]:
 def read_gguf(path: str, dtype: torch.dtype, digest_cache: str | None = None,
               keep_quantized: bool = False) -> tuple[ModelConfig, dict, str]:
     """keep_quantized: quantized tensors come back as QuantizedWeight, in the file's blocks."""
-    reader = _open_gguf(path)
+    gguf = _open_gguf(path)
     tensors, rope_freqs = {}, None
-    for t in reader.tensors:
+    for t in gguf.tensors:
         if t.name == "rope_freqs.weight":     # Llama 3's RoPE scaling, as one factor per frequency
             rope_freqs = t
             continue
@@ -265,7 +265,7 @@ def read_gguf(path: str, dtype: torch.dtype, digest_cache: str | None = None,
         if name is None:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} for a llama/qwen2/qwen3 GGUF")
         tensors[name] = t
-    config = gguf_config(reader, tensors, path)
+    config = gguf_config(gguf.fields, tensors, path)
     if rope_freqs is not None:
         factors = dequantize(rope_freqs.data, rope_freqs.tensor_type).reshape(-1)
         if factors.size != config.head_dim // 2 or not (factors > 0).all():
@@ -292,10 +292,9 @@ def read_gguf(path: str, dtype: torch.dtype, digest_cache: str | None = None,
     return config, weights, fingerprint(config, [path], digest_cache)
 
 
-def gguf_config(reader: GGUFReader, tensors: dict, path: str) -> ModelConfig:
+def gguf_config(fields: dict, tensors: dict, path: str) -> ModelConfig:
     def meta(key, default=None):
-        field = reader.fields.get(key)
-        return default if field is None else field.contents()
+        return fields.get(key, default)
 
     arch = meta("general.architecture")
     if arch not in ARCHITECTURES:
@@ -342,14 +341,14 @@ def gguf_config(reader: GGUFReader, tensors: dict, path: str) -> ModelConfig:
     )
 
 
-def _open_gguf(path: str) -> GGUFReader:
+def _open_gguf(path: str) -> GGUFFile:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is neither a directory nor a GGUF file; pass a Hugging Face model "
                              "directory or a .gguf file")
     try:
-        return GGUFReader(path)
-    except Exception as e:  # the reader fails in many ways (struct, numpy, key errors) on damaged files
+        return GGUFFile(path)
+    except Exception as e:  # a damaged file fails in many ways (its own checks, struct, numpy, utf-8)
         raise ValueError(f"{path} is a damaged or unsupported GGUF file: {e}") from e
 
 

@@ -9,10 +9,10 @@ import tempfile
 import jinja2
 import transformers
 import xxhash
-from gguf import GGUFReader
 from transformers import AutoTokenizer
 
 from kvtier.config import cache_home
+from kvtier.models.gguf_file import GGUFFile
 
 
 @functools.lru_cache(maxsize=4)
@@ -41,10 +41,10 @@ def _load_hf_tokenizer(path: str, mtime_ns: int):
 def _special_tokens_from_gguf(tokenizer, path: str) -> None:
     """The GGUF file's own metadata names its end and start tokens: transformers' conversion has named others in
     some versions (5.17 took SmolLM2's <|im_start|> for its end-of-sequence token)."""
-    fields = GGUFReader(path).fields
+    fields = GGUFFile(path).fields
     for attr, key in (("eos_token", "tokenizer.ggml.eos_token_id"), ("bos_token", "tokenizer.ggml.bos_token_id")):
         if key in fields:
-            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(fields[key].contents())))
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(fields[key])))
 
 
 def _saved_tokenizer_dir(gguf_path: str) -> str:
