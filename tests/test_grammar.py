@@ -4,13 +4,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
+import numpy as np
 import torch
 
 from kvtier.engine import grammar
 from kvtier.engine.grammar import GrammarCompiler
 
-LLMatcher, fill_next_token_bitmask = llguidance.LLMatcher, llguidance.torch.fill_next_token_bitmask
+LLMatcher, fill_next_token_bitmask = llguidance.LLMatcher, llguidance.numpy.fill_next_token_bitmask
 
 
 class WatchedMatcher:
@@ -40,7 +41,7 @@ class SlowFills:
         self.holding.wait()
         return future
 
-    def fill(self, watched: WatchedMatcher, bitmask: torch.Tensor, index: int) -> None:
+    def fill(self, watched: WatchedMatcher, bitmask: np.ndarray, index: int) -> None:
         watched.filling = True
         self.holding.set()
         time.sleep(0.02)
@@ -54,7 +55,7 @@ def test_a_grammar_is_never_asked_anything_while_its_next_mask_is_filled(monkeyp
     monkeypatch.setattr(grammar.llguidance, "LLMatcher", WatchedMatcher)
     fills = SlowFills()
     monkeypatch.setattr(grammar, "MASK_WORKERS", fills)
-    monkeypatch.setattr(grammar.llguidance.torch, "fill_next_token_bitmask", fills.fill)
+    monkeypatch.setattr(grammar.llguidance.numpy, "fill_next_token_bitmask", fills.fill)
     hf = bundled_tokenizer.hf
     constraint = GrammarCompiler(hf).constraint('start: ("ab" | "cd")+ "."')
     words = [hf.encode(w) for w in ("ab", "cd", ".")]
@@ -69,3 +70,15 @@ def test_a_grammar_is_never_asked_anything_while_its_next_mask_is_filled(monkeyp
     constraint.masked(logits)
     constraint.accept(words[2][0])
     assert constraint.done
+
+
+def test_a_mask_forbids_what_llguidances_own_helper_forbids():
+    """`allowed` against llguidance's numpy helper over random masks, with logits past the mask's words (a model
+    whose vocabulary rows outnumber its tokenizer's tokens): forbidden there too."""
+    rng = np.random.default_rng(0)
+    for vocab, rows in ((64, 64), (100, 120), (49152, 49280)):
+        mask = rng.integers(-2**31, 2**31, size=(1, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+        want = np.zeros((1, rows), dtype=np.float32)
+        llguidance.numpy.apply_token_bitmask_inplace(want, mask)
+        got = torch.zeros(rows).masked_fill(~grammar.allowed(mask[0], rows), float("-inf"))
+        assert torch.equal(got, torch.from_numpy(want[0]))
