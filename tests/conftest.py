@@ -42,6 +42,15 @@ def bundled_tokenizer() -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
+def bundled_transformers():
+    """transformers' own model of the bundled GGUF (it dequantizes and un-permutes the file itself), float32, eval:
+    the reference kvtier's loader and engine are held to (loading it takes ~15 s on 2 cores: once a session)."""
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(BUNDLED_MODEL),
+                                                 gguf_file=os.path.basename(BUNDLED_MODEL), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
 def make_tiny_model(tmp_path_factory, bundled_tokenizer):
     """make_tiny_model(hf_config, seed=0, tokenizer=None) -> path of a directory holding a random-weight model
     built from hf_config (a transformers config) and a Hugging Face tokenizer (the bundled one by default)."""

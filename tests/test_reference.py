@@ -1,5 +1,4 @@
 """The engine against transformers on the bundled model (float32, CPU)."""
-import os
 
 import pytest
 import torch
@@ -9,7 +8,6 @@ from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import ScheduledBatch
 from kvtier.engine.sequence import Sequence
-from kvtier.models.loader import BUNDLED_MODEL
 
 pytestmark = pytest.mark.integration
 
@@ -22,12 +20,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def reference():
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(BUNDLED_MODEL),
-                                                 gguf_file=os.path.basename(BUNDLED_MODEL),
-                                                 dtype=torch.float32)
-    return model.eval()
+def reference(bundled_transformers):
+    return bundled_transformers
 
 
 @pytest.fixture(scope="module")
