@@ -7,6 +7,8 @@ RMSNorm (Qwen3).
 """
 from __future__ import annotations
 
+import functools
+
 import logging
 import math
 
@@ -230,8 +232,9 @@ class Decoder(nn.Module):
             model.rope = RotaryEmbedding(cfg)
         return model.eval()
 
-    @property
+    @functools.cached_property
     def quantized(self) -> bool:
+        """Whether any projection keeps quantized blocks (fixed at load; the runner asks every step)."""
         return any(isinstance(m, QuantizedLinear) for m in self.modules())
 
     def forward(self, token_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
