@@ -3,7 +3,7 @@ was): same seeds, same tokens; logprobs the same too."""
 import pytest
 import torch
 
-from kvtier.engine.sampler import sample, token_logprobs
+from kvtier.engine.sampler import argmax, sample, token_logprobs
 from kvtier.engine.sampling_params import SamplingParams
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -61,3 +61,15 @@ def test_logprobs_of_a_batch_are_each_rows():
         top = torch.topk(logprobs, n) if n else None
         assert lp.token_id == token and lp.logprob == pytest.approx(float(logprobs[token]), abs=1e-6)
         assert [i for i, _ in lp.top] == ([] if top is None else top.indices.tolist())
+
+
+def test_argmax_picks_what_torchs_picks():
+    """Ties (the first wins), NaN (counts as highest), rows all -inf (masked by a grammar), a single row [vocab]."""
+    torch.manual_seed(0)
+    rows = torch.randint(-3, 3, (64, 300)).float()         # many ties
+    rows[1, 7] = float("nan")
+    rows[2] = float("-inf")
+    rows[3, :] = float("-inf")
+    rows[3, 299] = 0.0
+    for logits in (rows, rows[5], rows[:, ::2], torch.randn(3, 49152)):
+        assert torch.equal(argmax(logits), logits.argmax(-1))

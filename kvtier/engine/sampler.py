@@ -2,6 +2,7 @@
 logprobs. The rows stay on their device; the chosen tokens come back to the host in one transfer."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvtier.engine.outputs import TokenLogprob
@@ -12,7 +13,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """One token per row of float32 logits [B, vocab]. Greedy rows take one argmax. The others go through their
     temperature, top-k and top-p together; a row with a seeded generator draws on the CPU (so a seed gives the
     same tokens on any device), the unseeded ones in one draw on the device."""
-    chosen = logits.argmax(-1)
+    chosen = argmax(logits)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
         return chosen.tolist()
@@ -27,6 +28,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         for row, j in zip(on_host, seeded):
             tokens[sampled[j]] = int(torch.multinomial(row, 1, generator=generators[sampled[j]]))
     return tokens
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its first highest logit (a NaN counts as highest), as torch's argmax gives it; float32 CPU
+    rows through numpy's, 12-16x faster than torch's single-threaded kernel (121 us against 8 per 49K-token row on a
+    2-core Xeon: 1% of a decode step of the bundled model, 4 ms of one of 32 sequences)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(np.asarray(logits.numpy().argmax(-1)))
+    return logits.argmax(-1)
 
 
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

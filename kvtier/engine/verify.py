@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.engine.sampler import probabilities
+from kvtier.engine.sampler import argmax, probabilities
 from kvtier.engine.sampling_params import SamplingParams
 
 
@@ -20,7 +20,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """The target's token at a row of processed logits [vocab]: the argmax, or one draw, on the CPU with the
     sequence's generator where it has one (as the sampler draws seeded rows)."""
     if params.greedy:
-        return int(logits.argmax())
+        return int(argmax(logits))
     probs = probabilities(logits[None], [params])[0]
     if generator is not None:
         probs = probs.cpu()
