@@ -1,9 +1,10 @@
-"""Batched sampling gives, row by row, the tokens the one-row sampler gave before it (the reference below, as it
-was): same seeds, same tokens; logprobs the same too."""
+"""Batched sampling gives, row by row, the tokens a plain one-row sampler (the reference below) gives: same seeds,
+same tokens; logprobs the same too. Its draws follow the distribution they are given."""
+import numpy as np
 import pytest
 import torch
 
-from kvtier.engine.sampler import argmax, sample, token_logprobs
+from kvtier.engine.sampler import argmax, descending, draw, highest, sample, token_logprobs
 from kvtier.engine.sampling_params import SamplingParams
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -16,12 +17,15 @@ def reference_sample(logits, params, generator):
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
+    if params.top_p < 1.0:     # the fewest best tokens whose probabilities reach top_p, and ties with the last
+        sorted_logits = logits.sort(descending=True).values
         probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= params.top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+        kept = int((probs.cumsum(-1) - probs < params.top_p).sum())
+        logits = logits.masked_fill(logits < sorted_logits[kept - 1], float("-inf"))
+    # inverse CDF: the first token whose running sum passes a uniform draw
+    cumulative = np.cumsum(logits.softmax(-1).double().numpy())
+    u = float(torch.rand(1, dtype=torch.float64, generator=generator)) * cumulative[-1]
+    return int(np.argmax(cumulative > u))
 
 
 PARAMS = [dict(temperature=0.0), dict(temperature=0.8, seed=1), dict(temperature=1.3, top_k=5, seed=2),
@@ -53,6 +57,18 @@ def test_unseeded_rows_draw_from_their_own_distribution(device):
         assert all(t in a for t, a in zip(tokens, allowed))
 
 
+def test_draws_follow_their_distribution():
+    """Frequencies of 40,000 seeded draws from rows with tiny and zero probabilities within a few standard errors;
+    a zero-probability token never drawn; a row with nothing to draw from is an error."""
+    p = torch.tensor([[0.5, 0.0, 0.25, 1e-3, 0.249, 0.0]])
+    gen, draws = torch.Generator().manual_seed(7), 40_000
+    counts = torch.bincount(torch.cat([draw(p, gen) for _ in range(draws)]), minlength=6).double()
+    stderr = (p[0] * (1 - p[0]) / draws).sqrt()
+    assert ((counts / draws - p[0]).abs() <= 5 * stderr + 1e-4).all() and counts[[1, 5]].sum() == 0
+    with pytest.raises(ValueError, match="nothing to draw"):
+        draw(torch.zeros(2, 4))
+
+
 def test_logprobs_of_a_batch_are_each_rows():
     logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(2))
     out = token_logprobs(logits, [5, 17, 199], [0, 3, 1])
@@ -73,3 +89,14 @@ def test_argmax_picks_what_torchs_picks():
     rows[3, 299] = 0.0
     for logits in (rows, rows[5], rows[:, ::2], torch.randn(3, 49152)):
         assert torch.equal(argmax(logits), logits.argmax(-1))
+
+
+def test_highest_values_are_torchs():
+    """The k highest values of each row from the highest, as torch's topk and sort give them, NaN and -inf too."""
+    rows = torch.randint(-4, 4, (8, 301)).float()
+    rows[0, 3], rows[1] = float("nan"), float("-inf")
+    def same(a, b):
+        return torch.equal(a.nan_to_num(nan=99.0), b.nan_to_num(nan=99.0))
+    for k in (1, 40, 300, 301):
+        assert same(highest(rows, k), torch.topk(rows, k).values)
+    assert same(descending(rows), rows.sort(-1, descending=True).values)

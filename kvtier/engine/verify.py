@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.engine.sampler import argmax, probabilities
+from kvtier.engine.sampler import argmax, draw, probabilities
 from kvtier.engine.sampling_params import SamplingParams
 
 
@@ -24,4 +24,4 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     probs = probabilities(logits[None], [params])[0]
     if generator is not None:
         probs = probs.cpu()
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(draw(probs[None], generator))
