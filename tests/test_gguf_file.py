@@ -1,6 +1,9 @@
 """kvtier's GGUF reader against the gguf package's: the same metadata and tensors; a damaged file is a ValueError."""
 from __future__ import annotations
 
+import struct
+import time
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -68,3 +71,43 @@ def test_a_damaged_file_is_a_value_error_wherever_it_ends(tmp_path):
     cut.write_bytes(version_2_of_another_order)
     with pytest.raises(ValueError, match="version"):
         GGUFFile(str(cut))
+
+
+def header(fields: bytes, field_count: int, tensors: bytes = b"", tensor_count: int = 0) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, tensor_count, field_count) + fields + tensors
+
+
+def string(text: str) -> bytes:
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+def u32_field(key: str, value: int) -> bytes:
+    return string(key) + struct.pack("<II", 4, value)
+
+
+def tensor_info(name: str, dims: tuple[int, ...]) -> bytes:
+    return string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", 0, 0)
+
+
+@pytest.mark.parametrize("damage", ["alignment 0", "alignment 48", "nested arrays", "a key twice", "a tensor twice",
+                                    "5 dimensions", "2**40 fields", "2**40 tensors", "2**40 strings"])
+def test_a_damaged_header_is_a_value_error_at_once(tmp_path, damage):
+    """What a damaged header can say (counts past the file's size included) fails fast, and only as a ValueError."""
+    zeros = bytes(1 << 20)
+    data = {
+        "alignment 0": header(u32_field("general.alignment", 0), 1),
+        "alignment 48": header(u32_field("general.alignment", 48), 1),
+        "nested arrays": header(string("a") + struct.pack("<IIQ", 9, 9, 1) + struct.pack("<IQ", 4, 0), 1),
+        "a key twice": header(u32_field("a", 1) + u32_field("a", 2), 2),
+        "a tensor twice": header(b"", 0, tensor_info("w", (32,)) * 2, 2) + zeros,
+        "5 dimensions": header(b"", 0, tensor_info("w", (1, 1, 1, 1, 32)), 1) + zeros,
+        "2**40 fields": header(zeros, 2**40),
+        "2**40 tensors": header(b"", 0, zeros, 2**40),
+        "2**40 strings": header(string("a") + struct.pack("<IIQ", 9, 8, 2**40) + zeros, 1),
+    }[damage]
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(data)
+    start = time.monotonic()
+    with pytest.raises(ValueError):
+        GGUFFile(str(path))
+    assert time.monotonic() - start < 1.0

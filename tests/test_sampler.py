@@ -100,3 +100,15 @@ def test_highest_values_are_torchs():
     for k in (1, 40, 300, 301):
         assert same(highest(rows, k), torch.topk(rows, k).values)
     assert same(descending(rows), rows.sort(-1, descending=True).values)
+
+
+def test_a_row_with_nothing_to_draw_from_uses_up_no_seed():
+    """The batch fails before any draw: each request, sampled again alone, draws what it would have drawn."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    logits[1] = float("nan")
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, seed=2)]
+    generator = torch.Generator().manual_seed(1)
+    with pytest.raises(ValueError, match="nothing to draw"):
+        sample(logits, params, [generator, torch.Generator().manual_seed(2)])
+    assert sample(logits[:1], params[:1], [generator]) == sample(logits[:1], params[:1],
+                                                                   [torch.Generator().manual_seed(1)])

@@ -2,8 +2,9 @@
 
 gguf's own GGUFReader builds a numpy view for every element of every metadata array: SmolLM2's vocabulary (49,152
 tokens, 48,900 merges) took it 5.6 s on a 2-core machine, at every start of every engine. Here the header is read
-with struct, each string array in one pass of slices, each number array as one numpy view: about 0.1 s. The tensors'
-bytes stay in the file map until the loader copies them. Little-endian GGUF, versions 2 and 3 (what llama.cpp writes).
+with struct, a string array by a loop of slices, a number array as one numpy view: about 0.1 s. The tensors' bytes
+stay in the file map until the loader copies them. Little-endian GGUF, versions 2 and 3 (what llama.cpp writes).
+A damaged header fails fast: every count is checked against the bytes left before it is read.
 """
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 STRING, ARRAY = 8, 9                      # GGUF's value types with a length before their contents
+MAX_DIMS = 4                              # GGML_MAX_DIMS
+# the fewest bytes an entry takes: a tensor's (name length, 1 dimension, type, offset), a field's (key length, type,
+# the smallest value), a string's (its length)
+TENSOR_INFO_BYTES, FIELD_BYTES, STRING_BYTES = 8 + 4 + 8 + 4 + 8, 8 + 4 + 1, 8
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 NUMBERS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
            7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
@@ -41,7 +46,7 @@ class GGUFTensor:
 
 class GGUFFile:
     """fields: metadata key → value (str, int, float, bool, or a list of them); tensors: in the file's order.
-    Raises ValueError for anything that is not a whole GGUF file this reader knows."""
+    Raises ValueError for anything that is not a whole GGUF file this reader knows (and only ValueError)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -54,14 +59,29 @@ class GGUFFile:
         if version not in VERSIONS:
             raise ValueError(f"{path}: GGUF version {version} (big-endian, or unknown) is not supported")
         tensor_count, field_count = self._scalar("<Q"), self._scalar("<Q")
-        self.fields = {}
+        self._fits(field_count, FIELD_BYTES)
+        fields = {}
         for _ in range(field_count):
             key = self._string()
-            self.fields[key] = self._value(self._scalar("<I"))
+            if key in fields:
+                raise ValueError(f"{path}: metadata key {key!r} appears twice")
+            fields[key] = self._value(self._scalar("<I"))
+        self._fits(tensor_count, TENSOR_INFO_BYTES)
         infos = [self._tensor_info() for _ in range(tensor_count)]
-        alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if len({name for name, *_ in infos}) != len(infos):
+            raise ValueError(f"{path}: a tensor name appears twice")
+        alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"{path}: general.alignment {alignment!r} is not a power of two")
         start = -(-self._pos // alignment) * alignment
         self.tensors = [self._tensor(*info, start) for info in infos]
+        # number arrays stayed numpy views until the whole header proved sound
+        self.fields = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in fields.items()}
+
+    def _fits(self, count: int, size: int) -> None:
+        """count entries of at least `size` bytes each fit in what is left of the file."""
+        if count * size > len(self._buf) - self._pos:
+            raise ValueError(f"{self.path}: its header counts {count} entries, more than the file holds")
 
     def _take(self, n: int) -> memoryview:
         if n < 0 or self._pos + n > len(self._buf):
@@ -82,22 +102,27 @@ class GGUFFile:
         if value_type == ARRAY:
             item_type, count = self._scalar("<I"), self._scalar("<Q")
             if item_type in NUMBERS:
-                size = np.dtype(NUMBERS[item_type]).itemsize
-                return np.frombuffer(self._take(count * size), NUMBERS[item_type]).tolist()
-            return [self._value(item_type) for _ in range(count)]
+                return np.frombuffer(self._take(count * np.dtype(NUMBERS[item_type]).itemsize), NUMBERS[item_type])
+            if item_type != STRING:      # arrays of arrays: llama.cpp writes none and reads none
+                raise ValueError(f"{self.path}: an array of GGUF value type {item_type}")
+            self._fits(count, STRING_BYTES)
+            return [self._string() for _ in range(count)]
         if value_type not in SCALARS:
             raise ValueError(f"{self.path}: unknown GGUF value type {value_type}")
         return self._scalar(SCALARS[value_type])
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self._string()
-        dims = tuple(self._scalar("<Q") for _ in range(self._scalar("<I")))
+        n_dims = self._scalar("<I")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise ValueError(f"{self.path}: tensor {name} has {n_dims} dimensions")
+        dims = tuple(self._scalar("<Q") for _ in range(n_dims))
         return name, dims, self._scalar("<I"), self._scalar("<Q")
 
     def _tensor(self, name: str, shape: tuple[int, ...], raw_type: int, offset: int, start: int) -> GGUFTensor:
         tensor_type = GGMLQuantizationType(raw_type)       # ValueError for a type gguf does not know
         block_size, type_size = GGML_QUANT_SIZES[tensor_type]
-        if not shape or shape[0] % block_size:
+        if shape[0] % block_size:
             raise ValueError(f"{self.path}: tensor {name} of sizes {shape} does not hold whole blocks")
         n_bytes = math.prod(shape) // block_size * type_size
         begin = start + offset
