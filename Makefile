@@ -45,7 +45,8 @@ test: $(VENV)/.installed .agents/.installed
 GPU_PYTHON ?= 3.12
 GPU_WHEELS := gguf fastapi starlette uvicorn h11 click pydantic pydantic-core annotated-types typing-inspection \
 	typing-extensions llguidance prometheus-client xxhash openai distro jiter anthropic docstring-parser httpx \
-	httpcore anyio sniffio certifi idna hypothesis sortedcontainers attrs libggml-python==0.20.2.post1
+	httpcore anyio sniffio certifi idna hypothesis sortedcontainers attrs libggml-python==0.20.2.post1 \
+	annotated-doc opentelemetry-api httpx2 httpcore2 truststore
 gpu-check:
 	python3 -c "import fastapi, gguf, llguidance, openai, anthropic, uvicorn, hypothesis" 2>/dev/null || \
 		python3 -m pip install -q --no-index --no-deps .wheels/*.whl
