@@ -8,7 +8,6 @@ RMSNorm (Qwen3).
 from __future__ import annotations
 
 import functools
-
 import logging
 import math
 
