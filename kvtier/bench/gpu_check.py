@@ -3,11 +3,11 @@
 
     make gpu-check                                   # python3 -m kvtier.bench.gpu_check --report gpu-check.md
 
-Each step runs in its own process under a time limit (about 15 minutes in all on one H100; `--only` picks steps by
-name, so that two calls of 10 minutes each cover them: `--only 'test suite,TTFT,latency'`, then
-`--only 'throughput,products'`); one that fails or runs out of time is reported and the next
-one runs. The benchmarks write their sections into the
-report, as they do into docs/BENCHMARKS.md. --dry runs the same steps on CPU at toy sizes (one test file only
+Each step runs in its own process under a time limit (about 20 minutes in all on one H100; `--only` picks steps by
+name, so that calls of 10 minutes each cover them: `--only 'test suite'`, then `--only 'throughput,products'`, then
+`--only 'TTFT,latency'`); one that fails or runs out of time is reported and the next one runs. The benchmarks write
+their sections into the report, as they do into docs/BENCHMARKS.md; every step's whole output goes to the log beside
+it (gpu-check.log). --dry runs the same steps on CPU at toy sizes (one test file only
 collected, the benchmarks on a tiny shape), so that CI keeps the check working.
 """
 from __future__ import annotations
@@ -49,8 +49,9 @@ def steps(report: str, dry: bool) -> list[Step]:
                                                                      "--rows", "1", *out], 300)]
     cuda = ["--device", "cuda"]
     # a test module whose client library is not on the GPU machine is reported, the rest runs
-    return [Step("test suite on CUDA", ["pytest", "-q", "--durations=10", "--continue-on-collection-errors", "tests"],
-                 330, {"KVTIER_DEVICE": "cuda"}),
+    # one line per test as it ends (-v), so that a suite cut off at its limit still says which tests failed
+    return [Step("test suite on CUDA", ["pytest", "-v", "--tb=short", "--durations=10",
+                                        "--continue-on-collection-errors", "tests"], 540, {"KVTIER_DEVICE": "cuda"}),
             # int4 weights (Q4_0 blocks, kvtier's Triton kernels) beside bfloat16 ones and transformers
             Step("throughput, Llama-3.2-1B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.2-1b",
                                                     "--quantize", "int4", "--prefill-lengths", "512,2048,8192",
@@ -70,8 +71,9 @@ def steps(report: str, dry: bool) -> list[Step]:
                                                              "--streams", "8", "--long-prompt", "16000", *out], 45)]
 
 
-def run_step(step: Step) -> dict:
-    """Run one step; its status (passed, failed or timed out), seconds and the tail of its output."""
+def run_step(step: Step, log: str) -> dict:
+    """Run one step; its status (passed, failed or timed out), seconds and the tail of its output. Its whole output
+    is appended to log."""
     start = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, "-m", *step.argv], env={**os.environ, **step.env},
@@ -83,6 +85,8 @@ def run_step(step: Step) -> dict:
                          for part in (e.stdout, e.stderr))
     seconds = time.monotonic() - start
     print(f"{step.name}: {status} in {seconds:.0f} s", flush=True)
+    with open(log, "a") as f:
+        f.write(f"===== {step.name}: {status} in {seconds:.0f} s\n{output}\n")
     return {"step": step, "status": status, "seconds": seconds, "tail": output[-4000:]}
 
 
@@ -120,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             print("no CUDA device: run with --dry on a machine without one", file=sys.stderr)
             return 2
     report = os.path.abspath(args.report)
-    if os.path.exists(report) and not args.only:        # no section of an earlier run may pass for this one's
-        os.remove(report)
+    if not args.only:                           # no section or log of an earlier run may pass for this one's
+        for path in (report, os.path.splitext(report)[0] + ".log"):
+            if os.path.exists(path):
+                os.remove(path)
     heading = SECTION + (f": the steps named '{args.only}'" if args.only else "")     # one section per call
     write_section(report, heading + "\n\nrunning\n")     # first in the file, the benchmarks' sections after it
     wanted = [text.strip() for text in args.only.split(",")]
@@ -129,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     if not chosen:
         print(f"no step is named like {args.only!r}", file=sys.stderr)
         return 2
-    results = [run_step(step) for step in chosen]
+    log = os.path.splitext(report)[0] + ".log"
+    results = [run_step(step, log) for step in chosen]
     command = "python3 -m kvtier.bench.gpu_check" + (" --dry" if args.dry else "") + \
         (f" --only '{args.only}'" if args.only else "")
     write_section(report, render(results, device_line(args.dry), command, heading))
