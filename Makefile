@@ -40,7 +40,7 @@ test: $(VENV)/.installed .agents/.installed
 # report (kvtier/bench/gpu_check.py), run from the checkout without installing it. `make gpu-wheels`, run here with
 # a network, fetches what a CUDA image usually lacks (../shared/GPU.md) as wheels for that machine's Python into
 # .wheels/ (about 20 MB) and cuts the bundled model into .gpu/ (see gpu-model), to carry there. Calls on one warm
-# machine (add --report $$OUT/gpu-check.md to ARGS: gpu-check.log beside it gets every step's whole output):
+# machine (add --report $OUT/gpu-check.md to ARGS: gpu-check.log beside it gets every step's whole output):
 #   1. carry .wheels .gpu/SHA256SUMS .gpu/bundled.gguf.aa:  make gpu-deps gpu-model
 #   2. carry .gpu/SHA256SUMS .gpu/bundled.gguf.ab .gpu/bundled.gguf.ac:
 #      make gpu-model gpu-check ARGS="--only 'test suite'"
