@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             print("no CUDA device: run with --dry on a machine without one", file=sys.stderr)
             return 2
     report = os.path.abspath(args.report)
+    log = os.path.splitext(report)[0] + ".log"
     if not args.only:                           # no section or log of an earlier run may pass for this one's
-        for path in (report, os.path.splitext(report)[0] + ".log"):
+        for path in (report, log):
             if os.path.exists(path):
                 os.remove(path)
     heading = SECTION + (f": the steps named '{args.only}'" if args.only else "")     # one section per call
@@ -135,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     if not chosen:
         print(f"no step is named like {args.only!r}", file=sys.stderr)
         return 2
-    log = os.path.splitext(report)[0] + ".log"
     results = [run_step(step, log) for step in chosen]
     command = "python3 -m kvtier.bench.gpu_check" + (" --dry" if args.dry else "") + \
         (f" --only '{args.only}'" if args.only else "")
