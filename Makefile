@@ -43,8 +43,9 @@ test: $(VENV)/.installed .agents/.installed
 # machine (add --report $OUT/gpu-check.md to ARGS: gpu-check.log beside it gets every step's whole output):
 #   1. carry .wheels .gpu/SHA256SUMS .gpu/bundled.gguf.aa:  make gpu-deps gpu-model
 #   2. carry .gpu/SHA256SUMS .gpu/bundled.gguf.ab .gpu/bundled.gguf.ac:
-#      make gpu-model gpu-check ARGS="--only 'test suite'"
-#   3. with the time left: make gpu-check ARGS="--only 'throughput,products'", then ARGS="--only 'TTFT,latency'"
+#      make gpu-model gpu-check ARGS="--only 'files a-p'"      (the suite's first half, about 6 minutes)
+#   3. make gpu-check ARGS="--only 'files q-z'"               (its second half)
+#   4. with time left (another session's, often): ARGS="--only 'throughput,products'", then ARGS="--only 'TTFT,latency'"
 GPU_PYTHON ?= 3.12
 GPU_WHEELS := gguf fastapi starlette uvicorn h11 click pydantic pydantic-core annotated-types typing-inspection \
 	typing-extensions llguidance prometheus-client xxhash openai distro jiter anthropic docstring-parser httpx \

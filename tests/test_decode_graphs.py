@@ -71,7 +71,7 @@ def test_decode_from_graph_buffers_equals_eager(tiny_model_dir):
 def test_captured_decode_graphs_equal_eager(tiny_model_dir):
     eager = engine(tiny_model_dir, "cuda", enforce_eager=True)
     graphed = engine(tiny_model_dir, "cuda", enforce_eager=False)
-    assert sorted(graphed.runner.graphs.graphs) == [1, 2, 4, 6]
+    assert sorted({bucket for bucket, _ in graphed.runner.graphs.graphs}) == [1, 2, 4, 6]   # by (bucket, splits)
     assert_same(generate(graphed), generate(eager))
     assert graphed.runner.graphs.steps >= 8
 

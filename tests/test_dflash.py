@@ -107,10 +107,10 @@ def test_decode_graphs_hand_the_drafter_its_features(monkeypatch, plain, tiny_mo
 
 def test_ggml_decode_steps_hand_the_drafter_its_features(monkeypatch, tiny_model_dir, dflash_dir):
     """ggml's graphs, which decode quantized weights on CPU (the target no longer runs eagerly under dflash)."""
-    engine = drafting(tiny_model_dir, dflash_dir, quantize="int8")
+    on_cpu = dict(quantize="int8", device="cpu")
+    engine = drafting(tiny_model_dir, dflash_dir, **on_cpu)
     assert isinstance(engine.runner.graphs, GgmlDecodeSteps)
-    hands_the_drafter_its_features(monkeypatch, engine, engine_for(tiny_model_dir, None, quantize="int8"),
-                                   engine.runner.graphs)
+    hands_the_drafter_its_features(monkeypatch, engine, engine_for(tiny_model_dir, None, **on_cpu), engine.runner.graphs)
 
 
 def recording_writes(monkeypatch, engine) -> tuple[list[bytes], list[int]]:

@@ -3,6 +3,7 @@ on CPU runs every step and writes the one report."""
 from __future__ import annotations
 
 import importlib
+import pathlib
 
 from kvtier.bench import gpu_check
 
@@ -39,3 +40,9 @@ def test_only_runs_the_steps_it_names_into_a_section_of_their_own(tmp_path):
     assert "| products for quantized weights, tiny shapes |" in text and "| inter-token latency, tiny shape |" in text
     assert "| throughput, tiny shape |" not in text
     assert gpu_check.main(["--dry", "--report", str(report), "--only", "no such step"]) == 2
+
+
+def test_the_suites_parts_hold_every_test_file_once():
+    parts = [gpu_check.test_files(part) for part in gpu_check.TEST_PARTS]
+    every = sorted(f"tests/{p.name}" for p in pathlib.Path("tests").glob("test_*.py"))
+    assert sorted(sum(parts, [])) == every and all(parts)

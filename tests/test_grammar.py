@@ -1,15 +1,20 @@
 """A request's grammar state (engine/grammar.py): its next mask is filled in a worker while the engine goes on."""
+import copy
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
+import llguidance.hf
 import llguidance.numpy
 import numpy as np
+import tokenizers
 import torch
 
 from kvtier.engine import grammar
 from kvtier.engine.grammar import GrammarCompiler
+from kvtier.models.tokenizer import _byte_level_tokens
 
 LLMatcher, fill_next_token_bitmask = llguidance.LLMatcher, llguidance.numpy.fill_next_token_bitmask
 
@@ -82,3 +87,34 @@ def test_a_mask_forbids_what_llguidances_own_helper_forbids():
         llguidance.numpy.apply_token_bitmask_inplace(want, mask)
         got = torch.zeros(rows).masked_fill(~grammar.allowed(mask[0], rows), float("-inf"))
         assert torch.equal(got, torch.from_numpy(want[0]))
+
+
+def test_a_forced_call_reads_the_bundled_vocabulary_as_bytes(bundled_tokenizer):
+    """llguidance's view of the bundled tokenizer decodes its byte-level tokens to the bytes they stand for ("Ċ" is
+    a newline), whichever transformers converted it, and a tool call's opening tag with its newline is allowed."""
+    hf = bundled_tokenizer.hf
+    ll = llguidance.hf.from_tokenizer(hf)
+    assert ll.decode_bytes(hf.encode("<tool_call>\n{\"a\": 1}\n</tool_call>")) == b"<tool_call>\n{\"a\": 1}\n</tool_call>"
+    constraint = GrammarCompiler(hf).constraint('start: "<tool_call>\\n" "x"')
+    for token in hf.encode("<tool_call>\nx"):
+        constraint.masked(torch.zeros(hf.vocab_size))
+        constraint.accept(token)
+    assert constraint.done
+
+
+def test_a_byte_level_vocabulary_converted_as_byte_fallback_is_read_as_bytes(bundled_tokenizer):
+    """transformers 5.17's conversion of the bundled GGUF: byte fallback on and sentencepiece's decoders before the
+    byte-level one. kvtier's loader says the tokens are byte-level again: same ids, same text, and llguidance
+    reads a newline where it read "Ċ"."""
+    spec = json.loads(bundled_tokenizer.hf.backend_tokenizer.to_str())
+    spec["model"]["byte_fallback"] = True
+    spec["decoder"] = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"},
+                                                        {"type": "Replace", "pattern": {"String": "\u2581"},
+                                                         "content": " "}, spec["decoder"]]}
+    hf = copy.deepcopy(bundled_tokenizer.hf)
+    hf._tokenizer = tokenizers.Tokenizer.from_str(json.dumps(spec))
+    text = "<tool_call>\nHéllo — 你好 🙂\t</tool_call>"
+    assert llguidance.hf.from_tokenizer(hf).decode_bytes(hf.encode(text)) != text.encode()     # the bug, as it was
+    _byte_level_tokens(hf)
+    assert hf.encode(text) == bundled_tokenizer.hf.encode(text) and hf.decode(hf.encode(text)) == text
+    assert llguidance.hf.from_tokenizer(hf).decode_bytes(hf.encode(text)) == text.encode()

@@ -390,7 +390,7 @@ def test_a_decode_row_scores_the_same_beside_a_longer_context_as_alone():
     """ggml's decode steps of two sequences of random K/V, one of 1000 tokens beside one of 300 to 770: each row's
     logits are bitwise those of its sequence decoded alone (each row attends over its own context rounded up, not
     the batch's longest)."""
-    engine = LLMEngine(Config(kv_host_gib=0, kv_disk=False, num_threads=2, kv_pool_tokens=4096))
+    engine = LLMEngine(Config(device="cpu", kv_host_gib=0, kv_disk=False, num_threads=2, kv_pool_tokens=4096))
     steps, kv, bs = engine.runner.graphs, engine.pool.kv_cache, engine.pool.block_size
     kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(0)))
     tables = [list(range(0, 13)), list(range(16, 16 + engine.pool.blocks_for(1000)))]

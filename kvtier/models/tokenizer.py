@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import tempfile
 
 import jinja2
+import tokenizers
 import transformers
 import xxhash
 from transformers import AutoTokenizer
@@ -32,6 +34,7 @@ def _load_hf_tokenizer(path: str, mtime_ns: int):
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                   local_files_only=True)
         _special_tokens_from_gguf(tokenizer, path)
+        _byte_level_tokens(tokenizer)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError... for unusable files
         raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
     _save(tokenizer, saved)
@@ -45,6 +48,19 @@ def _special_tokens_from_gguf(tokenizer, path: str) -> None:
     for attr, key in (("eos_token", "tokenizer.ggml.eos_token_id"), ("bos_token", "tokenizer.ggml.bos_token_id")):
         if key in fields:
             setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(fields[key])))
+
+
+def _byte_level_tokens(tokenizer) -> None:
+    """Some versions of transformers' conversion (5.17) mark a GPT-2 style vocabulary (its pre-tokenizer byte-level)
+    as falling back to bytes, with sentencepiece's decoders before the byte-level one: text decodes right, but
+    llguidance then reads its tokens as text ("Ċ", not a newline) and a forced tool call breaks. Such a
+    vocabulary's tokens are byte-level, and its model and decoder say so here."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    if (spec.get("pre_tokenizer") or {}).get("type") != "ByteLevel" or not spec["model"].get("byte_fallback"):
+        return
+    spec["model"]["byte_fallback"] = False
+    spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    tokenizer._tokenizer = tokenizers.Tokenizer.from_str(json.dumps(spec))
 
 
 def _saved_tokenizer_dir(gguf_path: str) -> str:
