@@ -223,13 +223,16 @@ class Lengths:
         self.words = np.ctypeslib.as_array((ctypes.c_int64 * (ctx.lib.get_mem_size(ctx.ptr) // 8)).from_address(base))
         self.fields, self.which, self.scales = [], [], []     # the int64 words set, whose length, and its multiple
 
-    def follow(self, tensor: int, dim: int, which: int, strided: bool = False) -> None:
-        """Size `dim` of `tensor`, as built, holds length number `which` (its largest)."""
+    def follow(self, tensor: int, dim: int, which: int, strided: bool = False,
+               strides: tuple[int, ...] | None = None) -> None:
+        """Size `dim` of `tensor`, as built, holds length number `which` (its largest); the strides that scale with
+        it: `strides` (a permuted view's), or those after dim unless the tensor is a strided view."""
         head = _TensorHead.from_address(tensor)
         built = head.ne[dim]
+        if strides is None:
+            strides = () if strided else range(dim + 1, 4)
         fields = [(_TensorHead.ne.offset + 8 * dim, built)]
-        if not strided:
-            fields += [(_TensorHead.nb.offset + 8 * i, head.nb[i]) for i in range(dim + 1, 4)]
+        fields += [(_TensorHead.nb.offset + 8 * i, head.nb[i]) for i in strides]
         for offset, value in fields:
             self.fields.append((tensor + offset - self.base) // 8)
             self.which.append(which)
