@@ -401,3 +401,24 @@ def test_a_decode_row_scores_the_same_beside_a_longer_context_as_alone():
         for i in range(2):
             alone = steps.run([tokens[i]], [lens[i] - 1], [slots[i]], [tables[i][:-(-lens[i] // bs)]], [lens[i]], [1])
             assert torch.equal(together[i], alone[0]), short
+
+
+@pytest.mark.integration
+def test_a_verify_steps_rows_each_score_as_their_decode_alone():
+    """ggml's decode steps over random K/V: a sequence's rows (its last token and a draft of 1 to 8), which attend
+    together over the context rounded up with each row's later keys masked, each score bitwise as the decode of that
+    row alone, beside another sequence (gathered: its blocks apart) and alone."""
+    engine = LLMEngine(Config(device="cpu", kv_host_gib=0, kv_disk=False, num_threads=2, kv_pool_tokens=4096))
+    steps, kv, bs = engine.runner.graphs, engine.pool.kv_cache, engine.pool.block_size
+    kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(1)))
+    other = [40 + 2 * b for b in range(engine.pool.blocks_for(200))]        # every other block: gathered
+    for n, r in ((9, 2), (64, 5), (65, 9), (300, 4), (771, 9)):
+        table = list(range(engine.pool.blocks_for(n)))
+        tokens, positions = [(97 * n + 13 * j) % 40000 + 100 for j in range(r)], list(range(n - r, n))
+        slots = [table[p // bs] * bs + p % bs for p in positions]
+        verify = steps.run([5000, *tokens], [199, *positions], [other[199 // bs] * bs + 199 % bs, *slots],
+                           [other, table], [200, n], [1, r]).clone()
+        assert torch.equal(steps.run(tokens, positions, slots, [table], [n], [r]), verify[1:]), n
+        for j, p in enumerate(positions):
+            alone = steps.run([tokens[j]], [p], [slots[j]], [table[:p // bs + 1]], [p + 1], [1])
+            assert torch.equal(verify[1 + j], alone[0]), (n, r, j)

@@ -5,16 +5,19 @@ multiplying by its weights. Here the whole step (embedding, per layer the norms,
 RoPE, the K/V write into kvtier's pool, attention, the MLP; the final norm and the LM head) is one ggml graph run on
 ggml's threadpool, as llama.cpp runs it. The graph reads the weights and the pool where torch keeps them, and is
 built once per shape (rows per sequence, each row's context length rounded up to CONTEXT_STEP, where each context
-starts), the last KEPT_GRAPHS kept: a step writes its token ids, positions and K/V slots into the graph's inputs,
-and sets the sizes of each row's attention tensors to its own context length (`ggml.Lengths`: the graph, planned
-for the rounded-up lengths, computes over the exact ones), so no row reads a key past its own position.
+starts), the last KEPT_GRAPHS kept: a step writes its token ids, positions, K/V slots and attention masks into the
+graph's inputs, and sets the sizes of each sequence's attention tensors to its context rounded up to KEY_STEP keys
+(`ggml.Lengths`: the graph, planned for the longest, computes over the lengths of the step).
 
-A sequence feeds one token, or a verify step's several (its last token and a draft): each row attends up to its
-own position in attention ops of its own (softmax of K·q, then out_prod sums V's rows weighted), over exactly the
-keys it would decode alone over, so it scores exactly as it would decode alone: ggml's ops sum in another order
-over several query rows at once, and over another count of keys; greedy output would change with speculation and
-with the batch. Each sequence attends on its own. A context in consecutive pool slots (the pool grows a sequence
-into the blocks after its own) is read where it lies; the others are gathered (ggml_get_rows).
+A sequence feeds one token, or a verify step's several (its last token and a draft). Its rows attend together: one
+product of its keys with all its queries, one softmax, one out_prod summing V's rows weighted, each row's keys past
+its own position masked, so a verify step reads its context once, not once per row. Each row still scores bitwise
+as it would decode alone (tested), which greedy output under speculation and under load depends on: a score is one
+dot product whichever rows stand beside it, and over whole vectors of keys (KEY_STEP) a masked key adds an exact
+zero to the softmax's sum and to V's weighted sum (over a count of keys not a multiple of the vector width, the
+softmax sums its last keys one at a time, another order). Each sequence attends on its own. A context in consecutive
+pool slots (the pool grows a sequence into the blocks after its own) is read where it lies; the others are gathered
+(ggml_get_rows).
 
 A DFlash drafter reads the outputs of some of the model's layers (`feature_layers`): a step hands them back beside
 the logits, as `features` [rows, features] (each layer's output side by side, the last layer's normed), as the CUDA
@@ -36,6 +39,7 @@ from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear
 
 
 CONTEXT_STEP = 256      # context lengths a graph serves, rounded up: one graph holds 256 decode steps
+KEY_STEP = 64           # keys a sequence's rows attend over, rounded up (masked past each row's own): whole vectors
 KEPT_GRAPHS = 8         # graphs of the last shapes kept: verify steps of a few lengths take turns with decode steps
 
 
@@ -72,11 +76,9 @@ class GgmlDecodeSteps:
             lens: list[int], rows: list[int]) -> torch.Tensor:
         """token_ids, positions, slots: per row; tables, lens (its context after the step), rows: per sequence."""
         bs = self.block_size
-        # row j of a sequence's r sees its context up to its own position
-        lengths = np.array([n - (r - 1 - j) for n, r in zip(lens, rows) for j in range(r)])
-        spans = tuple((-(-lengths // CONTEXT_STEP) * CONTEXT_STEP).tolist())
-        ends = np.cumsum(rows) - 1       # a sequence's last row has its longest span
-        starts = tuple(self._start(table, spans[end]) for table, end in zip(tables, ends))
+        lens = np.asarray(lens)
+        spans = tuple((-(-lens // CONTEXT_STEP) * CONTEXT_STEP).tolist())
+        starts = tuple(self._start(table, span) for table, span in zip(tables, spans))
         key = (tuple(rows), spans, starts)
         step = self.built.get(key)
         if step is None:
@@ -87,12 +89,14 @@ class GgmlDecodeSteps:
         step.ids.numpy()[:] = token_ids
         step.positions.numpy()[:] = positions
         step.slots.numpy()[:] = slots
-        step.lengths.set(lengths)
+        step.lengths.set(-(-lens // KEY_STEP) * KEY_STEP)
+        # row j of a sequence's r sees its context up to its own position
+        step.mask_rows([n - (r - 1 - j) for n, r in zip(lens, rows) for j in range(r)])
         if step.gather is not None:
             gather, offset = step.gather.numpy(), 0
             for i in (i for i, start in enumerate(starts) if start is None):
                 ctx_slots = (np.asarray(tables[i])[:, None] * bs + np.arange(bs)).ravel()[:lens[i]]
-                span = spans[ends[i]]
+                span = spans[i]
                 gather[offset:offset + lens[i]], gather[offset + lens[i]:offset + span] = ctx_slots, ctx_slots[0]
                 offset += span
         step.graph.compute()
@@ -146,28 +150,30 @@ def _close(weights: ggml.Context, state: dict) -> None:
 
 
 class _Step:
-    """The graph of a decode step of sequences of `rows` rows each, each row over `spans` keys (its context rounded
-    up), with its inputs and output in torch tensors. starts: per sequence, where its consecutive context starts
+    """The graph of a decode step of sequences of `rows` rows each, each over `spans` keys (its context rounded up),
+    with its inputs and output in torch tensors. starts: per sequence, where its consecutive context starts
     (None: gathered)."""
 
     def __init__(self, steps: GgmlDecodeSteps, rows: tuple[int, ...], spans: tuple[int, ...],
                  starts: tuple[int | None, ...]):
         cfg, self.steps = steps.config, steps
         batch = sum(rows)
-        size = cfg.num_layers * (64 + 12 * batch) + 32     # tensors per layer: ~40, and 10 per row's attention
+        size = cfg.num_layers * (64 + 12 * batch) + 32     # tensors per layer: ~40, and ~11 per sequence's attention
         ctx = self.ctx = ggml.Context(steps.weights.lib.threads, max_tensors=size, max_nodes=size)
         self.ids = torch.zeros(batch, dtype=torch.int32)
         self.positions = torch.zeros(batch, dtype=torch.int32)
         self.slots = torch.zeros(batch, dtype=torch.int64)
-        self.seq_spans = [spans[end] for end in np.cumsum(rows) - 1]
-        gathered = sum(span for span, start in zip(self.seq_spans, starts) if start is None)
+        gathered = sum(span for span, start in zip(spans, starts) if start is None)
         self.gather = torch.zeros(gathered, dtype=torch.int32) if gathered else None
         self.logits = torch.empty(batch, cfg.vocab_size)
         self.features = torch.empty(len(steps.feature_layers), batch, cfg.hidden_size)
         self.queries = torch.empty(cfg.num_layers, batch, cfg.num_heads, cfg.head_dim)
         self.batch, self.rows, self.spans, self.starts = batch, rows, spans, starts
         self.inputs = {"pos": ctx.place(self.positions), "slots": ctx.place(self.slots)}
-        self.lengths = ggml.Lengths(ctx)        # each row's keys: its own context, set each step
+        self.lengths = ggml.Lengths(ctx)        # each sequence's keys: its context rounded up, set each step
+        # per sequence [rows, span]: 0 for each row's own keys, -inf past them (to its sequence's rounded-up length)
+        self.masks = [torch.empty(r, span) for r, span in zip(rows, spans)]
+        self.inputs["masks"] = [ctx.place(mask) for mask in self.masks]
         if self.gather is not None:
             self.inputs["gather"] = ctx.place(self.gather)
         x = ctx.op("get_rows", steps.embed, ctx.place(self.ids))
@@ -229,6 +235,14 @@ class _Step:
         (down,) = self._project(ctx.op("swiglu_split", gate, up), w["down"], [cfg.hidden_size])
         return ctx.op("add", x, down)
 
+    def mask_rows(self, lengths: list[int]) -> None:
+        """Each row's keys (lengths: per row) open in its mask, its sequence's others closed."""
+        first = 0
+        for mask, r in zip(self.masks, self.rows):
+            own = np.asarray(lengths[first:first + r])[:, None]
+            mask.numpy()[:] = np.where(np.arange(mask.shape[1]) < own, 0.0, -np.inf)
+            first += r
+
     def _attention(self, q: int, k_all: int, v_all: int) -> int:
         """[heads * head_dim, batch]: each sequence's queries (q: [head_dim, heads, batch]) over its context in the
         pool after this step's write, read in place where it lies in consecutive slots, else gathered."""
@@ -238,26 +252,28 @@ class _Step:
         if self.gather is not None:      # [row, the gathered sequences' spans]
             gathered = tuple(ctx.op("get_rows", t, self.inputs["gather"]) for t in pool)
         outs, g, first = [], 0, 0
-        for start, r, span in zip(self.starts, self.rows, self.seq_spans):
+        for s, (start, r, n) in enumerate(zip(self.starts, self.rows, self.spans)):
             if start is not None:
                 source, offset = pool, start            # in slots of the source
             else:
-                source, offset, g = gathered, g, g + span
-            for i in range(first, first + r):     # a row at a time, over its own keys, as it decodes (module doc)
-                n = self.spans[i]       # built for its span, computed over its length
-                keys, values = (ctx.op("view_4d", t, d, n, kv_heads, 1, row * 4, d * 4, row * 4 * n, offset * row * 4)
-                                for t in source)
-                query = ctx.op("view_3d", q, d, 1, heads, d * heads * 4, d * 4, i * d * heads * 4)
-                # softmax(K·q) then V's rows weighted and summed (out_prod): ggml's flash attention computes two
-                # exponentials per key one at a time, 1.3x as long at 2-4K tokens of context; each K/V head serves
-                # its group of query heads (both ops broadcast)
-                scores = ctx.op("mul_mat", keys, query)
-                probs = ctx.op("soft_max_ext", scores, None, d ** -0.5, 0.0)                       # [n, 1, heads]
-                weights = ctx.op("reshape_3d", probs, 1, n, heads)
-                for tensor, dim in ((keys, 1), (values, 1), (scores, 0), (probs, 0), (weights, 1)):
-                    self.lengths.follow(tensor, dim, i, strided=tensor in (keys, values))
-                out = ctx.op("out_prod", values, weights)                                           # [d, 1, heads]
-                outs.append(ctx.op("reshape_3d", out, d, heads, 1))
+                source, offset, g = gathered, g, g + n
+            # built for its span, computed over its length rounded up (module doc)
+            keys, values = (ctx.op("view_4d", t, d, n, kv_heads, 1, row * 4, d * 4, row * 4 * n, offset * row * 4)
+                            for t in source)
+            rows = ctx.op("view_3d", q, d, heads, r, d * 4, d * heads * 4, first * d * heads * 4)
+            queries = ctx.op("cont", ctx.op("permute", rows, 0, 2, 1, 3))                          # [d, r, heads]
+            # softmax(K·q) then V's rows weighted and summed (out_prod): ggml's flash attention computes two
+            # exponentials per key one at a time, 1.3x as long at 2-4K tokens of context; each K/V head serves
+            # its group of query heads (both ops broadcast)
+            scores = ctx.op("mul_mat", keys, queries)                                              # [n, r, heads]
+            mask = self.inputs["masks"][s]
+            probs = ctx.op("soft_max_ext", scores, mask, d ** -0.5, 0.0)
+            weights = ctx.op("permute", probs, 1, 0, 2, 3)                                         # [r, n, heads]
+            for tensor, dim in ((keys, 1), (values, 1), (mask, 0), (scores, 0), (probs, 0)):
+                self.lengths.follow(tensor, dim, s, strided=tensor in (keys, values, mask))
+            self.lengths.follow(weights, 1, s, strides=(0, 2, 3))
+            out = ctx.op("permute", ctx.op("out_prod", values, weights), 0, 2, 1, 3)              # [d, heads, r]
+            outs.append(out if r == 1 else ctx.op("cont", out))
             first += r
         while len(outs) > 1:     # side by side in pairs: each output copied log2(batch) times
             outs = [ctx.op("concat", a, b, 2) for a, b in zip(outs[::2], outs[1::2])] + outs[len(outs) // 2 * 2:]
