@@ -110,7 +110,8 @@ def test_ggml_decode_steps_hand_the_drafter_its_features(monkeypatch, tiny_model
     on_cpu = dict(quantize="int8", device="cpu")
     engine = drafting(tiny_model_dir, dflash_dir, **on_cpu)
     assert isinstance(engine.runner.graphs, GgmlDecodeSteps)
-    hands_the_drafter_its_features(monkeypatch, engine, engine_for(tiny_model_dir, None, **on_cpu), engine.runner.graphs)
+    plain_on_cpu = engine_for(tiny_model_dir, None, **on_cpu)
+    hands_the_drafter_its_features(monkeypatch, engine, plain_on_cpu, engine.runner.graphs)
 
 
 def recording_writes(monkeypatch, engine) -> tuple[list[bytes], list[int]]:

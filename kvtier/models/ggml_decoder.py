@@ -4,7 +4,7 @@ Run op by op through torch, a decode step of a small model spends as long dispat
 multiplying by its weights. Here the whole step (embedding, per layer the norms, projections over the GGUF blocks,
 RoPE, the K/V write into kvtier's pool, attention, the MLP; the final norm and the LM head) is one ggml graph run on
 ggml's threadpool, as llama.cpp runs it. The graph reads the weights and the pool where torch keeps them, and is
-built once per shape (rows per sequence, each row's context length rounded up to CONTEXT_STEP, where each context
+built once per shape (rows per sequence, each sequence's context length rounded up to CONTEXT_STEP, where each context
 starts), the last KEPT_GRAPHS kept: a step writes its token ids, positions, K/V slots and attention masks into the
 graph's inputs, and sets the sizes of each sequence's attention tensors to its context rounded up to KEY_STEP keys
 (`ggml.Lengths`: the graph, planned for the longest, computes over the lengths of the step).
@@ -39,7 +39,7 @@ from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear
 
 
 CONTEXT_STEP = 256      # context lengths a graph serves, rounded up: one graph holds 256 decode steps
-KEY_STEP = 64           # keys a sequence's rows attend over, rounded up (masked past each row's own): whole vectors
+KEY_STEP = 16           # keys a sequence's rows attend over, rounded up: the widest vector ggml's softmax sums (AVX-512)
 KEPT_GRAPHS = 8         # graphs of the last shapes kept: verify steps of a few lengths take turns with decode steps
 
 
@@ -274,8 +274,10 @@ class _Step:
             for tensor, dim in ((keys, 1), (values, 1), (mask, 0), (scores, 0), (probs, 0)):
                 self.lengths.follow(tensor, dim, s, strided=tensor in (keys, values, mask))
             self.lengths.follow(weights, 1, s, strides=(0, 2, 3))
-            out = ctx.op("permute", ctx.op("out_prod", values, weights), 0, 2, 1, 3)              # [d, heads, r]
-            outs.append(out if r == 1 else ctx.op("cont", out))
+            out = ctx.op("out_prod", values, weights)                                              # [d, r, heads]
+            # [d, heads, r]: one row's as it lies, several rows' copied
+            outs.append(ctx.op("reshape_3d", out, d, heads, 1) if r == 1 else
+                        ctx.op("cont", ctx.op("permute", out, 0, 2, 1, 3)))
             first += r
         while len(outs) > 1:     # side by side in pairs: each output copied log2(batch) times
             outs = [ctx.op("concat", a, b, 2) for a, b in zip(outs[::2], outs[1::2])] + outs[len(outs) // 2 * 2:]
