@@ -39,7 +39,7 @@ from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear
 
 
 CONTEXT_STEP = 256      # context lengths a graph serves, rounded up: one graph holds 256 decode steps
-KEY_STEP = 16           # keys a sequence's rows attend over, rounded up: the widest vector ggml's softmax sums (AVX-512)
+KEY_STEP = 16           # keys a sequence's rows attend over, rounded up: AVX-512's vector of floats
 KEPT_GRAPHS = 8         # graphs of the last shapes kept: verify steps of a few lengths take turns with decode steps
 
 
