@@ -6,10 +6,9 @@
 Each step runs in its own process under a time limit (about 30 minutes in all on one H100; `--only` picks steps by
 name, so that calls of 10 minutes each cover them: `--only 'files a-p'`, `--only 'files q-z'` (the suite's two
 halves), `--only 'throughput,products'`, `--only 'TTFT,latency'`); one that fails or runs out of time is reported and
-the next one runs. The benchmarks write
-their sections into the report, as they do into docs/BENCHMARKS.md; every step's whole output goes to the log beside
-it (gpu-check.log). --dry runs the same steps on CPU at toy sizes (one test file only
-collected, the benchmarks on a tiny shape), so that CI keeps the check working.
+the next one runs. The benchmarks write their sections into the report, as they do into docs/BENCHMARKS.md; every
+step's whole output goes to the log beside it (gpu-check.log). --dry runs the same steps on CPU at toy sizes (one test
+file only collected, the benchmarks on a tiny shape), so that CI keeps the check working.
 """
 from __future__ import annotations
 

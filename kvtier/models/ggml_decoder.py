@@ -260,8 +260,8 @@ class _Step:
             # built for its span, computed over its length rounded up (module doc)
             keys, values = (ctx.op("view_4d", t, d, n, kv_heads, 1, row * 4, d * 4, row * 4 * n, offset * row * 4)
                             for t in source)
-            rows = ctx.op("view_3d", q, d, heads, r, d * 4, d * heads * 4, first * d * heads * 4)
-            queries = ctx.op("permute", rows, 0, 2, 1, 3)                                          # [d, r, heads]
+            own = ctx.op("view_3d", q, d, heads, r, d * 4, d * heads * 4, first * d * heads * 4)     # [d, heads, r]
+            queries = ctx.op("permute", own, 0, 2, 1, 3)                                           # [d, r, heads]
             if r > 1:      # contiguous, as one row's is, so the product takes the path a decode's takes
                 queries = ctx.op("cont", queries)
             # softmax(K·q) then V's rows weighted and summed (out_prod): ggml's flash attention computes two

@@ -28,7 +28,9 @@ def _load_hf_tokenizer(path: str, mtime_ns: int):
         saved = _saved_tokenizer_dir(path)
         if os.path.isfile(os.path.join(saved, "tokenizer.json")):
             try:
-                return AutoTokenizer.from_pretrained(saved, local_files_only=True)
+                tokenizer = AutoTokenizer.from_pretrained(saved, local_files_only=True)
+                _byte_level_tokens(tokenizer)       # saved before kvtier repaired it
+                return tokenizer
             except Exception:   # damaged: parse the GGUF again, and save it anew
                 shutil.rmtree(saved, ignore_errors=True)
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
