@@ -28,9 +28,7 @@ def _load_hf_tokenizer(path: str, mtime_ns: int):
         saved = _saved_tokenizer_dir(path)
         if os.path.isfile(os.path.join(saved, "tokenizer.json")):
             try:
-                tokenizer = AutoTokenizer.from_pretrained(saved, local_files_only=True)
-                _byte_level_tokens(tokenizer)       # saved before kvtier repaired it
-                return tokenizer
+                return AutoTokenizer.from_pretrained(saved, local_files_only=True)
             except Exception:   # damaged: parse the GGUF again, and save it anew
                 shutil.rmtree(saved, ignore_errors=True)
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
@@ -65,10 +63,14 @@ def _byte_level_tokens(tokenizer) -> None:
     tokenizer._tokenizer = tokenizers.Tokenizer.from_str(json.dumps(spec))
 
 
+CONVERSION = 2       # kvtier's repairs of a converted tokenizer (2: byte-level tokens), so older saves are parsed anew
+
+
 def _saved_tokenizer_dir(gguf_path: str) -> str:
-    """By the file's path, size and mtime, and the transformers version that converted it."""
+    """By the file's path, size and mtime, the transformers version that converted it and kvtier's repairs."""
     stat = os.stat(gguf_path)
-    version = f"{os.path.realpath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
+    version = (f"{os.path.realpath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}:"
+               f"{CONVERSION}")
     return os.path.join(cache_home(), "tokenizers", xxhash.xxh3_64_hexdigest(version.encode()))
 
 
