@@ -48,6 +48,11 @@ class Config:
     quantize: str = "auto"
     block_size: int | None = None         # None → 64, or 16 under bounded residency
     kv_pool_tokens: int | None = None     # None → a share of free device memory
+    # on CUDA, the fraction of the device's memory this engine may hold, weights and pool together (vLLM's option;
+    # several servers on one GPU); None → $KVTIER_GPU_MEMORY_UTILIZATION, else no fraction (the pool takes a share of
+    # what is free after the weights)
+    gpu_memory_utilization: float | None = field(
+        default_factory=lambda: os.environ.get("KVTIER_GPU_MEMORY_UTILIZATION"))
     max_batched_tokens: int = 2048        # per-step token budget (prefill chunks + decodes)
     max_num_seqs: int = 64                # sequences running at once
     # a step carrying prompt tokens beside running decodes takes at most this many decode-only steps' time; 0: no bound
@@ -120,6 +125,8 @@ class Config:
         if self.kv_pool_tokens is not None and self.kv_pool_tokens < self.block_size:
             raise ConfigError(f"kv_pool_tokens must be at least one block ({self.block_size}), "
                               f"got {self.kv_pool_tokens}")
+        if self.gpu_memory_utilization is not None:
+            self._check_utilization()
         if self.max_batched_tokens < 1:
             raise ConfigError(f"max_batched_tokens must be positive, got {self.max_batched_tokens}")
         if self.kv_host_gib < 0 or self.kv_disk_gib < 0:
@@ -171,6 +178,15 @@ class Config:
             raise ConfigError(f"chat_template {self.chat_template!r} is not a file")
         if self.max_request_bytes < 1024:
             raise ConfigError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
+
+    def _check_utilization(self) -> None:
+        """A fraction in (0, 1]; $KVTIER_GPU_MEMORY_UTILIZATION's text read as one."""
+        try:
+            self.gpu_memory_utilization = float(self.gpu_memory_utilization)
+        except ValueError:
+            raise ConfigError(f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}") from None
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def _check_residency(self) -> None:
         if self.kv_policy not in KV_POLICIES:

@@ -5,6 +5,7 @@ import pytest
 from conftest import until_nothing_runs
 
 from kvtier.config import Config, ConfigError
+from kvtier.kv.pool import cuda_pool_budget
 from kvtier.engine.async_engine import AsyncEngine
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.outputs import RequestRejected
@@ -163,11 +164,30 @@ def test_async_engine_streams_and_cancels(tiny_model_dir):
 @pytest.mark.parametrize("kwargs, match", [
     ({"dtype": "float64"}, "dtype"), ({"device": "tpu"}, "device"), ({"block_size": 48}, "power of two"),
     ({"model": "HuggingFaceTB/SmolLM2-135M-Instruct"}, "never downloads"),
-    ({"kv_pool_tokens": 3}, "at least one block"),
+    ({"kv_pool_tokens": 3}, "at least one block"), ({"gpu_memory_utilization": 1.5}, r"in \(0, 1\]"),
+    ({"gpu_memory_utilization": "most"}, "a number"),
 ])
 def test_config_errors_name_the_problem(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         Config(**kwargs)
+
+
+def test_gpu_memory_utilization_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KVTIER_GPU_MEMORY_UTILIZATION", "0.25")
+    assert Config().gpu_memory_utilization == 0.25
+    monkeypatch.delenv("KVTIER_GPU_MEMORY_UTILIZATION")
+    assert Config().gpu_memory_utilization is None
+
+
+def test_a_gpu_memory_utilization_bounds_the_pool_by_the_whole_device():
+    gib = 2**30
+    # no fraction: 80% of what is free after the weights
+    assert cuda_pool_budget(free=70 * gib, total=80 * gib, held=10 * gib, reserve=0, utilization=None) == 56 * gib
+    # a fraction of the device, less what this process holds already (its weights) and a drafter's weights to come
+    assert cuda_pool_budget(70 * gib, 80 * gib, 10 * gib, 2 * gib, 0.25) == 8 * gib
+    # never more than the share of what is free (another process holds the rest), never below nothing
+    assert cuda_pool_budget(5 * gib, 80 * gib, 1 * gib, 0, 0.5) == 4 * gib
+    assert cuda_pool_budget(70 * gib, 80 * gib, 30 * gib, 0, 0.25) == 0
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"top_k": -2},

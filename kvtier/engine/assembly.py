@@ -36,7 +36,7 @@ def pool_tokens(config: Config, models: list[ModelConfig], device: torch.device,
     drafter's weights will take."""
     per_token = sum(KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
                     for mc in models)
-    return config.kv_pool_tokens or default_pool_tokens(per_token, device, reserve)
+    return config.kv_pool_tokens or default_pool_tokens(per_token, device, reserve, config.gpu_memory_utilization)
 
 
 def tier_share(drafter: ModelConfig, target: ModelConfig) -> float:

@@ -29,14 +29,26 @@ class PoolExhausted(RuntimeError):
     """Not enough free blocks for an allocation; the caller should have checked can_allocate."""
 
 
-def default_pool_tokens(bytes_per_token: int, device: torch.device, reserve: int = 0) -> int:
-    """reserve: device bytes that something not yet on a CUDA device will take (a drafter's weights)."""
+def default_pool_tokens(bytes_per_token: int, device: torch.device, reserve: int = 0,
+                        utilization: float | None = None) -> int:
+    """reserve: device bytes that something not yet on a CUDA device will take (a drafter's weights); utilization:
+    --gpu-memory-utilization."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = max(0, free - reserve) * CUDA_POOL_SHARE
+        free, total = torch.cuda.mem_get_info(device)
+        budget = cuda_pool_budget(free, total, torch.cuda.memory_reserved(device), reserve, utilization)
     else:
         budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_POOL_SHARE
     return int(budget // bytes_per_token)
+
+
+def cuda_pool_budget(free: int, total: int, held: int, reserve: int, utilization: float | None) -> float:
+    """Device bytes for the pool: CUDA_POOL_SHARE of what is free after the weights and `reserve`; under a
+    utilization, no more than what that fraction of the device leaves after what this process holds already (held:
+    its weights) and `reserve`, so that engines sharing a GPU each keep to their fraction."""
+    budget = max(0, free - reserve) * CUDA_POOL_SHARE
+    if utilization is None:
+        return budget
+    return max(0.0, min(budget, utilization * total - held - reserve))
 
 
 class KVPool:
