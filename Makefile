@@ -40,19 +40,20 @@ test: $(VENV)/.installed .agents/.installed
 # report (kvtier/bench/gpu_check.py), run from the checkout without installing it. `make gpu-wheels`, run here with
 # a network, fetches what a CUDA image usually lacks (../shared/GPU.md) as wheels for that machine's Python into
 # .wheels/ (about 20 MB) and cuts the bundled model into .gpu/ (see gpu-model), to carry there. Calls on one warm
-# machine (add --report $OUT/gpu-check.md to ARGS: gpu-check.log beside it gets every step's whole output):
+# machine, in the order the open issues need them (add --report $OUT/gpu-check.md to ARGS: gpu-check.log beside it
+# gets every step's whole output):
 #   1. carry .wheels .gpu/SHA256SUMS .gpu/bundled.gguf.aa:  make gpu-deps gpu-model
 #   2. carry .gpu/SHA256SUMS .gpu/bundled.gguf.ab .gpu/bundled.gguf.ac:
-#      make gpu-model gpu-check ARGS="--only 'files a-p'"      (the suite's first half, about 6 minutes)
-#   3. make gpu-check ARGS="--only 'files q-z'"               (its second half)
-#   4. with time left (another session's, often): ARGS="--only 'throughput,products'", then ARGS="--only 'TTFT,latency'"
+#      make gpu-model gpu-check ARGS="--only 'test suite'"    (8 pytest-xdist workers share the GPU; at most 9 minutes)
+#   3. make gpu-check ARGS="--only '8B,speculative'"           (issue 23's int4 target, issue 24's benchmark)
+#   4. with time left (another session's, often): ARGS="--only '1B,products,Mistral'", then ARGS="--only 'TTFT,latency'"
 GPU_PYTHON ?= 3.12
 GPU_WHEELS := gguf fastapi starlette uvicorn h11 click pydantic pydantic-core annotated-types typing-inspection \
 	typing-extensions llguidance prometheus-client xxhash openai distro jiter anthropic docstring-parser httpx \
 	httpcore anyio sniffio certifi idna hypothesis sortedcontainers attrs libggml-python==0.20.2.post1 \
-	annotated-doc opentelemetry-api httpx2 httpcore2 truststore
+	annotated-doc opentelemetry-api httpx2 httpcore2 truststore pytest-xdist execnet
 gpu-deps:
-	python3 -c "import fastapi, gguf, llguidance, openai, anthropic, uvicorn, hypothesis" 2>/dev/null || \
+	python3 -c "import fastapi, gguf, llguidance, openai, anthropic, uvicorn, hypothesis, xdist" 2>/dev/null || \
 		python3 -m pip install -q --no-index --no-deps .wheels/*.whl
 
 gpu-check: gpu-deps

@@ -3,7 +3,6 @@ on CPU runs every step and writes the one report."""
 from __future__ import annotations
 
 import importlib
-import pathlib
 
 from kvtier.bench import gpu_check
 
@@ -42,7 +41,7 @@ def test_only_runs_the_steps_it_names_into_a_section_of_their_own(tmp_path):
     assert gpu_check.main(["--dry", "--report", str(report), "--only", "no such step"]) == 2
 
 
-def test_the_suites_parts_hold_every_test_file_once():
-    parts = [gpu_check.test_files(part) for part in gpu_check.TEST_PARTS]
-    every = sorted(f"tests/{p.name}" for p in pathlib.Path("tests").glob("test_*.py"))
-    assert sorted(sum(parts, [])) == every and all(parts)
+def test_the_suite_on_cuda_runs_every_test_file_spread_over_workers_or_in_one_process():
+    spread, serial = gpu_check.suite_on_cuda(8), gpu_check.suite_on_cuda(0)
+    assert spread.argv[-1] == serial.argv[-1] == "tests" and spread.env["KVTIER_DEVICE"] == "cuda"
+    assert spread.argv[spread.argv.index("-n") + 1] == "8" and "-n" not in serial.argv

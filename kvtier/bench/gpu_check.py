@@ -3,9 +3,10 @@
 
     make gpu-check                                   # python3 -m kvtier.bench.gpu_check --report gpu-check.md
 
-Each step runs in its own process under a time limit (about 30 minutes in all on one H100; `--only` picks steps by
-name, so that calls of 10 minutes each cover them: `--only 'files a-p'`, `--only 'files q-z'` (the suite's two
-halves), `--only 'throughput,products'`, `--only 'TTFT,latency'`); one that fails or runs out of time is reported and
+Each step runs in its own process under a time limit; `--only` picks steps by name, so that calls of up to 10
+minutes each cover them, in the order the open issues need them: `--only 'test suite'` (spread over 8 processes that
+share the GPU; `--workers 0` runs it a test at a time, which takes longer than one call), `--only '8B,speculative'`,
+then `--only '1B,products,Mistral'` and `--only 'TTFT,latency'`. One that fails or runs out of time is reported and
 the next one runs. The benchmarks write their sections into the report, as they do into docs/BENCHMARKS.md; every
 step's whole output goes to the log beside it (gpu-check.log). --dry runs the same steps on CPU at toy sizes (one test
 file only collected, the benchmarks on a tiny shape), so that CI keeps the check working.
@@ -32,22 +33,25 @@ class Step:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-# the suite takes about 12 minutes on an H100 machine (it captures CUDA graphs for each engine): in two parts, by the
-# files' first letter after "test_", that each fit a call
-TEST_PARTS = ("a-p", "q-z")
+# run one test at a time, the suite takes about 12 minutes on an H100 machine (it captures CUDA graphs for each engine,
+# on the CPU's time): its files spread over WORKERS pytest-xdist processes instead (each takes whole files, so that
+# their fixtures start once), which share the GPU (tests/conftest.py gives each its part of the device's memory) and
+# the CPU (THREADS_PER_WORKER torch threads each)
+WORKERS = 8
+THREADS_PER_WORKER = 2
 # a test module whose client library is not on the GPU machine is reported, the rest runs; one line per test as it
-# ends (-v), so that a part cut off at its limit still says which tests failed
-PYTEST_ON_CUDA = ["-v", "--tb=short", "--durations=10", "--continue-on-collection-errors"]
+# ends (-v), so that a suite cut off at its limit still says which tests failed
+PYTEST_ON_CUDA = ["-v", "--tb=short", "--durations=15", "--continue-on-collection-errors"]
 
 
-def test_files(part: str) -> list[str]:
-    """The test files whose names after "test_" start with a letter in the part's range (e.g. "a-p")."""
-    first, last = part.split("-")
-    return sorted(f"tests/{name}" for name in os.listdir("tests")
-                  if name.startswith("test_") and name.endswith(".py") and first <= name[5] <= last)
+def suite_on_cuda(workers: int) -> Step:
+    """The whole suite on CUDA, over `workers` processes (0: in this one, a test at a time)."""
+    spread = ["-n", str(workers), "--dist", "loadfile"] if workers else []
+    return Step(f"test suite on CUDA, {workers or 'no'} workers", ["pytest", *PYTEST_ON_CUDA, *spread, "tests"], 540,
+                {"KVTIER_DEVICE": "cuda", "OMP_NUM_THREADS": str(THREADS_PER_WORKER if workers else os.cpu_count())})
 
 
-def steps(report: str, dry: bool) -> list[Step]:
+def steps(report: str, dry: bool, workers: int = WORKERS) -> list[Step]:
     """What the check runs, in order: on CUDA at the sizes that tell, or (dry) on CPU at toy sizes."""
     out = ["--output", report]
     if dry:
@@ -61,17 +65,22 @@ def steps(report: str, dry: bool) -> list[Step]:
                 Step("inter-token latency, tiny shape", ["kvtier.bench.itl", *bench, "--streams", "2",
                                                          "--long-prompt", "512", *out], 300),
                 Step("products for quantized weights, tiny shapes", ["kvtier.bench.kernels", "--shapes", "256x64",
-                                                                     "--rows", "1", *out], 300)]
+                                                                     "--rows", "1", *out], 300),
+                Step("speculative decoding, tiny shape", ["kvtier.bench.spec", *bench, "--workloads", "editing",
+                                                          "--conversations", "1", "--max-tokens", "16",
+                                                          "--methods", "off,ngram", *out], 300)]
     cuda = ["--device", "cuda"]
-    return [*(Step(f"test suite on CUDA, files {part}", ["pytest", *PYTEST_ON_CUDA, *test_files(part)], 540,
-                   {"KVTIER_DEVICE": "cuda"}) for part in TEST_PARTS),
+    # in the order the open issues need them: the suite, the 8B shape's int4 decode beside bfloat16, speculation
+    return [suite_on_cuda(workers),
             # int4 weights (Q4_0 blocks, kvtier's Triton kernels) beside bfloat16 ones and transformers
-            Step("throughput, Llama-3.2-1B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.2-1b",
-                                                    "--quantize", "int4", "--prefill-lengths", "512,2048,8192",
-                                                    "--decode-batch", "1,8,64", *out], 100),
             Step("throughput, Llama-3.1-8B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.1-8b",
                                                     "--quantize", "int4", "--prefill-lengths", "2048,8192",
                                                     "--decode-batch", "1,16", *out], 200),
+            Step("speculative decoding, Llama-3.2-1B shape", ["kvtier.bench.spec", *cuda, "--shape", "llama-3.2-1b",
+                                                              "--conversations", "2", *out], 180),
+            Step("throughput, Llama-3.2-1B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.2-1b",
+                                                    "--quantize", "int4", "--prefill-lengths", "512,2048,8192",
+                                                    "--decode-batch", "1,8,64", *out], 100),
             Step("products for quantized weights", ["kvtier.bench.kernels", *cuda, "--shapes",
                                                     "4096x4096,4096x14336,14336x4096", "--rows", "1,16", *out], 100),
             # a GGUF file's K-quants (Q4_K, Q6_K) kept as they are, beside the same weights dequantized
@@ -128,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--report", default="gpu-check.md", help="the report file (default: %(default)s)")
     p.add_argument("--dry", action="store_true", help="on CPU at toy sizes: checks that the check works")
+    p.add_argument("--workers", type=int, default=WORKERS, help="processes the suite on CUDA spreads over (0: one, "
+                                                               "a test at a time; default: %(default)s)")
     p.add_argument("--only", default="", help="run only the steps whose names contain one of these texts "
                                                "(comma-separated)")
     args = p.parse_args(argv)
@@ -145,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     heading = SECTION + (f": the steps named '{args.only}'" if args.only else "")     # one section per call
     write_section(report, heading + "\n\nrunning\n")     # first in the file, the benchmarks' sections after it
     wanted = [text.strip() for text in args.only.split(",")]
-    chosen = [step for step in steps(report, args.dry) if any(text in step.name for text in wanted)]
+    chosen = [step for step in steps(report, args.dry, args.workers) if any(text in step.name for text in wanted)]
     if not chosen:
         print(f"no step is named like {args.only!r}", file=sys.stderr)
         return 2

@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     names = list(engines)
     rate = {w: {n: t["decoded"] / t["seconds"] for n, t in totals.items()} for w, totals in results.items()}
     weights = engines["off"].weights_mode
-    costs = "; ".join(f"{name}: " + ", ".join(f"k={k} {eng.speculator.draft_cost(k):.2f}"
-                                              for k in sorted(eng.speculator.draft_costs))
+    costs = "; ".join(f"{name}: " + (", ".join(f"k={k} {eng.speculator.draft_cost(k):.2f}"
+                                               for k in sorted(eng.speculator.draft_costs)) or "none measured")
                       for name, eng in engines.items() if eng.speculator)
     drafter = f" The draft model is {engines['draft'].drafter.name}." if "draft" in engines else ""
     lines = [*header(f"{SECTION}, weights: {weights}", engine_machine(engines["off"]), command),
