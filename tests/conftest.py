@@ -15,10 +15,10 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="kvtier-test-cache-")
 # the same references; elsewhere Triton kernels run in Triton's interpreter, which must be chosen before it is imported
 if os.environ.get("KVTIER_DEVICE", "cpu").startswith("cuda"):
     os.environ.setdefault("KVTIER_DTYPE", "float32")
-    # pytest-xdist's workers share the GPU: each engine keeps to its part of the device, a worker's own and the
-    # server it may have running beside them (a session's) each taking one
+    # pytest-xdist's workers share the GPU: each engine keeps to its part of the device, three a worker (a test's
+    # engine, a module's, a session's server)
     if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-        share = 0.7 / (2 * int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+        share = 0.7 / (3 * int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
         os.environ.setdefault("KVTIER_GPU_MEMORY_UTILIZATION", f"{share:.3f}")
 else:
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -183,7 +183,7 @@ def test_a_gpu_memory_utilization_bounds_the_pool_by_the_whole_device():
     gib = 2**30
     # no fraction: 80% of what is free after the weights
     assert cuda_pool_budget(free=70 * gib, total=80 * gib, held=10 * gib, reserve=0, utilization=None) == 56 * gib
-    # a fraction of the device, less what this process holds already (its weights) and a drafter's weights to come
+    # a fraction of the device, less the engine's weights and a drafter's weights to come
     assert cuda_pool_budget(70 * gib, 80 * gib, 10 * gib, 2 * gib, 0.25) == 8 * gib
     # never more than the share of what is free (another process holds the rest), never below nothing
     assert cuda_pool_budget(5 * gib, 80 * gib, 1 * gib, 0, 0.5) == 4 * gib

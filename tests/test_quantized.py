@@ -23,7 +23,8 @@ from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.loader import BUNDLED_MODEL, load_model, read_gguf
-from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear, dequantized_product, quantize, weight_bytes
+from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, dequantized_product, model_weight_bytes,
+                                     quantize)
 
 pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
 
@@ -108,7 +109,7 @@ def test_each_type_stays_in_its_blocks_and_scores_as_its_dequantized_weights(tmp
     projections = [m for m in quantized.modules() if isinstance(m, QuantizedLinear)]
     assert len(projections) == 2 * 4 + 1 and all(p.type_name == qtype.name for m in projections for p in m.parts)
     assert isinstance(quantized.model.embed_tokens, QuantizedEmbedding)
-    assert weight_bytes(quantized) <= 1.2 * tensor_bytes(path) < weight_bytes(float32) / 2
+    assert model_weight_bytes(quantized) <= 1.2 * tensor_bytes(path) < model_weight_bytes(float32) / 2
     table = [list(range(TEXT_TOKENS // BLOCK + 1))]
     text = [TEXT[:1]]
     want = teacher_forced(float32, text, table, length=TEXT_TOKENS)[0]    # a text the float32 model writes
@@ -254,7 +255,8 @@ def test_quantize_int8_and_int4_at_load(tiny_model_dir):
     for mode, tolerance in (("int8", 0.05), ("int4", 0.3)):
         got = teacher_forced(models[mode], ids, [[0, 1]])
         assert (got - want).abs().max() <= tolerance * want.abs().max(), mode
-    assert weight_bytes(models["int4"]) < weight_bytes(models["int8"]) < weight_bytes(models["none"]) / 2
+    sizes = {mode: model_weight_bytes(model) for mode, model in models.items()}
+    assert sizes["int4"] < sizes["int8"] < sizes["none"] / 2
 
 
 def test_quantized_weights_are_refused_where_no_kernel_runs_them():
@@ -279,7 +281,7 @@ def test_the_bundled_model_in_its_blocks(device, dtype, steps, tie):
                for mode in ("auto", "none")}
     quantized = engines["auto"].model
     assert quantized.quantized and isinstance(engines["auto"].runner.graphs, steps)
-    assert weight_bytes(quantized) <= 1.2 * tensor_bytes(BUNDLED_MODEL)
+    assert model_weight_bytes(quantized) <= 1.2 * tensor_bytes(BUNDLED_MODEL)
     prompts = ["What is the capital of France?", "Write a haiku about the sea.",
                "Explain in two sentences why the sky is blue.", "List three prime numbers and say why they are prime."]
     for i, prompt in enumerate(prompts):

@@ -32,7 +32,7 @@ from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.gguf_file import GGUFFile
 from kvtier.models.loader import resolve_model_path
-from kvtier.models.quantized import prompt_dtype, weight_bytes
+from kvtier.models.quantized import model_weight_bytes, prompt_dtype
 
 SECTION = "## Throughput (kvtier vs transformers)"
 PREFILL_TARGET = 1.0      # kvtier / transformers, at every prompt length
@@ -131,8 +131,8 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
 def read_bytes_per_step(model: Decoder, batch: int, context: int, kv_bytes_per_token: int) -> int:
     """What one decode step must read: kvtier's weights (as it keeps them) but an untied input embedding (only its
     rows are read), and each sequence's KV at the given context."""
-    untied = 0 if model.config.tie_word_embeddings else weight_bytes(model.model.embed_tokens)
-    return weight_bytes(model) - untied + batch * context * kv_bytes_per_token
+    untied = 0 if model.config.tie_word_embeddings else model_weight_bytes(model.model.embed_tokens)
+    return model_weight_bytes(model) - untied + batch * context * kv_bytes_per_token
 
 
 def load_hf(path: str, dtype: torch.dtype, device: torch.device):
@@ -279,7 +279,7 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
                                if length >= 2048}, LLAMA_PREFILL_TARGET))
     if results["file_tensor_bytes"] and eng.model.quantized:
         targets.append(target(f"weights in memory ≤ {MEMORY_TARGET:.1f}× the GGUF's tensors",
-                              {"weights / file": weight_bytes(eng.model) / results["file_tensor_bytes"]},
+                              {"weights / file": model_weight_bytes(eng.model) / results["file_tensor_bytes"]},
                               MEMORY_TARGET, above=False))
     dequantized = f"kvtier {eng.config.dtype}"      # kvtier with every weight in dtype, beside quantized ones
     if dequantized in names and args.device == "cpu":
@@ -312,7 +312,8 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
                    else f"CUDA graphs (batch buckets {graphs.buckets})")
     prompt = prompt_dtype(eng.config.torch_dtype, torch.device(args.device).type)
     prompt_rows = f", prompt rows in {str(prompt).removeprefix('torch.')}" if prompt != eng.config.torch_dtype else ""
-    weights = (f"weights kept quantized ({eng.weights_mode}, {weight_bytes(eng.model) / 1e6:.0f} MB{prompt_rows})"
+    size = model_weight_bytes(eng.model) / 1e6
+    weights = (f"weights kept quantized ({eng.weights_mode}, {size:.0f} MB{prompt_rows})"
                if eng.model.quantized else f"{eng.config.dtype} weights")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     machine = (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, transformers "

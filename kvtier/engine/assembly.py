@@ -30,13 +30,14 @@ log = logging.getLogger("kvtier.engine")
 BUFFER_MAX_BYTES = 1 << 30      # the most host memory each of the mover's read buffers takes
 
 
-def pool_tokens(config: Config, models: list[ModelConfig], device: torch.device, reserve: int = 0) -> int:
+def pool_tokens(config: Config, models: list[ModelConfig], device: torch.device, held: int, reserve: int = 0) -> int:
     """The tokens each pool holds: --kv-pool-tokens, else a share of free memory split between the model's pool and
-    its drafter's (each holds as many tokens: every sequence the model runs fits in both). reserve: device bytes a
-    drafter's weights will take."""
+    its drafter's (each holds as many tokens: every sequence the model runs fits in both). held: device bytes the
+    model's weights take; reserve: those a drafter's weights will take."""
     per_token = sum(KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
                     for mc in models)
-    return config.kv_pool_tokens or default_pool_tokens(per_token, device, reserve, config.gpu_memory_utilization)
+    return config.kv_pool_tokens or default_pool_tokens(per_token, device, held, reserve,
+                                                        config.gpu_memory_utilization)
 
 
 def tier_share(drafter: ModelConfig, target: ModelConfig) -> float:

@@ -27,6 +27,7 @@ from kvtier.kv.pager import CAPTURE_ROWS, PinRefused
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.decoder import Decoder
 from kvtier.models.loader import hf_config, load_model, resolve_model_path
+from kvtier.models.quantized import model_weight_bytes
 from kvtier.spec.dflash import DFlashDrafter, dflash_weight_bytes
 from kvtier.spec.draft_model import DraftModel, load_draft, weight_bytes
 from kvtier.spec.speculator import Speculator
@@ -63,7 +64,8 @@ class LLMEngine:
         # the drafter's pool holds as many tokens as the model's, from one budget; its weights are not on the device yet
         reserve = weight_bytes(draft.weights.values(), config.torch_dtype) if draft else \
             dflash_weight_bytes(drafter_path) if dflash else 0
-        tokens = pool_tokens(config, [mc] + ([drafter_config] if drafter_config else []), self.device, reserve)
+        tokens = pool_tokens(config, [mc] + ([drafter_config] if drafter_config else []), self.device,
+                             model_weight_bytes(self.model), reserve)
         self.pool = build_pool(config, mc, loaded.fingerprint, self.device, tokens)
         # the drafter's part of the tiers' budgets
         share = tier_share(drafter_config, mc) if drafter_config else 0.0

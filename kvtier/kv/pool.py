@@ -29,13 +29,13 @@ class PoolExhausted(RuntimeError):
     """Not enough free blocks for an allocation; the caller should have checked can_allocate."""
 
 
-def default_pool_tokens(bytes_per_token: int, device: torch.device, reserve: int = 0,
+def default_pool_tokens(bytes_per_token: int, device: torch.device, held: int = 0, reserve: int = 0,
                         utilization: float | None = None) -> int:
-    """reserve: device bytes that something not yet on a CUDA device will take (a drafter's weights); utilization:
-    --gpu-memory-utilization."""
+    """held: device bytes the engine's weights take; reserve: those that something not yet on a CUDA device will take
+    (a drafter's weights); utilization: --gpu-memory-utilization."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = cuda_pool_budget(free, total, torch.cuda.memory_allocated(device), reserve, utilization)
+        budget = cuda_pool_budget(free, total, held, reserve, utilization)
     else:
         budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_POOL_SHARE
     return int(budget // bytes_per_token)
@@ -43,9 +43,8 @@ def default_pool_tokens(bytes_per_token: int, device: torch.device, reserve: int
 
 def cuda_pool_budget(free: int, total: int, held: int, reserve: int, utilization: float | None) -> float:
     """Device bytes for the pool: CUDA_POOL_SHARE of what is free after the weights and `reserve`; under a
-    utilization, no more than what that fraction of the device leaves after the tensors this process holds (held: its
-    weights; not what torch keeps cached of engines gone, which the pool reuses) and `reserve`, so that engines
-    sharing a GPU each keep to their fraction."""
+    utilization, no more than what that fraction of the device leaves after the engine's weights (held) and `reserve`,
+    so that engines sharing a GPU each keep to their fraction."""
     budget = max(0, free - reserve) * CUDA_POOL_SHARE
     if utilization is None:
         return budget

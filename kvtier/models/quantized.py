@@ -221,7 +221,7 @@ class QuantizedEmbedding(nn.Module):
         return self.weight.rows(ids)
 
 
-def weight_bytes(model: nn.Module) -> int:
+def model_weight_bytes(model: nn.Module) -> int:
     """Bytes of every weight: quantized blocks and float parameters."""
     blocks = {id(p): p.nbytes for m in model.modules()
               for p in (getattr(m, "parts", None) or ([m.weight] if isinstance(m, QuantizedEmbedding) else []))}
