@@ -45,9 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--kv-pool-tokens", type=int, metavar="N", help="tokens of KV the device pool holds "
                                                          "(default: a share of free device memory)")
     group.add_argument("--gpu-memory-utilization", type=float, metavar="F",
-                       help="on CUDA, the fraction of the device's memory this server may hold, weights and KV pool "
-                            "together, as vLLM's option (several servers on one GPU); $KVTIER_GPU_MEMORY_UTILIZATION "
-                            "sets it too (default: none, the pool takes 80%% of the memory free after the weights)")
+                       help="on CUDA, the fraction of the device's memory this server's weights and KV pool may "
+                            "take (vLLM's option; activations and CUDA graphs come on top), so that several servers "
+                            "share one GPU; $KVTIER_GPU_MEMORY_UTILIZATION sets it too (default: none, the pool takes "
+                            "80%% of the memory free after the weights)")
     group.add_argument("--max-batched-tokens", type=int, metavar="N", help="tokens per engine step (default: 2048)")
     group.add_argument("--max-num-seqs", type=int, metavar="N", help="sequences running at once (default: 64)")
     group.add_argument("--max-itl-ratio", type=float, metavar="R",

@@ -48,9 +48,9 @@ class Config:
     quantize: str = "auto"
     block_size: int | None = None         # None → 64, or 16 under bounded residency
     kv_pool_tokens: int | None = None     # None → a share of free device memory
-    # on CUDA, the fraction of the device's memory this engine may hold, weights and pool together (vLLM's option;
-    # several servers on one GPU); None → $KVTIER_GPU_MEMORY_UTILIZATION, else no fraction (the pool takes a share of
-    # what is free after the weights)
+    # on CUDA, the fraction of the device's memory this engine's weights and pool may take (vLLM's option; several
+    # servers on one GPU); None → $KVTIER_GPU_MEMORY_UTILIZATION, else no fraction (the pool takes a share of what is
+    # free after the weights)
     gpu_memory_utilization: float | None = field(
         default_factory=lambda: os.environ.get("KVTIER_GPU_MEMORY_UTILIZATION"))
     max_batched_tokens: int = 2048        # per-step token budget (prefill chunks + decodes)

@@ -5,10 +5,10 @@ import pytest
 from conftest import until_nothing_runs
 
 from kvtier.config import Config, ConfigError
-from kvtier.kv.pool import cuda_pool_budget
 from kvtier.engine.async_engine import AsyncEngine
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.outputs import RequestRejected
+from kvtier.kv.pool import cuda_pool_budget
 from kvtier.engine.sampling_params import SamplingParams
 
 BS = 16
