@@ -39,6 +39,7 @@ PREFILL_TARGET = 1.0      # kvtier / transformers, at every prompt length
 DECODE_B1_TARGET = 1.0    # kvtier batch 1 / transformers batch 1
 DECODE_BATCH_TARGET = 4.0  # kvtier at the largest batch / transformers batch 1
 FLOOR_B1_TARGET = 0.7      # kvtier batch 1 / the bandwidth floor, on a GPU
+DECODE_CONTEXT = 128       # the decode runs' prompt length, unless --decode-context says otherwise
 LLAMA_DECODE_TARGET = 1.0   # kvtier batch 1 / llama.cpp batch 1, same GGUF file
 LLAMA_PREFILL_TARGET = 1.2  # kvtier / llama.cpp prefill at 2048 and 4096 tokens
 MEMORY_TARGET = 1.2         # kvtier's weights in memory / a GGUF file's tensor bytes
@@ -325,9 +326,11 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
                   + ("on" if results["llama_flash"] else "off (the wheel turns it off without AVX-VNNI)")
                   + "; its prefill runs in its own micro-batches, its decode is one batch of every sequence per "
                   "step with greedy argmax." if "llama.cpp" in names else results["llama_missing"])
+    # a shape's numbers, and decodes over longer contexts, in sections of their own beside the bundled model's
+    qualifiers = ([args.shape] if args.shape else []) + ([f"decode at {args.decode_context} tokens of context"]
+                                                         if args.decode_context > DECODE_CONTEXT else [])
     return "\n".join([
-        # a shape's numbers in a section of their own, beside the bundled model's
-        *header(SECTION if not args.shape else f"{SECTION[:-1]}, {args.shape})", machine, command),
+        *header(SECTION[:-1] + "".join(f", {q}" for q in qualifiers) + ")", machine, command),
         *table,
         "",
         "Targets:",
@@ -372,7 +375,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-float", action="store_true",
                    help="leave out kvtier with every weight in --dtype beside quantized ones (a 7B model's "
                         "float32 weights take 28 GB)")
-    p.add_argument("--decode-context", type=int, default=128, help="prompt length of the decode runs")
+    p.add_argument("--decode-context", type=int, default=DECODE_CONTEXT, help="prompt length of the decode runs")
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement; the best is reported")
     p.add_argument("--enforce-eager", action="store_true", help="kvtier's decode without CUDA graphs (CUDA)")
     p.add_argument("--hf-compile", action="store_true",
