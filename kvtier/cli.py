@@ -15,6 +15,7 @@ log = logging.getLogger("kvtier")
 
 # kvtier bench NAME → kvtier.bench.NAME.main(argv)
 BENCHMARKS = ("throughput", "ttft", "niah", "itl", "stall", "kernels")
+KEEP_ALIVE_SECONDS = 75     # how long an idle HTTP connection stays open (uvicorn: 5 s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,8 +168,11 @@ def _serve(args) -> int:
     engine = AsyncEngine(config)
     try:
         app = build_app(engine, config)
-        # on Ctrl-C, give open streams a few seconds, then cancel them (which aborts their requests)
-        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, timeout_graceful_shutdown=5))
+        # on Ctrl-C, give open streams a few seconds, then cancel them (which aborts their requests). Idle
+        # connections stay open longer than clients keep them (httpx, so the OpenAI and Anthropic SDKs: 5 s; node: 4 s),
+        # so a client never sends a request on a connection the server is closing at that moment
+        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, timeout_graceful_shutdown=5,
+                                               timeout_keep_alive=KEEP_ALIVE_SECONDS))
         name = ", ".join(config.served_model_names or [engine.model_name])
         asyncio.run(_serve_until_stopped(server, f"http://{config.host}:{config.port}/v1", name))
     finally:

@@ -1,7 +1,10 @@
 """The real server (`kvtier serve`, bundled model) driven by the official openai client and httpx."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPConnection
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -45,6 +48,19 @@ def http(base_url):
 def test_health_needs_no_key(base_url):
     r = httpx.get(f"{base_url}/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive(base_url):
+    """A connection idle past the 5 s httpx (the SDKs) keeps one is still open: a client never reuses one that the
+    server is closing at that moment (a request lost as "Server disconnected" under load)."""
+    conn = HTTPConnection(urlsplit(base_url).netloc, timeout=30)
+    try:
+        for pause in (0, 6):
+            time.sleep(pause)
+            conn.request("GET", "/health")        # http.client opens no new connection for a closed one: it raises
+            assert conn.getresponse().read() == b'{"status":"ok"}'
+    finally:
+        conn.close()
 
 
 def test_models(client, model):
