@@ -101,7 +101,7 @@ def test_decode_graphs_hand_the_drafter_its_features(monkeypatch, plain, tiny_mo
                                                  engine.max_model_len, capture=False, rows_per_seq=BLOCK,
                                                  feature_layers=engine.drafter.feature_layers)
     # fewer tokens: each step runs the kernels in Triton's interpreter
-    hands_the_drafter_its_features(monkeypatch, engine, plain, graphs, SamplingParams(max_tokens=16, temperature=0.0,
+    hands_the_drafter_its_features(monkeypatch, engine, plain, graphs, SamplingParams(max_tokens=8, temperature=0.0,
                                                                                       ignore_eos=True))
 
 
