@@ -16,7 +16,7 @@ TURNS = [CONTEXT + "Tell me about the history of Paris in a few sentences.",
 def chat(url, messages):
     client = OpenAI(base_url=f"{url}/v1", api_key="unused")
     model = client.models.list().data[0].id
-    return client.chat.completions.create(model=model, messages=messages, max_tokens=48, temperature=0)
+    return client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
 
 
 def test_cached_tokens_grow_and_survive_restart(tmp_path):
