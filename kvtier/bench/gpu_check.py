@@ -46,8 +46,9 @@ PYTEST_ON_CUDA = ["-v", "--tb=short", "--durations=15", "--continue-on-collectio
 
 def suite_on_cuda(workers: int) -> Step:
     """The whole suite on CUDA, over `workers` processes (0: in this one, a test at a time)."""
-    spread = ["-n", str(workers), "--dist", "loadfile"] if workers else []
-    threads = {"OMP_NUM_THREADS": str(THREADS_PER_WORKER)} if workers else {}
+    spread, threads = [], {}
+    if workers:
+        spread, threads = ["-n", str(workers), "--dist", "loadfile"], {"OMP_NUM_THREADS": str(THREADS_PER_WORKER)}
     return Step(f"test suite on CUDA, {workers or 'no'} workers", ["pytest", *PYTEST_ON_CUDA, *spread, "tests"], 540,
                 {"KVTIER_DEVICE": "cuda", **threads})
 
