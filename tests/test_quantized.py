@@ -25,6 +25,7 @@ from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.loader import BUNDLED_MODEL, load_model, read_gguf
 from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, dequantized_product, model_weight_bytes,
                                      quantize)
+from kvtier.models.repacked import RepackedWeight
 
 pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
 
@@ -424,3 +425,21 @@ def test_a_verify_steps_rows_each_score_as_their_decode_alone():
         for j, p in enumerate(positions):
             alone = steps.run([tokens[j]], [p], [slots[j]], [table[:p // bs + 1]], [p + 1], [1])
             assert torch.equal(verify[1 + j], alone[0]), (n, r, j)
+
+
+def test_q4_0_projections_decode_interleaved_and_each_verify_row_as_alone(tmp_path):
+    """Q4_0 projections take ggml's interleaved layout (repacked.py), whose multi-row kernel serves a verify step's
+    rows: each still scores bitwise as its decode alone."""
+    model = decoder(tiny_gguf(tmp_path / "m.gguf", qtype=Q.Q4_0), quantized=True)
+    parts = [p for m in model.modules() if isinstance(m, QuantizedLinear) for p in m.parts]
+    assert len(parts) == 2 * 4 + 1 and all(isinstance(p, RepackedWeight) for p in parts)
+    pool = pool_for(model)
+    pool.kv_cache.copy_(torch.randn(pool.kv_cache.shape, generator=torch.Generator().manual_seed(2)))
+    steps = GgmlDecodeSteps(model, pool, threads=2)
+    n, r = 100, 6
+    table, positions = list(range(n // BLOCK + 1)), list(range(n - r, n))
+    tokens, slots = [(7 * p) % 500 + 3 for p in positions], positions       # blocks 0.. in order: slot = position
+    verify = steps.run(tokens, positions, slots, [table], [n], [r]).clone()
+    for j, p in enumerate(positions):
+        alone = steps.run([tokens[j]], [p], [p], [table[:p // BLOCK + 1]], [p + 1], [1])
+        assert torch.equal(verify[j], alone[0]), j

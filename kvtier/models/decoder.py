@@ -20,6 +20,7 @@ from kvtier.models.config import ModelConfig
 from kvtier.models.products import Linear
 from kvtier.models.packed import pack, packable
 from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding
+from kvtier.models.repacked import repacked
 
 log = logging.getLogger("kvtier.models")
 
@@ -188,9 +189,10 @@ class Decoder(nn.Module):
     def from_weights(cls, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device: torch.device,
                      packed: bool | None = None) -> "Decoder":
         """Build on the meta device, then adopt the checkpoint tensors (no random init, no copy twice). Quantized
-        weights replace their modules with quantized ones: ggml's blocks on CPU (float32 activations), packed for
-        Triton's kernels elsewhere (packed=True takes those on CPU too, in Triton's interpreter: how the tests check
-        them). There, a block type no kernel multiplies is dequantized to dtype."""
+        weights replace their modules with quantized ones: ggml's blocks on CPU (float32 activations; Q4_0
+        projections interleaved as ggml's faster kernels want them: repacked.py), packed for Triton's kernels
+        elsewhere (packed=True takes those on CPU too, in Triton's interpreter: how the tests check them). There, a
+        block type no kernel multiplies is dequantized to dtype."""
         packed = device.type != "cpu" if packed is None else packed
         if packed:
             weights = {k: _kernel_ready(k, v, dtype) for k, v in weights.items()}
@@ -215,6 +217,8 @@ class Decoder(nn.Module):
         for name, parts in quantized.items():
             if packed:
                 parts = [pack(p.blocks, p.ggml_type, p.in_features, device, dtype) for p in parts]
+            elif name != "model.embed_tokens":      # an embedding takes rows, never products
+                parts = [repacked(p) for p in parts]
             bias = weights.get(f"{name}.bias")
             module = QuantizedEmbedding(parts[0]) if name == "model.embed_tokens" else \
                 QuantizedLinear(parts, None if bias is None else bias.to(device=device, dtype=dtype))

@@ -189,6 +189,10 @@ class Context:
             raise RuntimeError("ggml refused to place a tensor at the given memory")
         return tensor
 
+    def hold(self, owner) -> None:
+        """Keep `owner` (what holds memory a tensor of this context reads) as long as this context."""
+        self._kept.append(owner)
+
     def place_repacked(self, blocks: torch.Tensor, ggml_type: int, ne: tuple[int, ...]) -> int | None:
         """A weight's blocks copied into ggml's CPU_REPACK memory, interleaved for its multi-row kernels; None where
         ggml has no such layout for the type on this CPU (or no CPU_REPACK at all)."""

@@ -72,9 +72,7 @@ class QuantizedWeight:
         return ctx.place(self.blocks, self.ggml_type, (self.in_features, self.out_features))
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in_features] float32 @ weight.T, through ggml."""
-        return _ggml_op("mul_mat", self, ggml.aligned(x), x.new_empty(x.shape[0], self.out_features),
-                        torch.get_num_threads())
+        return weight_product(self, x)
 
     def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int = 1) -> torch.Tensor:
         """Rows of the weight, dequantized: float32 [len(ids), in_features] (into out when given). On one thread by
@@ -82,7 +80,7 @@ class QuantizedWeight:
         them took 2x as long (a 512-token prefill of the bundled model dequantizes 57 ms on two threads, 27 on
         one)."""
         out = torch.empty(len(ids), self.in_features) if out is None else out
-        return _ggml_op("get_rows", self, ggml.aligned(ids.to(torch.int32)), out, threads)
+        return weight_op("get_rows", self, ggml.aligned(ids.to(torch.int32)), out, threads)
 
     def dequantized(self) -> torch.Tensor:
         """The whole weight in float32 (at load, on torch's threads)."""
@@ -107,7 +105,13 @@ def concatenated(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
     return [QuantizedWeight(torch.cat([p.blocks for p in parts]), parts[0].ggml_type, parts[0].in_features)]
 
 
-def _ggml_op(op: str, weight: QuantizedWeight, x: torch.Tensor, out: torch.Tensor, threads: int) -> torch.Tensor:
+def weight_product(weight, x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in_features] float32 @ weight.T through ggml, for a weight in ggml's blocks (any layout: `placed`)."""
+    return weight_op("mul_mat", weight, ggml.aligned(x), x.new_empty(x.shape[0], weight.out_features),
+                     torch.get_num_threads())
+
+
+def weight_op(op: str, weight, x: torch.Tensor, out: torch.Tensor, threads: int) -> torch.Tensor:
     """One ggml op of a weight and x, computed into out on ggml's threadpool of `threads`, through a graph built
     for this call."""
     ctx = ggml.Context(threads, max_tensors=4, max_nodes=2)

@@ -1,0 +1,129 @@
+"""Q4_0 weights in ggml's interleaved CPU_REPACK layout, where decode rows multiply faster.
+
+ggml multiplies a weight whose rows it has interleaved eight at a time (`block_q4_0x8`: eight rows' scales, then
+their quants in 8-byte turns) by up to four activation rows at once, unpacking each block once for all of them:
+1.3-1.45x as fast as the file's layout at one row, 1.6-2x at eight (`kvtier bench kernels`). Its one-row and
+multi-row kernels round a row alike, so a row's logits still do not depend on what else is in its step; Q4_K's
+repacked kernels do not (a row rounds by its batch), so Q4_K keeps the file's layout, as do the types ggml has no
+layout for on this CPU (Q4_1, Q8_0, Q6_K with AVX2).
+
+The repacked copy is the weight's only one, so weights take the file's memory: prompt rows, which dequantize the
+weight for torch's product, get its rows back in the file's layout (`plain`) for the slice they dequantize. At load
+a weight is repacked only where that round trip gives back its blocks and (once per type and process) where the
+repacked product rounds a row alike alone and among others; else it keeps the file's layout.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kvtier.models import ggml
+from kvtier.models.quantized import QuantizedWeight, weight_product
+
+GROUP_ROWS = 8                                      # rows ggml interleaves
+Q4_0 = GGMLQuantizationType.Q4_0
+_SCALE_BYTES, _QUANT_BYTES = 2, 16                  # a Q4_0 block: float16 scale, 32 4-bit quants
+_TURN = 8                                           # bytes of a row's quants per turn in an interleaved block
+# ggml flips each 4-bit quant's high bit when it interleaves: 0x88 in every byte of an int64 turn
+_FLIPPED = torch.tensor(int.from_bytes(b"\x88" * 8, "little", signed=True), dtype=torch.int64)
+
+
+class RepackedWeight:
+    """A Q4_0 weight [out_features, in_features] in ggml's memory, interleaved: the interface of QuantizedWeight."""
+
+    def __init__(self, ctx: ggml.Context, tensor: int, ggml_type: int, in_features: int, out_features: int):
+        self.ctx, self.tensor = ctx, tensor
+        self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, out_features
+        data = ggml._TensorHead.from_address(tensor).data
+        nbytes = ctx.lib.nbytes(tensor)
+        # [groups of 8 rows, blocks per row, 8 scales then 8 rows' quants]
+        self.groups = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(data), dtype=torch.uint8).view(
+            out_features // GROUP_ROWS, in_features // GGML_QUANT_SIZES[Q4_0][0],
+            GROUP_ROWS * (_SCALE_BYTES + _QUANT_BYTES))
+        weakref.finalize(self, ctx.close)
+
+    @property
+    def type_name(self) -> str:
+        return GGMLQuantizationType(self.ggml_type).name
+
+    @property
+    def nbytes(self) -> int:
+        return self.groups.numel()
+
+    def placed(self, ctx: ggml.Context) -> int:
+        """The weight's ggml tensor, for ctx's ops (it lives in its own context, kept as long as ctx)."""
+        ctx.hold(self)
+        return self.tensor
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return weight_product(self, x)
+
+    def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int = 1) -> torch.Tensor:
+        """Rows of the weight, dequantized (QuantizedWeight.rows) from the groups that hold them, put back in the
+        file's layout."""
+        ids = ids.long()
+        groups, local = torch.unique(ids // GROUP_ROWS, return_inverse=True)
+        plain = QuantizedWeight(self.plain(groups), self.ggml_type, self.in_features)
+        return plain.rows(local * GROUP_ROWS + ids % GROUP_ROWS, out, threads)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features), threads=torch.get_num_threads())
+
+    def plain(self, groups: torch.Tensor) -> torch.Tensor:
+        """The blocks of the given groups' rows (ascending) in the file's layout: uint8 [8 * len(groups), bytes per
+        row]. A group's interleaved block is 8 scales then 16 turns of 8 quant bytes, turn t row t % 8's bytes
+        8 * (t // 8) onwards: moved as int64s, with ggml's flipped bits flipped back in the same pass."""
+        first, last = groups[0].item(), groups[-1].item()
+        g = self.groups[first:last + 1] if last - first + 1 == len(groups) else self.groups[groups]
+        n, blocks = g.shape[:2]
+        out = torch.empty(n, GROUP_ROWS, blocks, _SCALE_BYTES + _QUANT_BYTES, dtype=torch.uint8)
+        out[..., :_SCALE_BYTES] = g[..., :GROUP_ROWS * _SCALE_BYTES].view(n, blocks, GROUP_ROWS, _SCALE_BYTES
+                                                                          ).transpose(1, 2)
+        turns = g.view(torch.int64)[..., GROUP_ROWS * _SCALE_BYTES // 8:].view(n, blocks, _QUANT_BYTES // _TURN,
+                                                                                GROUP_ROWS)
+        rows = torch.empty(n, GROUP_ROWS, blocks, _QUANT_BYTES // _TURN, dtype=torch.int64)
+        torch.bitwise_xor(turns.permute(0, 3, 1, 2), _FLIPPED, out=rows)
+        out[..., _SCALE_BYTES:] = rows.view(torch.uint8)
+        return out.view(n * GROUP_ROWS, -1)
+
+
+def repacked(weight: QuantizedWeight) -> QuantizedWeight | RepackedWeight:
+    """The weight in ggml's interleaved layout where that is Q4_0's and rounds rows alike (module doc); else itself."""
+    threads = torch.get_num_threads()
+    if weight.ggml_type != Q4_0 or weight.out_features % GROUP_ROWS or not _rounds_rows_alike(threads):
+        return weight
+    packed = _interleaved(weight, threads)
+    ends = torch.tensor([0, weight.out_features // GROUP_ROWS - 1])
+    # another interleaving than block_q4_0x8's (another ggml, another CPU) would not come back as the file's blocks
+    if packed is None or not torch.equal(packed.plain(ends), weight.blocks.view(-1, GROUP_ROWS, weight.blocks.shape[1])
+                                         [ends].flatten(0, 1)):
+        return weight
+    return packed
+
+
+def _interleaved(weight: QuantizedWeight, threads: int) -> RepackedWeight | None:
+    """The weight copied into ggml's CPU_REPACK memory; None where ggml has no layout for it here."""
+    ctx = ggml.Context(threads, max_tensors=1)
+    tensor = ctx.place_repacked(weight.blocks, weight.ggml_type, (weight.in_features, weight.out_features))
+    if tensor is None:
+        ctx.close()
+        return None
+    return RepackedWeight(ctx, tensor, weight.ggml_type, weight.in_features, weight.out_features)
+
+
+@functools.cache
+def _rounds_rows_alike(threads: int) -> bool:
+    """Whether ggml's repacked Q4_0 product gives each of 5 rows (its multi-row kernel takes 4 at a time, the fifth
+    alone) bitwise what that row gives alone."""
+    generator = torch.Generator().manual_seed(0)
+    packed = _interleaved(QuantizedWeight(ggml.quantize(torch.randn(64, 256, generator=generator), Q4_0), Q4_0, 256),
+                          threads)
+    if packed is None:
+        return False
+    x = torch.randn(5, 256, generator=generator)
+    together = packed.product(x)
+    return all(torch.equal(packed.product(x[i:i + 1])[0], together[i]) for i in range(len(x)))
