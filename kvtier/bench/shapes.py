@@ -26,14 +26,18 @@ SHAPES = {
                         num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                         rope_scaling={**LLAMA3_ROPE, "factor": 32.0}),
 }
-# llama.cpp's Q4_K_M mix (Q6_K for the V and down projections and the output), with the bundled tokenizer's
-# 49152-token vocabulary: a 7B-class model at Mistral 7B's shape (about 4.3 GB), and Llama 3.2 1B's (about 0.8 GB)
+# llama.cpp's Q4_K_M mix (Q6_K for the V and down projections and the output) and its Q4_0 mix (Q6_K for the
+# output), with the bundled tokenizer's 49152-token vocabulary: a 7B-class model at Mistral 7B's shape (about 4.3 GB
+# in Q4_K_M), and Llama 3.2 1B's (about 0.8 GB)
 Q4_K_M = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
           "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "output": "Q6_K"}
-GGUF_SHAPES = {"mistral-7b-q4_k_m": (dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                          num_attention_heads=32, num_key_value_heads=8), Q4_K_M),
-               "llama-3.2-1b-q4_k_m": (dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                            num_attention_heads=32, num_key_value_heads=8), Q4_K_M)}
+Q4_0 = dict.fromkeys(Q4_K_M, "Q4_0") | {"output": "Q6_K"}
+MISTRAL_7B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=8)
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8)
+GGUF_SHAPES = {"mistral-7b-q4_k_m": (MISTRAL_7B, Q4_K_M), "llama-3.2-1b-q4_k_m": (LLAMA_1B, Q4_K_M),
+               "mistral-7b-q4_0": (MISTRAL_7B, Q4_0), "llama-3.2-1b-q4_0": (LLAMA_1B, Q4_0)}
 COMMON = dict(vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
               bos_token_id=128000, eos_token_id=128001)
 

@@ -75,20 +75,33 @@ class RepackedWeight:
 
     def plain(self, groups: torch.Tensor) -> torch.Tensor:
         """The blocks of the given groups' rows (ascending) in the file's layout: uint8 [8 * len(groups), bytes per
-        row]. A group's interleaved block is 8 scales then 16 turns of 8 quant bytes, turn t row t % 8's bytes
-        8 * (t // 8) onwards: moved as int64s, with ggml's flipped bits flipped back in the same pass."""
+        row], valid until the next call (its memory is reused: fresh memory would cost its page faults each
+        prompt). A group's interleaved block is 8 scales, then 16 turns of 8 quant bytes, turn t row t % 8's bytes
+        8 * (t // 8) onwards: the turns move as int64s, the flipped bits flipped back in the same pass."""
         first, last = groups[0].item(), groups[-1].item()
         g = self.groups[first:last + 1] if last - first + 1 == len(groups) else self.groups[groups]
         n, blocks = g.shape[:2]
-        out = torch.empty(n, GROUP_ROWS, blocks, _SCALE_BYTES + _QUANT_BYTES, dtype=torch.uint8)
-        out[..., :_SCALE_BYTES] = g[..., :GROUP_ROWS * _SCALE_BYTES].view(n, blocks, GROUP_ROWS, _SCALE_BYTES
-                                                                          ).transpose(1, 2)
-        turns = g.view(torch.int64)[..., GROUP_ROWS * _SCALE_BYTES // 8:].view(n, blocks, _QUANT_BYTES // _TURN,
-                                                                                GROUP_ROWS)
-        rows = torch.empty(n, GROUP_ROWS, blocks, _QUANT_BYTES // _TURN, dtype=torch.int64)
+        turns_per_row = _QUANT_BYTES // _TURN
+        block_words = (_SCALE_BYTES + _QUANT_BYTES) // 2
+        out = _scratch("blocks", n * GROUP_ROWS * blocks * block_words * 2).view(torch.int16).view(
+            n, GROUP_ROWS, blocks, block_words)
+        out[..., 0] = g.view(torch.int16)[..., :GROUP_ROWS].transpose(1, 2)
+        turns = g.view(torch.int64)[..., GROUP_ROWS * _SCALE_BYTES // 8:].view(n, blocks, turns_per_row, GROUP_ROWS)
+        rows = _scratch("turns", n * GROUP_ROWS * blocks * _QUANT_BYTES).view(torch.int64).view(
+            n, GROUP_ROWS, blocks, turns_per_row)
         torch.bitwise_xor(turns.permute(0, 3, 1, 2), _FLIPPED, out=rows)
-        out[..., _SCALE_BYTES:] = rows.view(torch.uint8)
-        return out.view(n * GROUP_ROWS, -1)
+        out[..., 1:] = rows.view(torch.int16)
+        return out.view(torch.uint8).view(n * GROUP_ROWS, -1)
+
+
+_SCRATCH: dict[str, torch.Tensor] = {}     # memory `plain` reuses, by name
+
+
+def _scratch(name: str, nbytes: int) -> torch.Tensor:
+    """nbytes of the memory kept under `name` (grown when too small)."""
+    if name not in _SCRATCH or _SCRATCH[name].numel() < nbytes:
+        _SCRATCH[name] = torch.empty(nbytes, dtype=torch.uint8)
+    return _SCRATCH[name][:nbytes]
 
 
 def repacked(weight: QuantizedWeight) -> QuantizedWeight | RepackedWeight:
