@@ -3,10 +3,10 @@ and 8 rows:
 - on CPU: torch's float32 and bfloat16 `F.linear`, torch's int8 weight-only kernel, and ggml's kernels over GGUF's
   own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) through the prebuilt libggml-python wheel, and over Q4_0 and Q4_K blocks
   in ggml's CPU_REPACK layout (rows interleaved for its multi-row kernels) where this CPU has one, and Q4_1 and
-  Q4_K blocks dequantized for torch's float32 and bfloat16 products (what prompt rows take). kvtier keeps the
-  file's layout: a repacked weight is ggml's alone, and prompt rows, which dequantize the weight for torch's product
-  (faster than ggml's on CPU at 512 rows), would need a second copy; Q4_K's repacked product also rounds a row
-  differently by how many rows share it, which speculation's verify steps must not see;
+  Q4_K blocks dequantized for torch's float32 and bfloat16 products (what prompt rows take). kvtier takes the
+  repacked layout for Q4_0 (models/repacked.py: the only copy, prompt rows getting the file's blocks back a slice at
+  a time); Q4_K keeps the file's layout, since its repacked product rounds a row differently by how many rows share
+  it, which speculation's verify steps and batches must not see;
 - on CUDA (--device cuda), rows in bfloat16: cuBLAS over bfloat16 weights, kvtier's Triton kernels over packed GGUF
   blocks (every packed type), the same blocks dequantized for cuBLAS (what prompt rows take), and torch's tinygemm
   int4 kernel (`_weight_int4pack_mm`, groups of 32).
@@ -194,7 +194,8 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         f"run on a threadpool of {args.threads} threads kept between calls, which sleep between products (threads "
         f"that poll would starve torch's threads inside a model: kvtier's decode at batch 1 fell from 49 to 3 tok/s "
         f"with polling ggml threads). \"repacked\": the blocks copied into ggml's CPU_REPACK layout, rows interleaved "
-        f"for its multi-row kernels; kvtier keeps the file's layout (the module's docstring says why). "
+        f"for its multi-row kernels; kvtier takes it for Q4_0 and keeps the file's layout for Q4_K (the module's "
+        "docstring says why). "
         "\"dequantized\": what prompt rows take, the blocks dequantized by ggml on one thread, a slice at a time, for "
         "torch's product (in bfloat16 the slice copied to bfloat16 first; kvtier takes it where the CPU has bfloat16 "
         f"dot products).{note}",
