@@ -142,6 +142,12 @@ def aligned(memory: torch.Tensor) -> torch.Tensor:
         memory_format=torch.contiguous_format)
 
 
+def memory(tensor: int) -> torch.Tensor:
+    """A contiguous ggml tensor's data, as uint8 torch memory over it (valid as long as the tensor's buffer)."""
+    head = _TensorHead.from_address(tensor)
+    return torch.frombuffer((ctypes.c_uint8 * (head.ne[3] * head.nb[3])).from_address(head.data), dtype=torch.uint8)
+
+
 def shape(tensor: int) -> tuple[list[int], list[int]]:
     """A ggml tensor's (ne, nb): its sizes and byte strides, innermost first."""
     head = _TensorHead.from_address(tensor)

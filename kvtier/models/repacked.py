@@ -9,12 +9,11 @@ layout for on this CPU (Q4_1, Q8_0, Q6_K with AVX2).
 
 The repacked copy is the weight's only one, so weights take the file's memory: prompt rows, which dequantize the
 weight for torch's product, get its rows back in the file's layout (`plain`) for the slice they dequantize. At load
-a weight is repacked only where that round trip gives back its blocks and (once per type and process) where the
+a weight is repacked only where that round trip gives back its blocks and (once per process) where the
 repacked product rounds a row alike alone and among others; else it keeps the file's layout.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import weakref
 
@@ -38,12 +37,9 @@ class RepackedWeight:
     def __init__(self, ctx: ggml.Context, tensor: int, ggml_type: int, in_features: int, out_features: int):
         self.ctx, self.tensor = ctx, tensor
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, out_features
-        data = ggml._TensorHead.from_address(tensor).data
-        nbytes = ctx.lib.nbytes(tensor)
         # [groups of 8 rows, blocks per row, 8 scales then 8 rows' quants]
-        self.groups = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(data), dtype=torch.uint8).view(
-            out_features // GROUP_ROWS, in_features // GGML_QUANT_SIZES[Q4_0][0],
-            GROUP_ROWS * (_SCALE_BYTES + _QUANT_BYTES))
+        self.groups = ggml.memory(tensor).view(out_features // GROUP_ROWS, in_features // GGML_QUANT_SIZES[Q4_0][0],
+                                               GROUP_ROWS * (_SCALE_BYTES + _QUANT_BYTES))
         weakref.finalize(self, ctx.close)
 
     @property
