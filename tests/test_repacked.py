@@ -46,3 +46,9 @@ def test_each_row_of_a_repacked_product_is_as_it_would_be_alone():
 def test_other_weights_keep_the_files_layout(qtype, out_features):
     plain = weight(qtype, out_features)
     assert repacked(plain) is plain
+
+
+def test_ggml_says_nothing_on_stderr_as_it_repacks(capfd):
+    """ggml writes a debug line per weight it repacks (224 for a 7B model); kvtier's log takes only its warnings."""
+    assert isinstance(repacked(weight(Q.Q4_0, 64)), RepackedWeight)
+    assert "repack" not in capfd.readouterr().err
