@@ -54,6 +54,8 @@ class LLMEngine:
             with open(config.chat_template) as f:
                 self.tokenizer.use_chat_template(f.read())
         self.model = Decoder.from_weights(loaded.config, loaded.weights, config.torch_dtype, self.device)
+        # the model holds the weights it runs (fused, repacked): the file's copies go before free memory sizes the pool
+        loaded.weights.clear()
         mc = loaded.config
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
