@@ -107,6 +107,11 @@ def test_spec_bench_compares_every_method_on_the_same_turns(tiny_model_dir, tmp_
     assert "draft / off (a model drafting for itself: no target): chat" in text and "The draft model is" in text
 
 
+def test_the_spec_bench_rates_each_turn_over_every_conversation():
+    from kvtier.bench.spec import turn_rates
+    assert turn_rates({"turns": {1: [30, 1.0], 0: [10, 2.0]}}) == [5.0, 30.0]
+
+
 def test_the_spec_bench_says_what_the_row_costs_allow():
     from kvtier.bench.spec import ceiling
     speculator = Speculator("ngram", 8)

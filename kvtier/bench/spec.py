@@ -89,7 +89,8 @@ def run_turn(eng: LLMEngine, request_id: str, prompt: list[int], max_tokens: int
 
 def measure(engines: dict[str, LLMEngine], workload: str, args: argparse.Namespace) -> dict:
     tok = next(iter(engines.values())).tokenizer
-    totals = {name: {"decoded": 0, "seconds": 0.0, "cached": 0, "prompt": 0, "texts": []} for name in engines}
+    totals = {name: {"decoded": 0, "seconds": 0.0, "cached": 0, "prompt": 0, "texts": [], "turns": {}}
+              for name in engines}
     spec = {name: dict(eng.speculator.stats()) for name, eng in engines.items() if eng.speculator}
     for c, turns in enumerate(conversations(tok, workload, args.conversations)):
         histories = dict.fromkeys(engines, [])
@@ -103,6 +104,8 @@ def measure(engines: dict[str, LLMEngine], workload: str, args: argparse.Namespa
                 for key in ("decoded", "seconds", "cached", "prompt"):
                     total[key] += got[key]
                 total["texts"].append(got["tokens"])
+                turn = total["turns"].setdefault(t, [0, 0.0])      # decoded tokens and seconds of every t-th turn
+                turn[0], turn[1] = turn[0] + got["decoded"], turn[1] + got["seconds"]
                 print(f"  {workload} {c}.{t} {name}: {got['decoded'] / got['seconds']:.1f} tok/s, "
                       f"{got['cached']}/{got['prompt']} cached", flush=True)
     for name, eng in engines.items():
@@ -114,6 +117,11 @@ def measure(engines: dict[str, LLMEngine], workload: str, args: argparse.Namespa
             totals[name]["proposed"] = now["proposed_tokens"] - spec[name]["proposed_tokens"]
             totals[name]["accepted"] = accepted
     return totals
+
+
+def turn_rates(total: dict) -> list[float]:
+    """Decode tokens/s over every conversation's first turn, its second, ...: one method's totals."""
+    return [decoded / seconds for _, (decoded, seconds) in sorted(total["turns"].items())]
 
 
 def ceiling(speculator) -> float | None:
@@ -172,8 +180,10 @@ def main(argv: list[str] | None = None) -> None:
         if "editing" in rate:
             ratio = rate["editing"][name] / rate["editing"]["off"]
             best = ceiling(engines[name].speculator)
+            by_turn = ", ".join(f"turn {t} {a / b:.2f}×" for t, (a, b) in enumerate(
+                zip(turn_rates(results["editing"][name]), turn_rates(results["editing"]["off"])), 1))
             lines.append(f"- {name} / off on editing: {ratio:.2f}× (target ≥ {EDIT_TARGET}×: "
-                         f"{verdict(ratio >= EDIT_TARGET)})" + ("" if best is None else
+                         f"{verdict(ratio >= EDIT_TARGET)}; by turn: {by_turn})" + ("" if best is None else
                          f"; with every proposal accepted, the row costs measured would allow at most {best:.2f}×"))
         if "chat" in rate:
             ratio = rate["chat"][name] / rate["chat"]["off"]
