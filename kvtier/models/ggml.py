@@ -22,6 +22,9 @@ _P = ctypes.c_void_p
 _I, _I64, _F, _SZ, _B = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_size_t, ctypes.c_bool
 # struct ggml_threadpool_params: bool cpumask[GGML_MAX_N_THREADS = 512]; int n_threads; enum prio; uint32_t poll; ...
 _POLL_OFFSET = 512 + 4 + 4
+F32, F16, I32, I64 = 0, 1, 26, 27           # ggml_type numbers (GGUF's numbering) of the plain types
+ROPE_NEOX = 2                               # Hugging Face's rotate_half layout
+TORCH_TYPES = {torch.float32: F32, torch.float16: F16, torch.int32: I32, torch.int64: I64}
 _LOG_WARN, _LOG_ERROR = 3, 4                # enum ggml_log_level: NONE, DEBUG, INFO, WARN, ERROR, CONT
 _LOG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, _P)
 log = logging.getLogger("kvtier.ggml")
@@ -32,9 +35,6 @@ def _log_ggml(level: int, text: bytes, _) -> None:
     """ggml's warnings and errors into kvtier's log; its debug and info lines (one per weight it repacks) dropped."""
     if level in (_LOG_WARN, _LOG_ERROR):
         log.warning("%s", text.decode(errors="replace").rstrip())
-F32, F16, I32, I64 = 0, 1, 26, 27           # ggml_type numbers (GGUF's numbering) of the plain types
-ROPE_NEOX = 2                               # Hugging Face's rotate_half layout
-TORCH_TYPES = {torch.float32: F32, torch.float16: F16, torch.int32: I32, torch.int64: I64}
 
 
 class _InitParams(ctypes.Structure):
