@@ -110,6 +110,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="requests share cached KV only with requests made with the same API key")
     group.add_argument("--max-request-bytes", type=int, metavar="N",
                        help="larger request bodies get a 413 (default: 16 MiB)")
+    group.add_argument("--sse-keepalive", type=float, metavar="SECONDS",
+                       help="a stream silent this long (a long prompt's prefill) answers and sends a comment, again "
+                            "each time (default: 15)")
     group.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the model's")
     group.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"),
                        help="how tool calls are read from the output (default: from the chat template)")

@@ -85,6 +85,7 @@ class Config:
     api_key_file: str | None = None       # more keys, one per line ('#' starts a comment)
     cache_salt_from_api_key: bool = False  # each key's requests share KV only with the same key's
     max_request_bytes: int = 16 * 2**20   # larger bodies get a 413 before they are read
+    sse_keepalive: float = 15.0           # seconds a stream waits silent before it answers / sends a comment
     chat_template: str | None = None      # a Jinja chat template file, instead of the model's
     tool_call_parser: str | None = None   # hermes | llama3_json; None → chosen from the chat template
     reasoning_parser: str | None = None   # qwen3 | deepseek_r1 | none; None → chosen from the chat template
@@ -176,6 +177,8 @@ class Config:
             raise ConfigError("a served model name must be non-empty and carry no surrounding whitespace")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ConfigError(f"chat_template {self.chat_template!r} is not a file")
+        if self.sse_keepalive <= 0:
+            raise ConfigError(f"sse_keepalive must be positive, got {self.sse_keepalive}")
         if self.max_request_bytes < 1024:
             raise ConfigError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
 

@@ -54,7 +54,8 @@ def build_app(engine: AsyncEngine, config: Config) -> FastAPI:
         parser_for_template(engine.tokenizer.chat_template)
     store = ResponseStore(os.path.join(os.path.expanduser(config.kv_disk_dir), "responses") if config.kv_disk else None)
     routes = _Routes(engine, config.served_model_names or [engine.model_name], config.any_model_name, metrics,
-                     config.cache_salt_from_api_key, parser, _reasoning_parser(engine, config), store)
+                     config.cache_salt_from_api_key, parser, _reasoning_parser(engine, config), store,
+                     config.sse_keepalive)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/messages", routes.messages, methods=["POST"])
@@ -84,11 +85,18 @@ def _reasoning_parser(engine: AsyncEngine, config: Config) -> str | None:
     return reasoning_parser_for_template(engine.tokenizer.chat_template, generation_prompt)
 
 
+async def _first_output(gen: AsyncIterator[RequestOutput]) -> tuple[RequestOutput, float]:
+    """A request's first output, and when it came."""
+    out = await anext(gen)
+    return out, time.perf_counter()
+
+
 class _Routes:
     def __init__(self, engine: AsyncEngine, model_names: list[str], any_model_name: bool, metrics: Metrics,
                  salt_from_api_key: bool, tool_parser: ToolParser, reasoning_parser: str | None,
-                 response_store: ResponseStore):
+                 response_store: ResponseStore, keepalive: float):
         self.engine = engine
+        self.keepalive = keepalive      # --sse-keepalive
         self.reasoning_parser = reasoning_parser
         self.script = ScriptedReplies.from_environment()
         self.response_store = response_store
@@ -253,40 +261,55 @@ class _Routes:
 
     async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: list[int],
                         renderers: list[Renderer], grammar: str | None = None) -> Response:
-        """Shared by every route, streaming or not; one renderer per choice (n)."""
+        """Shared by every route, streaming or not; one renderer per choice (n). It answers once the first output
+        comes, so that a rejected request gets a 400, not a broken stream; but a stream of one choice whose prompt
+        takes longer than --sse-keepalive answers then, where its protocol allows (`Renderer.answers_early`), and
+        sends comments until its first token (clients give up on a response that sends nothing: Node's fetch after
+        300 s)."""
         params = body.sampling_params(len(prompt), self.engine.max_model_len, grammar)
         pins, salt = body.kvtier.pin if body.kvtier else None, self._cache_salt(request, body)
         request_id = renderers[0].id
         arrival = time.perf_counter()
         gen = self.engine.generate(request_id, prompt, params, pins, salt)
-        # wait for the first output before answering, so a rejected request gets a 400, not a broken stream
+        first = asyncio.ensure_future(_first_output(gen))
+        answer_early = body.stream and len(renderers) == 1 and renderers[0].answers_early
         try:
-            first = await unless_disconnected(request, anext(gen))
-        except RequestRejected as e:
-            raise APIError(400, str(e)) from None
-        except RequestFailed as e:
-            raise APIError(500, str(e), type="server_error") from None
-        first_token = time.perf_counter()
-        self.metrics.time_to_first_token.observe(first_token - arrival)
-        # the first choice has computed the prompt and cached its full blocks: the other choices reuse them
-        streams = [self._observed(gen, arrival, first_token, first)] + [
-            self._observed(self.engine.generate(f"{request_id}-{i}", prompt, params.for_choice(i), pins, salt),
-                           arrival, first_token) for i in range(1, len(renderers))]
+            await unless_disconnected(request, asyncio.wait([first], timeout=self.keepalive if answer_early else None))
+        except BaseException:
+            first.cancel()      # the client went away: the request is aborted
+            raise
+        others = []       # the other choices: only where the first output came (answered early: one choice)
+        if first.done():
+            try:
+                _, first_token = first.result()
+            except RequestRejected as e:
+                raise APIError(400, str(e)) from None
+            except RequestFailed as e:
+                raise APIError(500, str(e), type="server_error") from None
+            # the first choice has computed the prompt and cached its full blocks: the other choices reuse them
+            others = [self._observed(self.engine.generate(f"{request_id}-{i}", prompt, params.for_choice(i), pins,
+                                                          salt), arrival, first_token=first_token)
+                      for i in range(1, len(renderers))]
+        streams = [self._observed(gen, arrival, first)] + others
         if body.stream:
-            return SSEResponse(sse(interleaved(streams), renderers), media_type="text/event-stream")
+            return SSEResponse(sse(interleaved(streams), renderers, self.keepalive), media_type="text/event-stream")
         try:
             whole = await unless_disconnected(request, asyncio.gather(*(merged(s) for s in streams)))
         except RequestFailed as e:
             raise APIError(500, str(e), type="server_error") from None
         return Response(combined(renderers, whole).model_dump_json(), media_type="application/json")
 
-    async def _observed(self, gen: AsyncIterator[RequestOutput], arrival: float, first_token: float,
-                        first: RequestOutput | None = None) -> AsyncIterator[RequestOutput]:
-        """`first` (if given), then the rest of `gen`; the request's metrics are recorded when it finishes."""
+    async def _observed(self, gen: AsyncIterator[RequestOutput], arrival: float,
+                        first: asyncio.Future | None = None, first_token: float | None = None
+                        ) -> AsyncIterator[RequestOutput]:
+        """The first output (`first`: the task awaiting it, when given; its time to first token recorded), then the
+        rest of `gen`; the request's metrics are recorded when it finishes."""
         async with aclosing(gen):
-            out = first
+            out = None
             if first is not None:
-                yield first
+                out, first_token = await first
+                self.metrics.time_to_first_token.observe(first_token - arrival)
+                yield out
             async for out in gen:
                 yield out
         if out is not None and out.finished:

@@ -34,6 +34,9 @@ from kvtier.server.reasoning import ReplyReader
 class Renderer:
     """Builds one request's responses in one API's shape; streaming renderers keep their position."""
     id_prefix = ""
+    # whether a stream may answer before its first output, with SSE comments until it comes (app.py): clients whose
+    # watchdogs count only events would start counting at the answer
+    answers_early = True
 
     def __init__(self, model: str, token_str: Callable[[int], str]):
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"

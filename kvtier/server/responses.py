@@ -194,6 +194,9 @@ class ResponsesRenderer(Renderer):
     message, or a function call once complete) its added / delta / done events, then response.completed.
     on_done gets the output as chat messages, for the store."""
     id_prefix = "resp_"
+    # Codex's stream watchdog (300 s) counts events, not comments, from the answer on: a Responses stream answers with
+    # its first output, which sends response.created, as it did
+    answers_early = False
 
     def __init__(self, model: str, token_str: Callable[[int], str], body: ResponsesRequest, reader: ReplyReader,
                  on_done: Callable[[str, list[dict]], None] | None):

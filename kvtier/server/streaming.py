@@ -11,11 +11,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from kvtier.engine.outputs import RequestFailed, RequestOutput
+from kvtier.engine.outputs import RequestFailed, RequestOutput, RequestRejected
 from kvtier.server.protocol import APIError, Usage
 from kvtier.server.render import Renderer
 
 DISCONNECT_POLL_S = 0.2
+KEEPALIVE = ": keep-alive\n\n"     # an SSE comment: every client's parser skips it, its read timeouts see bytes
 
 
 def choice_renderers(n: int | None, make: Callable[[int], Renderer]) -> list[Renderer]:
@@ -85,20 +86,46 @@ async def interleaved(streams: list[AsyncIterator[RequestOutput]]) -> AsyncItera
             task.cancel()
 
 
-async def sse(outputs: AsyncIterator[tuple[int, RequestOutput]], renderers: list[Renderer]) -> AsyncIterator[str]:
-    """The stream's events, in the renderers' protocol; a request that fails midway ends with its error event."""
+async def sse(outputs: AsyncIterator[tuple[int, RequestOutput]], renderers: list[Renderer],
+              keepalive: float) -> AsyncIterator[str]:
+    """The stream's events, in the renderers' protocol; a request that fails midway ends with its error event. While
+    no output comes for `keepalive` seconds (a long prompt's prefill, a full engine), a comment each time."""
     lasts: dict[int, RequestOutput] = {}
     try:
-        async with aclosing(outputs):
-            async for index, out in outputs:
+        async with aclosing(outputs), aclosing(beating(outputs, keepalive)) as items:
+            async for item in items:
+                if item is None:
+                    yield KEEPALIVE
+                    continue
+                index, out = item
                 lasts[index] = out
                 for event in renderers[index].events(out):
                     yield event
             for event in renderers[0].closing_events(total([lasts[i] for i in sorted(lasts)])):
                 yield event
-    except RequestFailed as e:
+    except (RequestFailed, RequestRejected) as e:     # rejected: only where the stream answered before the engine
         for event in renderers[0].error_events(str(e)):
             yield event
+
+
+async def beating(items: AsyncIterator, seconds: float) -> AsyncIterator:
+    """`items` as they come, and None each time `seconds` pass without one."""
+    pending = asyncio.ensure_future(anext(items))
+    try:
+        while True:
+            done, _ = await asyncio.wait([pending], timeout=seconds)
+            if not done:
+                yield None
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            yield item
+            pending = asyncio.ensure_future(anext(items))
+    finally:     # left early: stop the wait, and let it end before `items` is closed
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
 
 
 class SSEResponse(StreamingResponse):
