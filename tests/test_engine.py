@@ -165,7 +165,7 @@ def test_async_engine_streams_and_cancels(tiny_model_dir):
     ({"dtype": "float64"}, "dtype"), ({"device": "tpu"}, "device"), ({"block_size": 48}, "power of two"),
     ({"model": "HuggingFaceTB/SmolLM2-135M-Instruct"}, "never downloads"),
     ({"kv_pool_tokens": 3}, "at least one block"), ({"gpu_memory_utilization": 1.5}, r"in \(0, 1\]"),
-    ({"gpu_memory_utilization": "most"}, "a number"),
+    ({"gpu_memory_utilization": "most"}, "a number"), ({"sse_keepalive": 0}, "sse_keepalive must be positive"),
 ])
 def test_config_errors_name_the_problem(kwargs, match):
     with pytest.raises(ConfigError, match=match):
