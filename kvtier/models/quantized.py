@@ -48,8 +48,26 @@ QUANTIZE_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationTyp
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
+class GgmlWeight:
+    """What a weight in ggml's blocks does through its `placed` tensor and its `rows`, in whichever layout it keeps
+    them (QuantizedWeight: the file's; repacked.RepackedWeight: ggml's interleaved one)."""
+
+    @property
+    def type_name(self) -> str:
+        return GGMLQuantizationType(self.ggml_type).name
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] float32 @ weight.T, through ggml."""
+        return weight_op("mul_mat", self, ggml.aligned(x), x.new_empty(x.shape[0], self.out_features),
+                         torch.get_num_threads())
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole weight in float32 (at load, on torch's threads)."""
+        return self.rows(torch.arange(self.out_features), threads=torch.get_num_threads())
+
+
 @dataclass
-class QuantizedWeight:
+class QuantizedWeight(GgmlWeight):
     """A weight [out_features, in_features] as ggml blocks: uint8 [out_features, bytes per row], rows as GGUF
     files lay them out."""
     blocks: torch.Tensor
@@ -61,19 +79,12 @@ class QuantizedWeight:
         return self.blocks.shape[0]
 
     @property
-    def type_name(self) -> str:
-        return GGMLQuantizationType(self.ggml_type).name
-
-    @property
     def nbytes(self) -> int:
         return self.blocks.numel()
 
     def placed(self, ctx: ggml.Context) -> int:
         """The weight as a ggml tensor of ctx, over these blocks."""
         return ctx.place(self.blocks, self.ggml_type, (self.in_features, self.out_features))
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        return weight_product(self, x)
 
     def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int = 1) -> torch.Tensor:
         """Rows of the weight, dequantized: float32 [len(ids), in_features] (into out when given). On one thread by
@@ -82,10 +93,6 @@ class QuantizedWeight:
         one)."""
         out = torch.empty(len(ids), self.in_features) if out is None else out
         return weight_op("get_rows", self, ggml.aligned(ids.to(torch.int32)), out, threads)
-
-    def dequantized(self) -> torch.Tensor:
-        """The whole weight in float32 (at load, on torch's threads)."""
-        return self.rows(torch.arange(self.out_features), threads=torch.get_num_threads())
 
 
 def quantize(weight: torch.Tensor, ggml_type: int) -> QuantizedWeight:
@@ -106,13 +113,7 @@ def concatenated(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
     return [QuantizedWeight(torch.cat([p.blocks for p in parts]), parts[0].ggml_type, parts[0].in_features)]
 
 
-def weight_product(weight, x: torch.Tensor) -> torch.Tensor:
-    """x [rows, in_features] float32 @ weight.T through ggml, for a weight in ggml's blocks (any layout: `placed`)."""
-    return weight_op("mul_mat", weight, ggml.aligned(x), x.new_empty(x.shape[0], weight.out_features),
-                     torch.get_num_threads())
-
-
-def weight_op(op: str, weight, x: torch.Tensor, out: torch.Tensor, threads: int) -> torch.Tensor:
+def weight_op(op: str, weight: GgmlWeight, x: torch.Tensor, out: torch.Tensor, threads: int) -> torch.Tensor:
     """One ggml op of a weight and x, computed into out on ggml's threadpool of `threads`, through a graph built
     for this call."""
     ctx = ggml.Context(threads, max_tensors=4, max_nodes=2)

@@ -21,7 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvtier.models import ggml
-from kvtier.models.quantized import QuantizedWeight, weight_product
+from kvtier.models.quantized import GgmlWeight, QuantizedWeight
 
 GROUP_ROWS = 8                                      # rows ggml interleaves
 Q4_0 = GGMLQuantizationType.Q4_0
@@ -31,8 +31,8 @@ _TURN = 8                                           # bytes of a row's quants pe
 _FLIPPED = torch.tensor(int.from_bytes(b"\x88" * 8, "little", signed=True), dtype=torch.int64)
 
 
-class RepackedWeight:
-    """A Q4_0 weight [out_features, in_features] in ggml's memory, interleaved: the interface of QuantizedWeight."""
+class RepackedWeight(GgmlWeight):
+    """A Q4_0 weight [out_features, in_features] in ggml's memory, interleaved."""
 
     def __init__(self, ctx: ggml.Context, tensor: int, ggml_type: int, in_features: int, out_features: int):
         self.ctx, self.tensor = ctx, tensor
@@ -43,10 +43,6 @@ class RepackedWeight:
         weakref.finalize(self, ctx.close)
 
     @property
-    def type_name(self) -> str:
-        return GGMLQuantizationType(self.ggml_type).name
-
-    @property
     def nbytes(self) -> int:
         return self.groups.numel()
 
@@ -55,9 +51,6 @@ class RepackedWeight:
         ctx.hold(self)
         return self.tensor
 
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        return weight_product(self, x)
-
     def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int = 1) -> torch.Tensor:
         """Rows of the weight, dequantized (QuantizedWeight.rows) from the groups that hold them, put back in the
         file's layout."""
@@ -65,9 +58,6 @@ class RepackedWeight:
         groups, local = torch.unique(ids // GROUP_ROWS, return_inverse=True)
         plain = QuantizedWeight(self.plain(groups), self.ggml_type, self.in_features)
         return plain.rows(local * GROUP_ROWS + ids % GROUP_ROWS, out, threads)
-
-    def dequantized(self) -> torch.Tensor:
-        return self.rows(torch.arange(self.out_features), threads=torch.get_num_threads())
 
     def plain(self, groups: torch.Tensor) -> torch.Tensor:
         """The blocks of the given groups' rows (ascending) in the file's layout: uint8 [8 * len(groups), bytes per
