@@ -20,7 +20,7 @@ serve: $(VENV)/.installed
 	$(VENV)/bin/kvtier serve $(ARGS)
 
 # the coding agents the tests drive against a real server (pinned), and node 22, which Qwen Code needs
-AGENTS := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.169.0 opencode-ai@1.18.33 @qwen-code/qwen-code@0.24.4 node@22
+AGENTS := @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 opencode-ai@1.18.33 @qwen-code/qwen-code@0.24.4 node@22
 # node trusts only its own CA list: give it the system's (where a proxy's CA lives) when none is set
 CA_BUNDLE := /etc/ssl/certs/ca-certificates.crt
 .agents/.installed: Makefile
