@@ -2,7 +2,7 @@
 three-turn session against a real `kvtier serve` (kvtier/bench/agents.py drives them; its benchmark reports the
 same sessions).
 
-The model is a tiny random-weight Llama with a 64K context (the agents' own prompts are 7-20K tokens); its replies
+The model is a tiny random-weight Llama with a 64K context (the agents' own prompts are 7-18K tokens); its replies
 are scripted by constrained decoding: each turn, a call of the agent's shell tool, which the agent really runs, then
 a short answer. Every turn must pass with no 4xx, run its tool, and every request after the first turn must find at
 least 90% of its prompt in the cache."""
@@ -77,7 +77,7 @@ def test_agent_session(name, server, tmp_path):
 
 def test_opencode_on_the_bundled_model(tmp_path):
     """The bundled SmolLM2's 8K context holds opencode's prompt (about 7.7K tokens) with room for three turns;
-    Claude Code (about 20K), Qwen Code (about 18K) and Codex (about 9K) need a longer context (README)."""
+    Claude Code (about 12K), Qwen Code (about 18K) and Codex (about 9K) need a longer context (README)."""
     script_path = tmp_path / "script.json"
     script_path.write_text(json.dumps(script()))
     args = ["--max-model-len", "8192", "--kv-pool-tokens", "16384", "--kv-disk-dir", str(tmp_path / "kv"),

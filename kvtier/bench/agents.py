@@ -214,7 +214,7 @@ def render(sessions: dict[str, Session], args: argparse.Namespace, command: str)
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--agents", default=",".join(SHELL_TOOLS), help="comma-separated, of " + ", ".join(SHELL_TOOLS))
-    p.add_argument("--max-model-len", type=int, default=65536, help="the agents' own prompts are 7-20K tokens")
+    p.add_argument("--max-model-len", type=int, default=65536, help="the agents' own prompts are 7-18K tokens")
     add_model_args(p)
     add_output_args(p)
     args = p.parse_args(argv)
