@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --speculative draft: a smaller model with the same tokenizer (a Hugging Face "
                             "directory or a .gguf file); with dflash: a DFlash drafter directory for this model; its "
                             "KV is cached and tiered as the model's is")
+    group.add_argument("--speculative-config", metavar="JSON",
+                       help="vLLM's form of the options above: {\"method\": \"ngram\" | \"draft_model\" | \"dflash\", "
+                            "\"model\": PATH, \"num_speculative_tokens\": K, \"prompt_lookup_min\": N, "
+                            "\"prompt_lookup_max\": N} (the shortest and longest ending ngram looks up; default 2 and 5)")
     group.add_argument("--num-speculative-tokens", type=int, metavar="K",
                        help="the most tokens a sequence proposes per step; each sequence adapts its own to how "
                             "many it gets accepted (default: 8)")
@@ -150,9 +154,22 @@ def _config(args):
     if os.environ.get("KVTIER_API_KEY") and "api_keys" in given:
         given["api_keys"] = [*(given["api_keys"] or []), os.environ["KVTIER_API_KEY"]]
     try:
+        if given.get("speculative_config") is not None:
+            given = given | _speculative_config(given)
         return Config(**{f.name: given[f.name] for f in dataclasses.fields(Config) if given.get(f.name) is not None})
     except ConfigError as e:
         _fail(str(e))
+
+
+def _speculative_config(given: dict) -> dict:
+    """--speculative-config's fields, where no option of their own says otherwise."""
+    from kvtier.config import ConfigError, speculative_config
+
+    fields = speculative_config(given["speculative_config"])
+    clashing = [name for name, value in fields.items() if given.get(name) not in (None, value)]
+    if clashing:
+        raise ConfigError(f"--speculative-config and --{clashing[0].replace('_', '-')} say different things")
+    return fields
 
 
 def _fail(message: str):

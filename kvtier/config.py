@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -37,6 +38,39 @@ class ConfigError(ValueError):
     """A configuration value is out of range or inconsistent."""
 
 
+# vLLM's --speculative-config: its keys kvtier honours → Config's fields, and its methods → kvtier's
+SPECULATIVE_CONFIG_KEYS = {"method": "speculative", "model": "draft_model",
+                           "num_speculative_tokens": "num_speculative_tokens",
+                           "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max"}
+SPECULATIVE_CONFIG_METHODS = {"ngram": "ngram", "draft_model": "draft", "dflash": "dflash"}
+
+
+def speculative_config(text: str) -> dict:
+    """vLLM's `--speculative-config` JSON (`{"method": "ngram", "num_speculative_tokens": 5}`) as Config's fields.
+    A key kvtier has no counterpart for, or a method it does not have, is an error that names it."""
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--speculative-config is not JSON: {e}") from None
+    if not isinstance(given, dict):
+        raise ConfigError('--speculative-config must be a JSON object, such as {"method": "ngram"}')
+    unknown = sorted(set(given) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(f"--speculative-config: kvtier has no {', '.join(unknown)} (it takes "
+                          f"{', '.join(SPECULATIVE_CONFIG_KEYS)})")
+    for key, value in given.items():
+        kind, name = (str, "a string") if key in ("method", "model") else (int, "an integer")
+        if type(value) is not kind:
+            raise ConfigError(f"--speculative-config: {key} must be {name}, got {value!r}")
+    if given.get("method", "ngram") not in SPECULATIVE_CONFIG_METHODS:
+        raise ConfigError(f"--speculative-config: kvtier has no method {given['method']!r} (it has "
+                          f"{', '.join(SPECULATIVE_CONFIG_METHODS)})")
+    fields = {SPECULATIVE_CONFIG_KEYS[key]: value for key, value in given.items()}
+    if "speculative" in fields:
+        fields["speculative"] = SPECULATIVE_CONFIG_METHODS[fields["speculative"]]
+    return fields
+
+
 @dataclass
 class Config:
     model: str | None = None              # HF directory or GGUF file; None → bundled SmolLM2
@@ -65,6 +99,8 @@ class Config:
     speculative: str | None = None
     draft_model: str | None = None        # the draft model (a smaller one, the same tokenizer) or DFlash drafter
     num_speculative_tokens: int = 8       # the most tokens a sequence proposes for one step
+    prompt_lookup_min: int = 2            # ngram: the shortest ending of a sequence looked up in its context
+    prompt_lookup_max: int = 5            # and the longest (the longest that occurred before proposes)
     prefix_cache: bool = True             # reuse cached blocks of earlier requests' prefixes
     kv_host_gib: float = 4.0              # host RAM tier budget; 0 disables it
     kv_disk: bool = True                  # the local disk tier
@@ -119,6 +155,9 @@ class Config:
                               "Hugging Face directory or a .gguf file")
         if self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.block_size is None:
             self.block_size = EXACT_BLOCK_SIZE if self.kv_resident_tokens is None else BOUNDED_BLOCK_SIZE
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

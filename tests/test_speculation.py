@@ -42,6 +42,40 @@ def test_ngram_index_kept_up_to_date_equals_one_built_at_once():
     assert fresh.ends == grown.ends
 
 
+def test_ngram_looks_up_endings_of_the_lengths_it_is_given():
+    tokens = [1, 2, 3, 9, 8, 2, 3]          # "2 3" occurred before (followed by 9 8), "1 2 3" did not
+    assert NgramIndex().propose(tokens, 2) == [9, 8]
+    assert NgramIndex(min_n=3, max_n=4).propose(tokens, 2) == []
+    assert NgramIndex(min_n=1, max_n=1).propose([5, 6, 7, 6], 2) == [7, 6]     # "6" alone
+
+
+def test_vllms_speculative_config_sets_the_options_it_names(tmp_path, capsys):
+    """`--speculative-config` (vLLM's JSON) sets what the options do; a key or method kvtier lacks, a clash with an
+    option, or a bad value is an error that names it."""
+    from kvtier.cli import _config, _parser
+
+    def config(*argv):
+        return _config(_parser().parse_args(["serve", *argv]))
+
+    c = config("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 3, '
+                                       '"prompt_lookup_max": 4}')
+    assert (c.speculative, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 5, 3, 4)
+    draft = tmp_path / "draft.gguf"
+    draft.touch()
+    c = config("--speculative-config", f'{{"method": "draft_model", "model": "{draft}"}}', "--speculative", "draft")
+    assert (c.speculative, c.draft_model) == ("draft", str(draft))
+    for argv, message in (
+            (['{"method": "eagle3"}'], "no method 'eagle3'"),
+            (['{"method": "ngram", "disable_by_batch_size": 4}'], "no disable_by_batch_size"),
+            (['{"num_speculative_tokens": "5"}'], "num_speculative_tokens must be an integer"),
+            (['{"method": "ngram", "num_speculative_tokens": 5}', "--num-speculative-tokens", "3"], "say different"),
+            (['{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}'], "prompt_lookup_min"),
+            (['["ngram"]'], "JSON object"), (["{method: ngram}"], "not JSON")):
+        with pytest.raises(SystemExit):
+            config("--speculative-config", *argv)
+        assert message in capsys.readouterr().err, argv
+
+
 def test_speculator_proposes_what_pays_for_its_rows():
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]        # "1 2" occurred before: 3 4 5 6 7 8 9 1 2 follow
     spec = Speculator("ngram", 4)
@@ -533,13 +567,14 @@ def served_and_plain(args: list[str], messages: list[dict], log):
 
 @pytest.mark.integration
 def test_the_server_speculates_and_reports_it(tmp_path):
-    """`kvtier serve --speculative ngram` through the openai client: the same greedy answer as the engine gives
-    without speculation, its counters in /metrics, and the request's log line saying how many tokens were
-    accepted."""
+    """`kvtier serve` speculating by prompt lookup (asked as vLLM users ask: --speculative-config) through the openai
+    client: the same greedy answer as the engine gives without speculation, its counters in /metrics, and the
+    request's log line saying how many tokens were accepted."""
     log = tmp_path / "server.log"
     code = "\n".join(f"value_{i} = compute({i}, {i + 1})" for i in range(20))
     messages = [{"role": "user", "content": f"Repeat these lines exactly:\n\n{code}"}]
-    answer, metrics, engine, plain = served_and_plain(["--speculative", "ngram", "--no-kv-disk", "--kv-host-gib",
+    spec = '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4}'
+    answer, metrics, engine, plain = served_and_plain(["--speculative-config", spec, "--no-kv-disk", "--kv-host-gib",
                                                        "0"], messages, log)
     assert answer.usage.completion_tokens == len(plain["tokens"])
     assert answer.choices[0].message.content.strip() == engine.tokenizer.decode(plain["tokens"]).strip()

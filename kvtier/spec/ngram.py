@@ -2,17 +2,16 @@
 
 An editing agent repeats a file with a change, quotes a tool result, copies a JSON argument from its prompt: what
 it writes next has usually been written before in the same context. `NgramIndex` keeps, for every n-gram of the
-sequence (MIN_N to MAX_N tokens), where it last ended, adding only the tokens appended since the last call, and
-proposes what followed the longest n-gram that ends the sequence and occurred before.
+sequence (min_n to max_n tokens: `--speculative-config`'s prompt_lookup_min and _max, 2 and 5 by default: one-token
+matches are right too rarely to pay for the rows they add), where it last ended, adding only the tokens appended
+since the last call, and proposes what followed the longest n-gram that ends the sequence and occurred before.
 """
 from __future__ import annotations
 
-MIN_N = 2       # shorter matches (one token) are right too rarely to pay for the rows they add
-MAX_N = 5
-
 
 class NgramIndex:
-    def __init__(self):
+    def __init__(self, min_n: int = 2, max_n: int = 5):
+        self.min_n, self.max_n = min_n, max_n
         self.ends: dict[tuple[int, ...], int] = {}     # n-gram → where its last occurrence so far ended
         self.indexed = 0                                # n-grams ending at or before this position are in
 
@@ -20,11 +19,11 @@ class NgramIndex:
         """Up to k tokens that followed the last earlier occurrence of tokens' longest matching ending."""
         length = len(tokens)
         # the n-grams ending before the last token: the ending itself is not an earlier occurrence of itself
-        for end in range(max(self.indexed + 1, MIN_N), length):
-            for n in range(MIN_N, min(MAX_N, end) + 1):
+        for end in range(max(self.indexed + 1, self.min_n), length):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.ends[tuple(tokens[end - n:end])] = end
         self.indexed = max(self.indexed, length - 1)
-        for n in range(min(MAX_N, length), MIN_N - 1, -1):
+        for n in range(min(self.max_n, length), self.min_n - 1, -1):
             end = self.ends.get(tuple(tokens[length - n:]))
             if end is not None:
                 return tokens[end:end + k]

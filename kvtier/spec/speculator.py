@@ -56,9 +56,10 @@ class SpecState:
 
 
 class Speculator:
-    def __init__(self, method: str, max_tokens: int):
-        """method: a Config.speculative it has checked (ngram, draft, dflash)."""
-        self.method, self.max_tokens = method, max_tokens
+    def __init__(self, method: str, max_tokens: int, lookup: tuple[int, int] = (2, 5)):
+        """method: a Config.speculative it has checked (ngram, draft, dflash); lookup: the shortest and longest
+        ending an ngram proposal looks up."""
+        self.method, self.max_tokens, self.lookup = method, max_tokens, lookup
         self.proposed = self.accepted = self.verify_steps = 0     # over every request, for /metrics
         self.decode_seconds: float | None = None     # a step that only decodes, per decoding sequence
         self.draft_costs: dict[int, float] = {}      # k → what k draft rows add to a step, in decode_seconds
@@ -75,7 +76,7 @@ class Speculator:
         return True
 
     def new_state(self) -> SpecState:
-        return SpecState()
+        return SpecState(index=NgramIndex(*self.lookup))
 
     def draft_cost(self, k: int) -> float:
         """What k draft rows add to a step, in units of one sequence's share of a decode-only step: measured, or
