@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.spec.ngram import LOOKUP_MAX, LOOKUP_MIN
+
 KV_POLICIES = ("lru", "quest", "meankey")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
@@ -99,8 +101,8 @@ class Config:
     speculative: str | None = None
     draft_model: str | None = None        # the draft model (a smaller one, the same tokenizer) or DFlash drafter
     num_speculative_tokens: int = 8       # the most tokens a sequence proposes for one step
-    prompt_lookup_min: int = 2            # ngram: the shortest ending of a sequence looked up in its context
-    prompt_lookup_max: int = 5            # and the longest (the longest that occurred before proposes)
+    prompt_lookup_min: int = LOOKUP_MIN   # ngram: the shortest ending of a sequence looked up in its context
+    prompt_lookup_max: int = LOOKUP_MAX   # and the longest (the longest that occurred before proposes)
     prefix_cache: bool = True             # reuse cached blocks of earlier requests' prefixes
     kv_host_gib: float = 4.0              # host RAM tier budget; 0 disables it
     kv_disk: bool = True                  # the local disk tier

@@ -14,39 +14,49 @@ from kvtier.engine.sampling_params import SamplingParams
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.engine.verify import choose
 from kvtier.kv.keys import chain_keys
-from kvtier.spec.ngram import NgramIndex
+from kvtier.spec.ngram import PromptLookup
 from kvtier.spec.speculator import MAX_BACKOFF, PROBE_EVERY, REMEASURE_EVERY, Speculator
 
 BS = 16
 
 
 def test_ngram_proposes_what_followed_the_longest_earlier_match():
-    index = NgramIndex()
+    lookup = PromptLookup()
     tokens = [1, 2, 3, 4, 5, 9, 9, 2, 3, 4, 6, 7, 8, 3, 4]
     # "3 4" last occurred before the ending at 9..10 (followed by 6 7 8); "2 3 4" does not end the sequence
-    assert index.propose(tokens, 3) == [6, 7, 8]
+    assert lookup.propose(tokens, 3) == [6, 7, 8]
     tokens += [6, 7]
     # the longest ending that occurred before: "3 4 6 7" at 8..12, followed by 8 3 4 6 7 (what was appended since)
-    assert index.propose(tokens, 8) == [8, 3, 4, 6, 7]
-    assert index.propose(tokens + [42], 4) == []          # nothing ends in 42 earlier
+    assert lookup.propose(tokens, 8) == [8, 3, 4, 6, 7]
+    assert lookup.propose(tokens + [42], 4) == []          # nothing ends in 42 earlier
 
 
-def test_ngram_index_kept_up_to_date_equals_one_built_at_once():
+def longest_earlier_match(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup written out: for n from max_n down to min_n, the last earlier window equal to the ending."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        ending = tokens[len(tokens) - n:]
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if tokens[end - n:end] == ending:
+                return tokens[end:end + k]
+    return []
+
+
+@pytest.mark.parametrize("bounds", [(2, 12), (1, 1), (3, 5)])
+def test_ngram_search_grown_step_by_step_finds_the_longest_last_match(bounds):
+    """Over random sequences of few distinct tokens (many matches of every length), fed a step at a time as a
+    sequence grows, the search proposes what the written-out lookup does."""
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 6, (300,), generator=gen).tolist()
-    grown = NgramIndex()
-    for end in range(1, len(tokens) + 1, 7):
-        grown.propose(tokens[:end], 4)
-    fresh = NgramIndex()
-    assert fresh.propose(tokens, 5) == grown.propose(tokens, 5)
-    assert fresh.ends == grown.ends
+    tokens = torch.randint(0, 4, (400,), generator=gen).tolist()
+    lookup = PromptLookup(*bounds)
+    for end in range(1, len(tokens) + 1, 3):
+        assert lookup.propose(tokens[:end], 6) == longest_earlier_match(tokens[:end], 6, *bounds), end
 
 
 def test_ngram_looks_up_endings_of_the_lengths_it_is_given():
     tokens = [1, 2, 3, 9, 8, 2, 3]          # "2 3" occurred before (followed by 9 8), "1 2 3" did not
-    assert NgramIndex().propose(tokens, 2) == [9, 8]
-    assert NgramIndex(min_n=3, max_n=4).propose(tokens, 2) == []
-    assert NgramIndex(min_n=1, max_n=1).propose([5, 6, 7, 6], 2) == [7, 6]     # "6" alone
+    assert PromptLookup().propose(tokens, 2) == [9, 8]
+    assert PromptLookup(min_n=3, max_n=4).propose(tokens, 2) == []
+    assert PromptLookup(min_n=1, max_n=1).propose([5, 6, 7, 6], 2) == [7, 6]     # "6" alone
 
 
 def test_vllms_speculative_config_sets_the_options_it_names(tmp_path, capsys):

@@ -1,30 +1,60 @@
 """Prompt lookup: the tokens that followed the last earlier occurrence of a sequence's own ending.
 
 An editing agent repeats a file with a change, quotes a tool result, copies a JSON argument from its prompt: what
-it writes next has usually been written before in the same context. `NgramIndex` keeps, for every n-gram of the
-sequence (min_n to max_n tokens: `--speculative-config`'s prompt_lookup_min and _max, 2 and 5 by default: one-token
-matches are right too rarely to pay for the rows they add), where it last ended, adding only the tokens appended
-since the last call, and proposes what followed the longest n-gram that ends the sequence and occurred before.
+it writes next has usually been written before in the same context. `PromptLookup` finds the longest ending of the
+sequence, LOOKUP_MIN to LOOKUP_MAX tokens (`--speculative-config`'s prompt_lookup_min and _max), that occurred
+before, and proposes what followed its last earlier occurrence. One-token endings are right too rarely to pay for the
+rows they add; an ending of 12 tokens picks the place a copy continues from where one of 5 often picks another
+(measured on the editing workload: docs/BENCHMARKS.md).
+
+It searches the sequence's tokens each step, with numpy, instead of keeping an index of every n-gram: an index of a
+32K-token context took 15-50 MB of Python objects and 0.5-1 s of the engine thread to build when a request's first
+decode step came, and each turn of a conversation is a new request. A search is a few passes over an int32 array:
+tens of microseconds at 32K tokens.
 """
 from __future__ import annotations
 
+import numpy as np
 
-class NgramIndex:
-    def __init__(self, min_n: int = 2, max_n: int = 5):
+LOOKUP_MIN = 2
+LOOKUP_MAX = 12
+
+
+class PromptLookup:
+    def __init__(self, min_n: int = LOOKUP_MIN, max_n: int = LOOKUP_MAX):
         self.min_n, self.max_n = min_n, max_n
-        self.ends: dict[tuple[int, ...], int] = {}     # n-gram → where its last occurrence so far ended
-        self.indexed = 0                                # n-grams ending at or before this position are in
+        self.tokens = np.empty(1024, dtype=np.int32)    # the sequence's tokens so far, in the first `length`
+        self.length = 0
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the last earlier occurrence of tokens' longest matching ending."""
-        length = len(tokens)
-        # the n-grams ending before the last token: the ending itself is not an earlier occurrence of itself
-        for end in range(max(self.indexed + 1, self.min_n), length):
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.ends[tuple(tokens[end - n:end])] = end
-        self.indexed = max(self.indexed, length - 1)
-        for n in range(min(self.max_n, length), self.min_n - 1, -1):
-            end = self.ends.get(tuple(tokens[length - n:]))
-            if end is not None:
-                return tokens[end:end + k]
-        return []
+        t = self._grown(tokens)
+        n, m = len(t), self.min_n
+        if n <= m:
+            return []
+        # ends e (exclusive) of earlier windows, m <= e < n, whose last m tokens are the sequence's last m
+        same = np.ones(n - m, dtype=bool)
+        for j in range(1, m + 1):
+            same &= t[m - j:n - j] == t[n - j]
+        ends = np.flatnonzero(same) + m
+        # longer endings: of the windows that match j - 1 tokens, those whose j-th token back matches too
+        for j in range(m + 1, min(self.max_n, n - 1) + 1):
+            longer = ends[ends >= j]
+            longer = longer[t[longer - j] == t[n - j]]
+            if not len(longer):
+                break
+            ends = longer
+        if not len(ends):
+            return []
+        end = int(ends[-1])
+        return t[end:end + k].tolist()
+
+    def _grown(self, tokens: list[int]) -> np.ndarray:
+        """The sequence's tokens as an array, appending those added since the last call (a sequence only grows)."""
+        n = len(tokens)
+        if n > len(self.tokens):
+            self.tokens = np.resize(self.tokens, max(n, 2 * len(self.tokens)))
+        if n > self.length:
+            self.tokens[self.length:n] = tokens[self.length:]
+            self.length = n
+        return self.tokens[:n]

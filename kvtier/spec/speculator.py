@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.spec.ngram import NgramIndex
+from kvtier.spec.ngram import LOOKUP_MAX, LOOKUP_MIN, PromptLookup
 
 PROBE_EVERY = 16       # decode steps a sequence sits out when no proposal pays, before it probes with one token
 DECAY = 0.8            # weight of a sequence's past verify steps in its acceptance rate, per step
@@ -39,8 +39,8 @@ REMEASURE_EVERY = 64   # steps that verify, at most, before one that only decode
 
 @dataclass
 class SpecState:
-    """One sequence's speculation: its proposer's index, its acceptance, and its counts."""
-    index: NgramIndex = field(default_factory=NgramIndex)
+    """One sequence's speculation: its prompt lookup, its acceptance, and its counts."""
+    lookup: PromptLookup = field(default_factory=PromptLookup)
     accepted_weight: float = PRIOR[0]     # decayed accepted tokens
     tried_weight: float = PRIOR[1]        # decayed proposed positions tried (accepted ones, then the rejected one)
     pause: int = 0                        # decode steps to sit out before probing again
@@ -56,7 +56,7 @@ class SpecState:
 
 
 class Speculator:
-    def __init__(self, method: str, max_tokens: int, lookup: tuple[int, int] = (2, 5)):
+    def __init__(self, method: str, max_tokens: int, lookup: tuple[int, int] = (LOOKUP_MIN, LOOKUP_MAX)):
         """method: a Config.speculative it has checked (ngram, draft, dflash); lookup: the shortest and longest
         ending an ngram proposal looks up."""
         self.method, self.max_tokens, self.lookup = method, max_tokens, lookup
@@ -76,7 +76,7 @@ class Speculator:
         return True
 
     def new_state(self) -> SpecState:
-        return SpecState(index=NgramIndex(*self.lookup))
+        return SpecState(lookup=PromptLookup(*self.lookup))
 
     def draft_cost(self, k: int) -> float:
         """What k draft rows add to a step, in units of one sequence's share of a decode-only step: measured, or
@@ -91,7 +91,7 @@ class Speculator:
         tokens (what its max_tokens leaves after the token the step samples anyway)."""
         if room <= 0 or self._sits_out(state):
             return []
-        draft = state.index.propose(tokens, min(self.max_tokens, room))
+        draft = state.lookup.propose(tokens, min(self.max_tokens, room))
         return draft[:self._length(state, len(draft), batch)]
 
     def plan(self, state: SpecState, room: int, batch: int = 1) -> int:
