@@ -74,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--speculative-config", metavar="JSON",
                        help="vLLM's form of the options above: {\"method\": \"ngram\" | \"draft_model\" | \"dflash\", "
                             "\"model\": PATH, \"num_speculative_tokens\": K, \"prompt_lookup_min\": N, "
-                            "\"prompt_lookup_max\": N} (the shortest and longest ending ngram looks up; default 2 and 12)")
+                            "\"prompt_lookup_max\": N} (the shortest and longest ending ngram looks up; default 2 "
+                            "and 12)")
     group.add_argument("--num-speculative-tokens", type=int, metavar="K",
                        help="the most tokens a sequence proposes per step; each sequence adapts its own to how "
                             "many it gets accepted (default: 8)")

@@ -87,8 +87,9 @@ class LLMEngine:
                                   config.num_threads or TORCH_THREADS)
         self.runner.feature_layers = features
         self.grammars = GrammarCompiler(self.tokenizer.hf)
-        self.speculator = Speculator(config.speculative, config.num_speculative_tokens,
-                                     (config.prompt_lookup_min, config.prompt_lookup_max)) if config.speculative else None
+        lookup = (config.prompt_lookup_min, config.prompt_lookup_max)
+        self.speculator = Speculator(config.speculative, config.num_speculative_tokens, lookup) \
+            if config.speculative else None
         self._arrivals = itertools.count()
         self._ended: list[Sequence] = []     # finished outside a step (aborted, failed): reported by the next step
 
