@@ -78,7 +78,7 @@ def teacher_forced(model: Decoder, ids: list[list[int]], tables: list[list[int]]
         tokens, slots = [seq[p] for seq in ids], [s(p) for s in slot]
         if steps is not None:
             logits.append(steps.run(tokens, [p] * len(ids), slots, [t[:p // BLOCK + 1] for t in tables],
-                                    [p + 1] * len(ids), [1] * len(ids)))
+                                    [p + 1] * len(ids), [1] * len(ids)).clone())     # the graph's memory: kept
             continue
         meta = AttentionMetadata(positions=torch.tensor([p] * len(ids)), slot_mapping=torch.tensor(slots),
                                  prefills=[], decode=DecodeGroup(list(range(len(ids))),
