@@ -333,7 +333,9 @@ class LLMEngine:
             return []
         seqs = [seq for seq, _, _ in due]
         try:
-            tokens = sample(torch.stack([p for _, p, _ in due]), [s.params for s in seqs], [s.generator for s in seqs])
+            # one row needs no copy: a stack's fresh memory costs its page faults (~0.1 ms a decode step on CPU)
+            rows = due[0][1][None] if len(due) == 1 else torch.stack([p for _, p, _ in due])
+            tokens = sample(rows, [s.params for s in seqs], [s.generator for s in seqs])
         except Exception:
             tokens = []
             for seq, processed, _ in due:
