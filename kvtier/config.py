@@ -45,6 +45,7 @@ SPECULATIVE_CONFIG_KEYS = {"method": "speculative", "model": "draft_model",
                            "num_speculative_tokens": "num_speculative_tokens",
                            "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max"}
 SPECULATIVE_CONFIG_METHODS = {"ngram": "ngram", "draft_model": "draft", "dflash": "dflash"}
+SPECULATIVE_CONFIG_TEXTS = ("method", "model")      # its keys whose values are strings; the others are integers
 
 
 def speculative_config(text: str) -> dict:
@@ -61,10 +62,10 @@ def speculative_config(text: str) -> dict:
         raise ConfigError(f"--speculative-config: kvtier has no {', '.join(unknown)} (it takes "
                           f"{', '.join(SPECULATIVE_CONFIG_KEYS)})")
     for key, value in given.items():
-        kind, name = (str, "a string") if key in ("method", "model") else (int, "an integer")
+        kind, name = (str, "a string") if key in SPECULATIVE_CONFIG_TEXTS else (int, "an integer")
         if type(value) is not kind:
             raise ConfigError(f"--speculative-config: {key} must be {name}, got {value!r}")
-    if given.get("method", "ngram") not in SPECULATIVE_CONFIG_METHODS:
+    if "method" in given and given["method"] not in SPECULATIVE_CONFIG_METHODS:
         raise ConfigError(f"--speculative-config: kvtier has no method {given['method']!r} (it has "
                           f"{', '.join(SPECULATIVE_CONFIG_METHODS)})")
     fields = {SPECULATIVE_CONFIG_KEYS[key]: value for key, value in given.items()}
