@@ -76,20 +76,28 @@ def test_captured_decode_graphs_equal_eager(tiny_model_dir):
     assert graphed.runner.graphs.steps >= 8
 
 
-def test_a_graph_splits_a_long_context_and_not_a_short_one(tiny_model_dir):
+@pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.gpu)], ids=["buffers", "captured"])
+def test_a_graph_splits_a_long_context_and_not_a_short_one(monkeypatch, tiny_model_dir, capture):
     """A step replays the graph split for its longest context's length bucket: one part for a 100-token context,
     two for a 600-token one (on CPU a 16-multiprocessor GPU stands in), both equal to eager decode."""
     from conftest import run_greedy
-    eager = engine(tiny_model_dir, DEVICE, enforce_eager=True)
-    graphed = engine(tiny_model_dir, DEVICE, enforce_eager=True)
-    graphs = DecodeGraphs(graphed.model, graphed.pool, 6, graphed.max_model_len, capture=False,
-                          num_multiprocessors=None if DEVICE == "cuda" else 16)
-    graphed.runner.graphs = graphs
+    device = "cuda" if capture else DEVICE
+    eager = engine(tiny_model_dir, device, enforce_eager=True)
+    graphed = engine(tiny_model_dir, device, enforce_eager=not capture)
+    if not capture:
+        graphed.runner.graphs = DecodeGraphs(graphed.model, graphed.pool, 6, graphed.max_model_len, capture=False,
+                                             num_multiprocessors=None if device == "cuda" else 16)
+    graphs = graphed.runner.graphs
     assert graphs.lengths == [512, 1024, 2048]
-    if DEVICE == "cpu":
+    if device == "cpu":
         assert [graphs.split_count(1, n) for n in (100, 512, 600, 2000)] == [1, 1, 2, 4]
-    used, forward = [], graphs._forward
-    graphs._forward = lambda b, splits: (used.append(splits), forward(b, splits))[1]
+    used = []
+    if capture:      # which captured graph each step replays
+        for key, graph in graphs.graphs.items():
+            monkeypatch.setattr(graph, "replay", lambda key=key, replay=graph.replay: (used.append(key[1]), replay())[1])
+    else:
+        forward = graphs._forward
+        monkeypatch.setattr(graphs, "_forward", lambda b, splits: (used.append(splits), forward(b, splits))[1])
     for length in (100, 600):
         prompt = [(31 * i) % 900 + 20 for i in range(length)]
         want, got = run_greedy(eager, prompt, max_tokens=4), run_greedy(graphed, prompt, max_tokens=4)
@@ -97,6 +105,7 @@ def test_a_graph_splits_a_long_context_and_not_a_short_one(tiny_model_dir):
         assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
     splits = {graphs.split_count(1, 103), graphs.split_count(1, 603)}
     assert set(used) == splits and len(used) == 6          # 3 decode steps of each; on CPU {1, 2}
+    assert len(splits) == 2, "a 600-token context splits where a 100-token one does not"
 
 
 @pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.gpu)], ids=["buffers", "captured"])

@@ -195,3 +195,25 @@ def test_a_gpu_memory_utilization_bounds_the_pool_by_the_whole_device():
 def test_sampling_params_reject_out_of_range(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_an_engine_dropped_without_shutdown_stops_its_tier_threads(tiny_model_dir, tmp_path):
+    """Its tier mover's threads would keep the mover, the pool and the host tier's memory (pinned, on CUDA) alive
+    for good: dropping the engine stops them."""
+    import gc
+    import threading
+    import weakref
+
+    def movers() -> int:
+        return sum(t.name.startswith("kvtier-") and t.is_alive() for t in threading.enumerate())
+
+    before = movers()
+    eng = LLMEngine(Config(model=tiny_model_dir, block_size=BS, kv_pool_tokens=64 * BS, kv_host_gib=0.01,
+                           kv_disk_dir=str(tmp_path / "kv")))
+    run(eng, prompts(2), SamplingParams(max_tokens=4, temperature=0.0))
+    assert eng.kv.mover is not None and movers() == before + 3
+    pool = weakref.ref(eng.pool)
+    del eng
+    gc.collect()
+    assert pool() is None
+    assert movers() == before

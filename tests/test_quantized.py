@@ -32,6 +32,7 @@ pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier"
 TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=512, max_position_embeddings=1024, vocab_size=512)
 BLOCK = 16
+DEVICE = os.environ.get("KVTIER_DEVICE", "cpu")
 
 
 def tiny_gguf(path, config_cls=LlamaConfig, qtype=Q.Q8_0, types: dict[str, Q] | None = None, **overrides) -> str:
@@ -47,14 +48,14 @@ def tiny_gguf(path, config_cls=LlamaConfig, qtype=Q.Q8_0, types: dict[str, Q] | 
     return str(path)
 
 
-def decoder(path: str, quantized: bool, packed: bool = False) -> Decoder:
+def decoder(path: str, quantized: bool, packed: bool = False, device: str = "cpu") -> Decoder:
     config, weights, _ = read_gguf(path, torch.float32, keep_quantized=quantized)
-    return Decoder.from_weights(config, weights, torch.float32, torch.device("cpu"), packed=packed)
+    return Decoder.from_weights(config, weights, torch.float32, torch.device(device), packed=packed)
 
 
-def pool_for(model: Decoder, tokens: int = 1024) -> KVPool:
+def pool_for(model: Decoder, tokens: int = 1024, device: str = "cpu") -> KVPool:
     c = model.config
-    return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, tokens, torch.float32, torch.device("cpu"))
+    return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, tokens, torch.float32, torch.device(device))
 
 
 @torch.inference_mode()
@@ -64,13 +65,15 @@ def teacher_forced(model: Decoder, ids: list[list[int]], tables: list[list[int]]
     then every next token as a decode step of all sequences at once, through ggml's graph (steps, over `pool`) or
     the decoder op by op. Up to `length`, tokens past the given ids are sampled (seeded) and appended to ids."""
     pool = pool or pool_for(model)
+    device = pool.kv_cache.device
     generator = torch.Generator().manual_seed(0)
     slot = [lambda p, t=t: t[p // BLOCK] * BLOCK + p % BLOCK for t in tables]
     logits = []       # per position p, [sequences, vocab]: what follows position p
     for seq, s, table in zip(ids, slot, tables):
-        meta = AttentionMetadata(positions=torch.tensor([0]), slot_mapping=torch.tensor([s(0)]),
+        meta = AttentionMetadata(positions=torch.tensor([0], device=device),
+                                 slot_mapping=torch.tensor([s(0)], device=device),
                                  prefills=[PrefillSeq(0, 1, [], table[:1])], decode=None, block_size=BLOCK)
-        logits.append(model.logits(model(torch.tensor(seq[:1]), pool.kv_cache, meta)))
+        logits.append(model.logits(model(torch.tensor(seq[:1], device=device), pool.kv_cache, meta)).cpu())
     logits = [torch.cat(logits)]
     for p in range(1, (length or len(ids[0])) - 1):
         for seq, step_logits in zip(ids, logits[-1] if p >= len(ids[0]) else ()):
@@ -80,11 +83,12 @@ def teacher_forced(model: Decoder, ids: list[list[int]], tables: list[list[int]]
             logits.append(steps.run(tokens, [p] * len(ids), slots, [t[:p // BLOCK + 1] for t in tables],
                                     [p + 1] * len(ids), [1] * len(ids)).clone())     # the graph's memory: kept
             continue
-        meta = AttentionMetadata(positions=torch.tensor([p] * len(ids)), slot_mapping=torch.tensor(slots),
+        meta = AttentionMetadata(positions=torch.tensor([p] * len(ids), device=device),
+                                 slot_mapping=torch.tensor(slots, device=device),
                                  prefills=[], decode=DecodeGroup(list(range(len(ids))),
                                                                  [slot_runs(t, p + 1, BLOCK) for t in tables]),
                                  block_size=BLOCK, generated_rows=list(range(len(ids))))
-        logits.append(model.logits(model(torch.tensor(tokens), pool.kv_cache, meta)))
+        logits.append(model.logits(model(torch.tensor(tokens, device=device), pool.kv_cache, meta)).cpu())
     if length:
         for seq, step_logits in zip(ids, logits[-1]):
             seq.append(torch.multinomial(step_logits.softmax(-1), 1, generator=generator).item())
@@ -145,16 +149,18 @@ def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, ov
     assert steps.steps == 3 * (len(texts[0]) - 2)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter runs the CUDA kernels")
+@pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="on CPU Triton's interpreter runs the CUDA kernels")
 def test_the_cuda_kernels_score_as_the_dequantized_weights(tmp_path, monkeypatch):
-    """What CUDA runs (Triton's kernels over packed blocks), here in Triton's interpreter: a decoder of mixed types,
-    one of them (Q5_0) without a kernel, against the float32 path over the same weights dequantized (prompt rows in
-    float32, as CUDA multiplies them in the activations' dtype)."""
+    """What CUDA runs (Triton's kernels over packed blocks), on CUDA or in Triton's interpreter: a decoder of mixed
+    types, one of them (Q5_0) without a kernel, against the float32 path over the same weights dequantized (prompt
+    rows in float32, as CUDA multiplies them in the activations' dtype)."""
     monkeypatch.setattr("kvtier.models.quantized.dequantized_dtype", lambda: torch.float32)
     types = {"q_proj": Q.Q5_0, "o_proj": Q.Q4_0, "gate_proj": Q.Q4_1, "up_proj": Q.Q4_1, "down_proj": Q.Q6_K,
              "embed_tokens": Q.Q8_0, "lm_head": Q.Q5_K}
     path = tiny_gguf(tmp_path / "m.gguf", qtype=Q.Q4_K, types=types)
-    packed, float32 = decoder(path, quantized=True, packed=True), decoder(path, quantized=False)
+    packed, float32 = decoder(path, quantized=True, packed=True, device=DEVICE), decoder(path, quantized=False,
+                                                                                       device=DEVICE)
     assert isinstance(packed.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)     # Q5_0 beside Q4_K: dequantized
     kinds = {name: [p.type_name for p in m.parts] for name, m in packed.named_modules()
              if isinstance(m, QuantizedLinear) and name.startswith(("model.layers.0.", "lm_head"))}
@@ -163,8 +169,8 @@ def test_the_cuda_kernels_score_as_the_dequantized_weights(tmp_path, monkeypatch
     assert isinstance(packed.model.embed_tokens, QuantizedEmbedding)
     # few tokens: in the interpreter a prompt row's dequantizing kernels take ~14 s, a decode step's products ~4 s
     text, table = [TEXT[:3]], [[0]]
-    want = teacher_forced(float32, text, table)
-    got = teacher_forced(packed, text, table)     # the first token a prompt row, the rest decode rows
+    want = teacher_forced(float32, text, table, pool=pool_for(float32, device=DEVICE))
+    got = teacher_forced(packed, text, table, pool=pool_for(packed, device=DEVICE))   # a prompt row, then decodes
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 

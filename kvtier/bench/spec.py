@@ -29,6 +29,7 @@ from kvtier.engine.sampling_params import SamplingParams
 from kvtier.models.loader import resolve_model_path
 
 SECTION = "## Speculative decoding"     # one section per weights mode (--quantize)
+POOL_TOKENS = 32768    # each engine's pool: a workload's conversations, both turns, with room to spare
 EDIT_TARGET = 2.0      # decode tokens/s with ngram / without, editing workload
 CHAT_TARGET = 0.95     # the same on plain chat
 SOURCES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "**", "*.py")
@@ -149,8 +150,10 @@ def table(results: dict, names: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     args, command = parse_command("kvtier.bench.spec", argv, parse_args)
     resolve_model(args)
+    # every engine's pool sized for the conversations, not a share of free memory: on a GPU the first engine would
+    # take most of it and leave the others (the draft model's two copies of the weights) too little
     settings = dict(model=args.model, **device_settings(args), num_threads=args.threads, kv_host_gib=0, kv_disk=False,
-                    num_speculative_tokens=args.num_speculative_tokens)
+                    kv_pool_tokens=POOL_TOKENS, num_speculative_tokens=args.num_speculative_tokens)
     if args.quantize:
         settings["quantize"] = args.quantize
     draft = {"draft_model": args.draft_model or resolve_model_path(args.model)}

@@ -60,10 +60,8 @@ class DecodeGraphs:
         self.lengths = [n for n in (MIN_SPLIT_TOKENS << i for i in range(32)) if n < longest] + [longest]
         sms = multiprocessors(pool.kv_cache.device) if num_multiprocessors is None else num_multiprocessors
         kv_heads = pool.kv_cache.shape[3]
-        # (batch bucket, length bucket) → the kernel's parts per context, rounded down to a power of two: fewer
-        # graphs to capture and kernel variants to compile, at most half the programs the exact split would run
-        self.splits = {(b, n): 1 << (decode_splits(b, kv_heads, n, sms).bit_length() - 1)
-                       for b in self.buckets for n in self.lengths}
+        # (batch bucket, length bucket) → the kernel's parts per context
+        self.splits = {(b, n): decode_splits(b, kv_heads, n, sms) for b in self.buckets for n in self.lengths}
         device = pool.kv_cache.device
         # [token ids | positions | slots | context lengths] of `most` rows each, then block tables [most, width]
         size = 4 * most + most * self.width
@@ -144,7 +142,8 @@ class DecodeGraphs:
             self._forward(*key)              # warm-up: Triton compiles its kernels, cuBLAS picks its algorithms
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=memory):
+            # thread-local: a tier mover's CUDA calls meanwhile (its own streams) do not invalidate the capture
+            with torch.cuda.graph(graph, pool=memory, capture_error_mode="thread_local"):
                 self.outputs[key] = self._forward(*key)
             self.graphs[key] = graph
         torch.cuda.synchronize()

@@ -17,6 +17,7 @@ The engine talks to it in a few verbs:
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -43,6 +44,10 @@ class KVManager:
         self.pool, self.stack, self.pager, self.manifests = pool, stack, pager, manifests
         self.block_size = pool.block_size
         self.mover = Mover(pool, stack, manifests) if stack else None
+        # the mover's threads keep it, the pool and the tiers alive: a manager dropped without shutdown stops them
+        self._stop_mover = weakref.finalize(self, self.mover.shutdown) if self.mover else None
+        if self._stop_mover:
+            self._stop_mover.atexit = False      # at exit the threads are daemons, as they always were
         self.loading: dict[str, KVState] = {}     # loads in flight, by request id
         self.partials = PartialBlocks(pool.namespace, partials_dir)
         self.rates = Rates(pool.block_bytes // pool.block_size, rates_file)
@@ -369,9 +374,10 @@ class KVManager:
         self._remember(parent, tokens, key)
 
     def _remember(self, parent: bytes | None, tokens: list[int], key: bytes) -> None:
-        self.partials.add(parent, tokens, key)
-        if self.mover:     # after the block's own save
-            self.mover.after_saves(lambda: self.partials.write(parent, tokens, key))
+        partials = self.partials
+        partials.add(parent, tokens, key)
+        if self.mover:     # after the block's own save (a job that holds the partials, not this manager)
+            self.mover.after_saves(lambda: partials.write(parent, tokens, key))
 
     def abort(self, state: KVState) -> bool:
         """True if the request is loading: its blocks are freed, and `poll` returns it, once its copy lands."""
@@ -514,8 +520,8 @@ class KVManager:
         return self.mover is None or self.mover.idle()
 
     def shutdown(self) -> None:
-        if self.mover:
-            self.mover.shutdown()      # after any rates it was still to write
+        if self._stop_mover:
+            self._stop_mover()      # after any copies it was still to make
         if (record := self.rates.pending(now=True)) is not None:
             self.rates.write(record)
 

@@ -179,9 +179,12 @@ def multiprocessors(device: torch.device) -> int:
 
 def decode_splits(batch: int, kv_heads: int, longest: int, num_multiprocessors: int) -> int:
     """How many parts each context is split into: enough programs to give every streaming multiprocessor two, no
-    part shorter than MIN_SPLIT_TOKENS of the longest context. 1 without multiprocessors (off CUDA)."""
+    part shorter than MIN_SPLIT_TOKENS of the longest context, rounded down to a power of two (the split count is
+    a compile-time constant: few kernel variants to compile and graphs to capture, at most half the programs the
+    exact split would run). 1 without multiprocessors (off CUDA)."""
     programs = 2 * num_multiprocessors
-    return max(1, min(-(-programs // (batch * kv_heads)), longest // MIN_SPLIT_TOKENS))
+    splits = max(1, min(-(-programs // (batch * kv_heads)), longest // MIN_SPLIT_TOKENS))
+    return 1 << (splits.bit_length() - 1)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,

@@ -160,7 +160,8 @@ class Mover:
         for q in (self._saves, self._loads, self._pages):
             q.put(None)
         for t in self._threads:
-            t.join(timeout=30)
+            if t is not threading.current_thread():      # a finalizer may run on one of them (KVManager)
+                t.join(timeout=30)
 
     # --- paging --------------------------------------------------------------------------------
 
