@@ -116,7 +116,7 @@ class DecodeGraphs:
         if self.capture:
             self.graphs[key].replay()
         logits, features = self.outputs[key] if self.capture else self._forward(*key)
-        # the graphs share one memory pool: the next replay overwrites their outputs
+        # the graphs copy their outputs into one buffer: the next replay overwrites it
         self.features = None if features is None else features[:n].clone()
         return logits[:n].clone()
 
@@ -138,13 +138,22 @@ class DecodeGraphs:
         self.lens.fill_(1)
         self.tables[:, 0] = self.pad_slot // self.block_size
         memory = torch.cuda.graph_pool_handle()
+        # one (logits, features) buffer, the largest bucket's, that every graph copies its step's into: outputs kept
+        # per graph would hold ~1 GB of a 128K-vocabulary model's logits in verify buckets, outside the pool's budget
+        kept = None
         for key in sorted({(b, s) for (b, _), s in self.splits.items()}, reverse=True):
-            self._forward(*key)              # warm-up: Triton compiles its kernels, cuBLAS picks its algorithms
+            warm = self._forward(*key)       # warm-up: Triton compiles its kernels, cuBLAS picks its algorithms
+            if kept is None:
+                kept = tuple(None if t is None else torch.empty_like(t) for t in warm)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
+            b = key[0]
             # thread-local: a tier mover's CUDA calls meanwhile (its own streams) do not invalidate the capture
             with torch.cuda.graph(graph, pool=memory, capture_error_mode="thread_local"):
-                self.outputs[key] = self._forward(*key)
+                for out, t in zip(kept, self._forward(*key)):
+                    if t is not None:
+                        out[:b].copy_(t)
+            self.outputs[key] = tuple(None if out is None else out[:b] for out in kept)
             self.graphs[key] = graph
         torch.cuda.synchronize()
         log.info("%d decode graphs captured for batch sizes %s (split per context length) in %.1f s",
