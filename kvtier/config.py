@@ -105,7 +105,9 @@ class Config:
     prompt_lookup_min: int = LOOKUP_MIN   # ngram: the shortest ending of a sequence looked up in its context
     prompt_lookup_max: int = LOOKUP_MAX   # and the longest (the longest that occurred before proposes)
     prefix_cache: bool = True             # reuse cached blocks of earlier requests' prefixes
-    kv_host_gib: float = 4.0              # host RAM tier budget; 0 disables it
+    # host RAM tier budget; 0 disables it. $KVTIER_KV_HOST_GIB sets the default (the suite on a GPU: every
+    # engine pins its host tier, and eight workers each hold several engines)
+    kv_host_gib: float = field(default_factory=lambda: float(os.environ.get("KVTIER_KV_HOST_GIB", "4")))
     kv_disk: bool = True                  # the local disk tier
     kv_disk_dir: str = field(default_factory=lambda: default_disk_dir())
     kv_disk_gib: float = 20.0

@@ -20,6 +20,9 @@ if os.environ.get("KVTIER_DEVICE", "cpu").startswith("cuda"):
     if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
         share = 0.7 / (3 * int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
         os.environ.setdefault("KVTIER_GPU_MEMORY_UTILIZATION", f"{share:.3f}")
+    # each engine pins its host tier (4 GiB by default) in RAM the workers share: 1 GiB holds 20K tokens of the
+    # bundled model's K/V, more than any test pages out
+    os.environ.setdefault("KVTIER_KV_HOST_GIB", "1")
 else:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
