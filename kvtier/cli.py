@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                        help="do not reuse device blocks of earlier requests' prefixes")
     group.add_argument("--kv-host-gib", type=float, metavar="GIB",
-                       help="host RAM tier budget, 0 to disable (default: 4)")
+                       help="host RAM tier budget, 0 to disable (default: $KVTIER_KV_HOST_GIB, else 4)")
     group.add_argument("--kv-disk-dir", metavar="DIR", help="disk tier directory (default: ~/.cache/kvtier/kv)")
     group.add_argument("--kv-disk-gib", type=float, metavar="GIB", help="disk tier budget (default: 20)")
     group.add_argument("--no-kv-disk", dest="kv_disk", action="store_false", default=None,

@@ -107,7 +107,7 @@ class Config:
     prefix_cache: bool = True             # reuse cached blocks of earlier requests' prefixes
     # host RAM tier budget; 0 disables it. $KVTIER_KV_HOST_GIB sets the default (the suite on a GPU: every
     # engine pins its host tier, and eight workers each hold several engines)
-    kv_host_gib: float = field(default_factory=lambda: float(os.environ.get("KVTIER_KV_HOST_GIB", "4")))
+    kv_host_gib: float = field(default_factory=lambda: os.environ.get("KVTIER_KV_HOST_GIB", 4.0))
     kv_disk: bool = True                  # the local disk tier
     kv_disk_dir: str = field(default_factory=lambda: default_disk_dir())
     kv_disk_gib: float = 20.0
@@ -174,6 +174,10 @@ class Config:
             self._check_utilization()
         if self.max_batched_tokens < 1:
             raise ConfigError(f"max_batched_tokens must be positive, got {self.max_batched_tokens}")
+        try:       # $KVTIER_KV_HOST_GIB's text read as a number
+            self.kv_host_gib = float(self.kv_host_gib)
+        except ValueError:
+            raise ConfigError(f"kv_host_gib must be a number, got {self.kv_host_gib!r}") from None
         if self.kv_host_gib < 0 or self.kv_disk_gib < 0:
             raise ConfigError("kv_host_gib and kv_disk_gib must be >= 0")
         if self.kv_resident_tokens is not None:

@@ -199,14 +199,19 @@ def test_sampling_params_reject_out_of_range(kwargs):
 
 def test_an_engine_dropped_without_shutdown_stops_its_tier_threads(tiny_model_dir, tmp_path):
     """Its tier mover's threads would keep the mover, the pool and the host tier's memory (pinned, on CUDA) alive
-    for good: dropping the engine stops them."""
+    for good: dropping the engine stops them (from a thread of its own) and frees the pool."""
     import gc
     import threading
+    import time
     import weakref
 
     def movers() -> int:
-        return sum(t.name.startswith("kvtier-") and t.is_alive() for t in threading.enumerate())
+        return sum(t.name in ("kvtier-saver", "kvtier-loader", "kvtier-pager") for t in threading.enumerate())
 
+    gc.collect()            # engines earlier tests dropped
+    deadline = time.monotonic() + 30
+    while movers() and time.monotonic() < deadline:
+        time.sleep(0.05)
     before = movers()
     eng = LLMEngine(Config(model=tiny_model_dir, block_size=BS, kv_pool_tokens=64 * BS, kv_host_gib=0.01,
                            kv_disk_dir=str(tmp_path / "kv")))
@@ -215,5 +220,9 @@ def test_an_engine_dropped_without_shutdown_stops_its_tier_threads(tiny_model_di
     pool = weakref.ref(eng.pool)
     del eng
     gc.collect()
-    assert pool() is None
+    deadline = time.monotonic() + 30
+    while (movers() > before or pool() is not None) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gc.collect()
     assert movers() == before
+    assert pool() is None

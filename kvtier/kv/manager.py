@@ -17,6 +17,7 @@ The engine talks to it in a few verbs:
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 
 import torch
@@ -44,8 +45,9 @@ class KVManager:
         self.pool, self.stack, self.pager, self.manifests = pool, stack, pager, manifests
         self.block_size = pool.block_size
         self.mover = Mover(pool, stack, manifests) if stack else None
-        # the mover's threads keep it, the pool and the tiers alive: a manager dropped without shutdown stops them
-        self._stop_mover = weakref.finalize(self, self.mover.shutdown) if self.mover else None
+        # the mover's threads keep it, the pool and the tiers alive: a manager dropped without shutdown stops them,
+        # from a thread of its own (the collector may run on any thread, which must not wait on the mover's)
+        self._stop_mover = weakref.finalize(self, _stop_in_background, self.mover) if self.mover else None
         if self._stop_mover:
             self._stop_mover.atexit = False      # at exit the threads are daemons, as they always were
         self.loading: dict[str, KVState] = {}     # loads in flight, by request id
@@ -352,7 +354,8 @@ class KVManager:
             key, manifest = self.pager.manifest_key(exact[-1]), self.pager.manifest(state)
             # found by a next turn from now on, however soon it comes (its blocks' saves are waited for there)
             self.manifests.keep(key, manifest)
-            self.mover.after_saves(lambda: self.manifests.write(key, manifest))
+            manifests = self.manifests      # the job holds the store, not this manager
+            self.mover.after_saves(lambda: manifests.write(key, manifest))
         self.release(state)
 
     def _keep_partial(self, state: KVState) -> None:
@@ -374,9 +377,9 @@ class KVManager:
         self._remember(parent, tokens, key)
 
     def _remember(self, parent: bytes | None, tokens: list[int], key: bytes) -> None:
-        partials = self.partials
+        partials = self.partials      # the job holds the partials, not this manager
         partials.add(parent, tokens, key)
-        if self.mover:     # after the block's own save (a job that holds the partials, not this manager)
+        if self.mover:     # after the block's own save
             self.mover.after_saves(lambda: partials.write(parent, tokens, key))
 
     def abort(self, state: KVState) -> bool:
@@ -437,7 +440,8 @@ class KVManager:
             else:
                 self._missed(state, retry=job.manifest_key is not None)
         if (record := self.rates.pending()) is not None:     # written off this thread, now and then while serving
-            self.mover.after_saves(lambda: self.rates.write(record))
+            rates = self.rates      # the job holds the rates, not this manager
+            self.mover.after_saves(lambda: rates.write(record))
         return aborted
 
     def _land_page_out(self, job: PageOut) -> None:
@@ -520,8 +524,9 @@ class KVManager:
         return self.mover is None or self.mover.idle()
 
     def shutdown(self) -> None:
-        if self._stop_mover:
-            self._stop_mover()      # after any copies it was still to make
+        if self.mover:
+            self._stop_mover.detach()
+            self.mover.shutdown()      # after any copies it was still to make
         if (record := self.rates.pending(now=True)) is not None:
             self.rates.write(record)
 
@@ -531,6 +536,10 @@ class KVManager:
         return {"tiers": self.stack.stats(), "rates": self.rates.stats(), "load_buckets": LOAD_BUCKETS,
                 "load_counts": list(self.load_counts), "load_seconds_sum": self.load_seconds_sum,
                 "num_loading": len(self.loading)}
+
+
+def _stop_in_background(mover: Mover) -> None:
+    threading.Thread(target=mover.shutdown, name="kvtier-mover-stop", daemon=True).start()
 
 
 def _last_block(table: list[int]) -> int | None:

@@ -180,7 +180,7 @@ def multiprocessors(device: torch.device) -> int:
 def decode_splits(batch: int, kv_heads: int, longest: int, num_multiprocessors: int) -> int:
     """How many parts each context is split into: enough programs to give every streaming multiprocessor two, no
     part shorter than MIN_SPLIT_TOKENS of the longest context, rounded down to a power of two (the split count is
-    a compile-time constant: few kernel variants to compile and graphs to capture, at most half the programs the
+    a compile-time constant: few kernel variants to compile and graphs to capture, at least half the programs the
     exact split would run). 1 without multiprocessors (off CUDA)."""
     programs = 2 * num_multiprocessors
     splits = max(1, min(-(-programs // (batch * kv_heads)), longest // MIN_SPLIT_TOKENS))

@@ -160,8 +160,7 @@ class Mover:
         for q in (self._saves, self._loads, self._pages):
             q.put(None)
         for t in self._threads:
-            if t is not threading.current_thread():      # a finalizer may run on one of them (KVManager)
-                t.join(timeout=30)
+            t.join(timeout=30)
 
     # --- paging --------------------------------------------------------------------------------
 
@@ -211,29 +210,34 @@ class Mover:
     # --- workers ---------------------------------------------------------------------------------
 
     def _save_loop(self) -> None:
-        while (item := self._saves.get()) is not None:
-            kind, keys, blocks, ready = item
-            if kind == "call":
-                try:
-                    keys()
-                except Exception:
-                    log.exception("a write after the saves failed")
-                self._saves.task_done()
-                continue
+        for item in iter(self._saves.get, None):
+            self._save(*item)
+            del item       # not kept while the queue is empty: a call may hold what its owner would free
+
+    def _save(self, kind: str, keys, blocks: list[int] | None, ready) -> None:
+        """A saves-queue job: a run of blocks to copy out and write below the device, or a call to make after the
+        saves before it (keys is then the callable)."""
+        if kind == "call":
             try:
-                payloads, leased = self._copy_out_run(keys, blocks, ready)
-            finally:
-                self._done.put(("saved", (keys, blocks)))    # the device slots may be reused from here on
-                self._landed.set()
-            try:
-                for tier in self.stack.tiers:
-                    if tier is not self.stack.host:
-                        self._put_below(tier, keys, payloads)
-            finally:
-                if leased:
-                    self.stack.host.release(keys)
-                self._saved(keys)
-                self._saves.task_done()
+                keys()
+            except Exception:
+                log.exception("a write after the saves failed")
+            self._saves.task_done()
+            return
+        try:
+            payloads, leased = self._copy_out_run(keys, blocks, ready)
+        finally:
+            self._done.put(("saved", (keys, blocks)))    # the device slots may be reused from here on
+            self._landed.set()
+        try:
+            for tier in self.stack.tiers:
+                if tier is not self.stack.host:
+                    self._put_below(tier, keys, payloads)
+        finally:
+            if leased:
+                self.stack.host.release(keys)
+            self._saved(keys)
+            self._saves.task_done()
 
     @staticmethod
     def _put_below(tier, keys: list[bytes], payloads: list[torch.Tensor]) -> None:
