@@ -63,10 +63,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), rope_inv_freq(cfg))
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos().float(), persistent=False)
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
+        # computed on the CPU, then moved where modules are being built: on the meta device (Decoder.from_weights)
+        # arange would import torch's decompositions, ~2 s of every start
+        with torch.device("cpu"):
+            freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), rope_inv_freq(cfg))
+            emb = torch.cat([freqs, freqs], dim=-1)
+        device = torch.get_default_device()
+        self.register_buffer("cos", emb.cos().float().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().float().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for each position, shaped [T, 1, D] to broadcast over heads."""
@@ -165,7 +169,10 @@ def _kernel_ready(name: str, weight, dtype: torch.dtype):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # built without a random init (the checkpoint's weights replace it): normal_ on the meta device imports
+        # torch's reference ops, ~3 s of every start
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
