@@ -205,24 +205,18 @@ def test_an_engine_dropped_without_shutdown_stops_its_tier_threads(tiny_model_di
     import time
     import weakref
 
-    def movers() -> int:
-        return sum(t.name in ("kvtier-saver", "kvtier-loader", "kvtier-pager") for t in threading.enumerate())
-
-    gc.collect()            # engines earlier tests dropped
-    deadline = time.monotonic() + 30
-    while movers() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    before = movers()
+    earlier = set(threading.enumerate())
     eng = LLMEngine(Config(model=tiny_model_dir, block_size=BS, kv_pool_tokens=64 * BS, kv_host_gib=0.01,
                            kv_disk_dir=str(tmp_path / "kv")))
     run(eng, prompts(2), SamplingParams(max_tokens=4, temperature=0.0))
-    assert eng.kv.mover is not None and movers() == before + 3
+    movers = [t for t in threading.enumerate()
+              if t not in earlier and t.name in ("kvtier-saver", "kvtier-loader", "kvtier-pager")]
+    assert len(movers) == 3
     pool = weakref.ref(eng.pool)
     del eng
-    gc.collect()
     deadline = time.monotonic() + 30
-    while (movers() > before or pool() is not None) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    while (any(t.is_alive() for t in movers) or pool() is not None) and time.monotonic() < deadline:
         gc.collect()
-    assert movers() == before
+        time.sleep(0.05)
+    assert not any(t.is_alive() for t in movers)
     assert pool() is None
