@@ -47,8 +47,8 @@ class KVManager:
         self.mover = Mover(pool, stack, manifests) if stack else None
         # the mover's threads keep it, the pool and the tiers alive: a manager dropped without shutdown stops them,
         # from a thread of its own (the collector may run on any thread, which must not wait on the mover's)
-        self._stop_mover = weakref.finalize(self, _stop_in_background, self.mover) if self.mover else None
-        if self._stop_mover:
+        if self.mover:
+            self._stop_mover = weakref.finalize(self, _stop_in_background, self.mover)
             self._stop_mover.atexit = False      # at exit the threads are daemons, as they always were
         self.loading: dict[str, KVState] = {}     # loads in flight, by request id
         self.partials = PartialBlocks(pool.namespace, partials_dir)
@@ -354,8 +354,7 @@ class KVManager:
             key, manifest = self.pager.manifest_key(exact[-1]), self.pager.manifest(state)
             # found by a next turn from now on, however soon it comes (its blocks' saves are waited for there)
             self.manifests.keep(key, manifest)
-            manifests = self.manifests      # the job holds the store, not this manager
-            self.mover.after_saves(lambda: manifests.write(key, manifest))
+            self.mover.after_saves(self.manifests.write, key, manifest)
         self.release(state)
 
     def _keep_partial(self, state: KVState) -> None:
@@ -377,10 +376,9 @@ class KVManager:
         self._remember(parent, tokens, key)
 
     def _remember(self, parent: bytes | None, tokens: list[int], key: bytes) -> None:
-        partials = self.partials      # the job holds the partials, not this manager
-        partials.add(parent, tokens, key)
+        self.partials.add(parent, tokens, key)
         if self.mover:     # after the block's own save
-            self.mover.after_saves(lambda: partials.write(parent, tokens, key))
+            self.mover.after_saves(self.partials.write, parent, tokens, key)
 
     def abort(self, state: KVState) -> bool:
         """True if the request is loading: its blocks are freed, and `poll` returns it, once its copy lands."""
@@ -440,8 +438,7 @@ class KVManager:
             else:
                 self._missed(state, retry=job.manifest_key is not None)
         if (record := self.rates.pending()) is not None:     # written off this thread, now and then while serving
-            rates = self.rates      # the job holds the rates, not this manager
-            self.mover.after_saves(lambda: rates.write(record))
+            self.mover.after_saves(self.rates.write, record)
         return aborted
 
     def _land_page_out(self, job: PageOut) -> None:

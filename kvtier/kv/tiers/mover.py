@@ -23,6 +23,7 @@ reports the copy done.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -127,9 +128,10 @@ class Mover:
         with self._saving_changed:
             return next((i for i, key in enumerate(keys) if not self._saving[key]), len(keys))
 
-    def after_saves(self, write) -> None:
-        """Call write() on the saver once the blocks queued before it are saved (a manifest, say)."""
-        self._saves.put(("call", write, None, None))
+    def after_saves(self, write, *args) -> None:
+        """Call write(*args) on the saver once the blocks queued before it are saved (a manifest, say). write is a
+        store's own method, not a closure over its owner: a queued job keeps only what it writes alive."""
+        self._saves.put(("call", functools.partial(write, *args), None, None))
 
     def load(self, job: LoadJob) -> None:
         job.ready = self.copier.ready()
