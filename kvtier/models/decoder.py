@@ -132,22 +132,19 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def fuse_projections(weights: dict) -> dict:
-    """Checkpoint names → decoder names: q/k/v into qkv_proj, gate/up into gate_up_proj. Quantized weights become
-    lists of parts (one part where their block types agree)."""
-    fused = dict(weights)
+def fuse_projections(weights: dict) -> None:
+    """Checkpoint names → decoder names, in place: q/k/v into qkv_proj, gate/up into gate_up_proj, each group's parts
+    gone once their fused copy is made. Quantized weights become lists of parts (one part where their block types
+    agree)."""
     groups = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
-    for name in weights:
+    for name in list(weights):
         for target, parts in groups.items():
             for kind in ("weight", "bias"):
                 if name.endswith(f"{parts[0]}.{kind}"):
                     prefix = name[: -len(f"{parts[0]}.{kind}")]
                     keys = [f"{prefix}{p}.{kind}" for p in parts]
-                    fused[f"{prefix}{target}.{kind}"] = _stacked([weights[k] for k in keys])
-                    for k in keys:
-                        del fused[k]
-    return fused
+                    weights[f"{prefix}{target}.{kind}"] = _stacked([weights.pop(k) for k in keys])
 
 
 def _stacked(values: list) -> torch.Tensor | list[QuantizedWeight]:
@@ -199,16 +196,20 @@ class Decoder(nn.Module):
         weights replace their modules with quantized ones: ggml's blocks on CPU (float32 activations; Q4_0
         projections interleaved as ggml's faster kernels want them: repacked.py), packed for Triton's kernels
         elsewhere (packed=True takes those on CPU too, in Triton's interpreter: how the tests check them). There, a
-        block type no kernel multiplies is dequantized to dtype."""
+        block type no kernel multiplies is dequantized to dtype.
+
+        Takes the tensors out of `weights` (left empty) as it goes: a weight's loaded copy is dropped once its fused,
+        repacked or packed copy is made, so loading holds about one copy of the weights, not three."""
         packed = device.type != "cpu" if packed is None else packed
         if packed:
-            weights = {k: _kernel_ready(k, v, dtype) for k, v in weights.items()}
+            for k, v in weights.items():
+                weights[k] = _kernel_ready(k, v, dtype)
         with torch.device("meta"):
             model = cls(cfg)
-        weights = fuse_projections(weights)
+        fuse_projections(weights)
         expected = set(model.state_dict())
         if cfg.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+            weights.pop("lm_head.weight", None)
             expected.discard("lm_head.weight")
         missing, unexpected = expected - set(weights), set(weights) - expected
         if missing or unexpected:
@@ -218,15 +219,17 @@ class Decoder(nn.Module):
                      if isinstance(v, (list, QuantizedWeight))}
         if quantized and not packed and dtype != torch.float32:
             raise ValueError("quantized weights run on CPU in float32 only")
-        floats = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()
+        floats = {k: weights.pop(k).to(device=device, dtype=dtype) for k in list(weights)
                   if k.rsplit(".", 1)[0] not in quantized}
         model.load_state_dict(floats, strict=False, assign=True)
-        for name, parts in quantized.items():
+        for name in list(quantized):
+            parts = quantized.pop(name)
+            del weights[f"{name}.weight"]
             if packed:
                 parts = [pack(p.blocks, p.ggml_type, p.in_features, device, dtype) for p in parts]
             elif name != "model.embed_tokens":      # an embedding takes rows, never products
                 parts = [repacked(p) for p in parts]
-            bias = weights.get(f"{name}.bias")
+            bias = weights.pop(f"{name}.bias", None)
             module = QuantizedEmbedding(parts[0]) if name == "model.embed_tokens" else \
                 QuantizedLinear(parts, None if bias is None else bias.to(device=device, dtype=dtype))
             model.set_submodule(name, module)

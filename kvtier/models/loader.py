@@ -280,15 +280,17 @@ def read_gguf(path: str, dtype: torch.dtype, digest_cache: str | None = None,
         if keep_quantized and t.tensor_type not in FLOAT_TYPES:
             w = from_gguf_bytes(t.data, t.tensor_type, shapes[name][0])
             weights[name] = dataclasses.replace(w, blocks=_unpermuted_llama_qk(w.blocks, name, config))
-            continue
-        try:
-            array = dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise ValueError(f"{path}: tensor {t.name} has quantization type {t.tensor_type.name}, "
-                             "which the gguf package cannot dequantize") from None
-        if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
-            array = array.copy()
-        weights[name] = _unpermuted_llama_qk(torch.from_numpy(array).reshape(shapes[name]), name, config).to(dtype)
+        else:
+            try:
+                array = dequantize(t.data, t.tensor_type)
+            except NotImplementedError:
+                raise ValueError(f"{path}: tensor {t.name} has quantization type {t.tensor_type.name}, "
+                                 "which the gguf package cannot dequantize") from None
+            if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
+                array = array.copy()
+            weights[name] = _unpermuted_llama_qk(torch.from_numpy(array).reshape(shapes[name]), name,
+                                                 config).to(dtype)
+        gguf.release(t)     # copied: its pages leave this process
     return config, weights, fingerprint(config, [path], digest_cache)
 
 

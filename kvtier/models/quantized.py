@@ -100,8 +100,10 @@ def quantize(weight: torch.Tensor, ggml_type: int) -> QuantizedWeight:
 
 
 def from_gguf_bytes(data: np.ndarray, ggml_type: int, out_features: int) -> QuantizedWeight:
-    """A GGUF tensor's bytes (the reader's array of one row of bytes per weight row), copied out of the file map."""
-    blocks = ggml.aligned(torch.from_numpy(np.array(data, copy=True).reshape(out_features, -1)))
+    """A GGUF tensor's bytes (the reader's array of one row of bytes per weight row), copied out of the file map
+    into torch's (aligned) memory."""
+    blocks = torch.empty(out_features, data.size // out_features, dtype=torch.uint8)
+    blocks.numpy()[:] = data.reshape(out_features, -1)
     block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     return QuantizedWeight(blocks, int(ggml_type), blocks.shape[1] // type_size * block_size)
 
