@@ -51,7 +51,7 @@ def tiny_gguf(path, config_cls=LlamaConfig, qtype=Q.Q8_0, types: dict[str, Q] | 
 
 
 def decoder(path: str, quantized: bool, packed: bool = False, device: str = "cpu") -> Decoder:
-    config, weights, _ = read_gguf(path, torch.float32, keep_quantized=quantized)
+    config, weights, _ = read_gguf(path, torch.float32, quantize="gguf" if quantized else "none")
     return Decoder.from_weights(config, weights, torch.float32, torch.device(device), packed=packed)
 
 
@@ -371,7 +371,7 @@ from kvtier.models.decoder import Decoder
 from kvtier.models.loader import BUNDLED_MODEL, read_gguf
 
 def load(path):
-    config, weights, _ = read_gguf(path, torch.float32, keep_quantized=True)
+    config, weights, _ = read_gguf(path, torch.float32, quantize="gguf")
     return Decoder.from_weights(config, weights, torch.float32, torch.device("cpu"))
 
 def kib(field):
@@ -396,16 +396,75 @@ def test_loading_a_gguf_holds_about_one_copy_of_its_weights(tmp_path):
     assert float(proc.stdout.split()[-1]) < 1.6, proc.stdout
 
 
+HF_PEAK_SCRIPT = """
+import os, sys, torch
+from kvtier.models.loader import read_hf_dir
+
+def kib(field):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
+
+read_hf_dir(sys.argv[2], torch.float32, quantize="int4")      # every library and cache a load uses, brought in
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = kib("VmRSS")
+config, weights, _ = read_hf_dir(sys.argv[1], torch.float32, quantize="int4")
+print((kib("VmHWM") - before) * 1024 / os.path.getsize(os.path.join(sys.argv[1], "model.safetensors")))
+"""
+
+
+def test_quantizing_a_checkpoint_at_load_never_holds_it_in_floats(tmp_path):
+    """--quantize int4 of a bfloat16 checkpoint on CPU: each tensor is quantized as it is read, so the load peaks
+    at the file's mapped pages (which the page cache may drop) and the blocks, ~1.4x the file, not with the whole
+    checkpoint in float32 beside them (2x more)."""
+    from safetensors.torch import save_file
+
+    from kvtier.models.loader import expected_shapes, hf_config
+    for name, hidden in (("warm", 64), ("model", 1024)):
+        path = tmp_path / name
+        path.mkdir()
+        LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=4, num_attention_heads=16,
+                    num_key_value_heads=4, vocab_size=8192).to_json_file(path / "config.json")
+        generator = torch.Generator().manual_seed(0)
+        save_file({n: torch.randn(shape, generator=generator).to(torch.bfloat16)
+                   for n, shape in expected_shapes(hf_config(str(path))).items()}, path / "model.safetensors")
+    proc = subprocess.run([sys.executable, "-c", HF_PEAK_SCRIPT, str(tmp_path / "model"), str(tmp_path / "warm")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert float(proc.stdout.split()[-1]) < 2.0, proc.stdout
+
+
 def test_quantized_blocks_are_kept_for_the_next_start(tiny_model_dir, monkeypatch):
-    from kvtier.models import quantized
+    from kvtier.models import loader, quantized
     first = load_model(tiny_model_dir, quantize="int4")
     cached = [f for f in os.listdir(os.path.join(cache_home(), "quantized")) if f.endswith("-int4.safetensors")]
     assert len(cached) == 1
     monkeypatch.setattr(quantized, "quantize", lambda *a: pytest.fail("quantized again"))
+    read, real_open = [], loader.safe_open
+
+    class RecordingOpen:      # the checkpoint's tensors as the loader reads them, recorded
+        def __init__(self, *args, **kwargs):
+            self.file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.file.get_tensor(name)
+    monkeypatch.setattr(loader, "safe_open", RecordingOpen)
     again = load_model(tiny_model_dir, quantize="int4")
     for name, w in first.weights.items():
         if isinstance(w, quantized.QuantizedWeight):
             assert torch.equal(w.blocks, again.weights[name].blocks) and w.ggml_type == again.weights[name].ggml_type
+            assert name not in read     # a second start reads no float weight it would quantize
+    assert read     # the norms, still read
     monkeypatch.undo()
     path = os.path.join(cache_home(), "quantized", cached[0])
     with open(path, "r+b") as f:     # a damaged file is quantized again, and replaced

@@ -6,6 +6,7 @@ dtype, on the CPU; every checkpoint is checked against the shapes its config imp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -21,9 +22,9 @@ from tqdm import tqdm
 from kvtier.config import cache_home
 from kvtier.models.config import ARCHITECTURES, ModelConfig
 from kvtier.models.digest import file_digest
-from kvtier.models.gguf_file import GGUFFile
-from kvtier.models.quantized import (FLOAT_TYPES, QUANTIZE_TYPES, QuantizedWeight, from_gguf_bytes, prompt_dtype,
-                                     quantize_weights)
+from kvtier.models.gguf_file import GGUFFile, GGUFTensor
+from kvtier.models.quantized import (FLOAT_TYPES, QUANTIZE_TYPES, LoadQuantizer, QuantizedWeight, from_gguf_bytes,
+                                     prompt_dtype)
 from kvtier.models.tokenizer import Tokenizer
 
 
@@ -76,16 +77,13 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, digest_cache: str 
     in dtype), "gguf" (a GGUF file's quantized tensors kept as they are), or "int8"/"int4" (every projection
     quantized at load, quantized.QUANTIZE_TYPES)."""
     if os.path.isdir(path):
-        config, weights, fingerprint = read_hf_dir(path, dtype, digest_cache)
+        config, weights, fingerprint = read_hf_dir(path, dtype, digest_cache, quantize)
         name = os.path.basename(os.path.abspath(path))
     elif os.path.isfile(path):
-        config, weights, fingerprint = read_gguf(path, dtype, digest_cache, keep_quantized=quantize == "gguf")
+        config, weights, fingerprint = read_gguf(path, dtype, digest_cache, quantize)
         name = os.path.splitext(os.path.basename(path))[0]
     else:
         raise ValueError(f"no model at {path}: expected a Hugging Face directory or a .gguf file")
-    if quantize in QUANTIZE_TYPES:      # the blocks kept for the next start, by the weights' fingerprint
-        weights = quantize_weights(weights, quantize,
-                                   os.path.join(cache_home(), "quantized", f"{fingerprint}-{quantize}.safetensors"))
     if any(isinstance(w, QuantizedWeight) for w in weights.values()):
         # the K/V quantized weights compute differs a little from the float weights', and with the dtype in which
         # prompt rows multiply
@@ -130,6 +128,15 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], config: ModelConfig, path: 
         raise ValueError(f"{path}: the weights do not fit the {config.architecture} config ({'; '.join(problems)})")
 
 
+def _quantizer(weights_fingerprint: str, dtype: torch.dtype, quantize: str) -> LoadQuantizer | None:
+    """--quantize int8|int4: what quantizes each float tensor as a reader reads it (the blocks kept for the next
+    start, by the weights' fingerprint)."""
+    if quantize not in QUANTIZE_TYPES:
+        return None
+    cache = os.path.join(cache_home(), "quantized", f"{weights_fingerprint}-{quantize}.safetensors")
+    return LoadQuantizer(quantize, dtype, cache)
+
+
 def fingerprint(config: ModelConfig, files: list[str], digest_cache: str | None) -> str:
     """Hash the architecture and every byte of every weight file (digests remembered in digest_cache)."""
     h = xxhash.xxh3_128()
@@ -142,8 +149,9 @@ def fingerprint(config: ModelConfig, files: list[str], digest_cache: str | None)
 
 # ---- Hugging Face directory ----
 
-def read_hf_dir(path: str, dtype: torch.dtype,
-                digest_cache: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+def read_hf_dir(path: str, dtype: torch.dtype, digest_cache: str | None = None,
+                quantize: str = "none") -> tuple[ModelConfig, dict, str]:
+    """quantize: int8|int4 quantizes each projection as it is read (LoadQuantizer), else every tensor in dtype."""
     config = hf_config(path)
     shapes, files = {}, _safetensors_files(path)
     for file in files:
@@ -153,15 +161,19 @@ def read_hf_dir(path: str, dtype: torch.dtype,
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
     check_shapes(shapes, config, path)
-    weights = {}
+    weights, weights_fingerprint = {}, fingerprint(config, files, digest_cache)
+    quantizer = _quantizer(weights_fingerprint, dtype, quantize)
     with tqdm(total=len(shapes), desc=f"Loading {os.path.basename(os.path.abspath(path))}", unit="tensor") as bar:
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     if name in shapes:
-                        weights[name] = f.get_tensor(name).to(dtype)
+                        weights[name] = quantizer.take(name, shapes[name], functools.partial(f.get_tensor, name)) \
+                            if quantizer else f.get_tensor(name).to(dtype)
                         bar.update()
-    return config, weights, fingerprint(config, files, digest_cache)
+    if quantizer:
+        quantizer.finish()
+    return config, weights, weights_fingerprint
 
 
 def hf_config(path: str) -> ModelConfig:
@@ -253,8 +265,9 @@ def _ids(value) -> tuple[int, ...]:
 # ---- GGUF file ----
 
 def read_gguf(path: str, dtype: torch.dtype, digest_cache: str | None = None,
-              keep_quantized: bool = False) -> tuple[ModelConfig, dict, str]:
-    """keep_quantized: quantized tensors come back as QuantizedWeight, in the file's blocks."""
+              quantize: str = "none") -> tuple[ModelConfig, dict, str]:
+    """quantize: gguf keeps quantized tensors as QuantizedWeight, in the file's blocks; int8|int4 dequantizes each
+    and quantizes it again as it is read (LoadQuantizer); none dequantizes every tensor to dtype."""
     gguf = _open_gguf(path)
     tensors, rope_freqs = {}, None
     for t in gguf.tensors:
@@ -275,23 +288,31 @@ def read_gguf(path: str, dtype: torch.dtype, digest_cache: str | None = None,
     # GGUF lists dimensions innermost first
     shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}
     check_shapes(shapes, config, path)
-    weights = {}
+    weights, weights_fingerprint = {}, fingerprint(config, [path], digest_cache)
+    quantizer = _quantizer(weights_fingerprint, dtype, quantize)
     for name, t in tqdm(tensors.items(), desc=f"Loading {os.path.basename(path)}", unit="tensor"):
-        if keep_quantized and t.tensor_type not in FLOAT_TYPES:
+        if quantize == "gguf" and t.tensor_type not in FLOAT_TYPES:
             w = from_gguf_bytes(t.data, t.tensor_type, shapes[name][0])
             weights[name] = dataclasses.replace(w, blocks=_unpermuted_llama_qk(w.blocks, name, config))
         else:
-            try:
-                array = dequantize(t.data, t.tensor_type)
-            except NotImplementedError:
-                raise ValueError(f"{path}: tensor {t.name} has quantization type {t.tensor_type.name}, "
-                                 "which the gguf package cannot dequantize") from None
-            if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
-                array = array.copy()
-            weights[name] = _unpermuted_llama_qk(torch.from_numpy(array).reshape(shapes[name]), name,
-                                                 config).to(dtype)
+            read = functools.partial(_dequantized, t, name, shapes[name], config, path)
+            weights[name] = quantizer.take(name, shapes[name], read) if quantizer else read().to(dtype)
         gguf.release(t)     # copied: its pages leave this process
-    return config, weights, fingerprint(config, [path], digest_cache)
+    if quantizer:
+        quantizer.finish()
+    return config, weights, weights_fingerprint
+
+
+def _dequantized(t: GGUFTensor, name: str, shape: tuple[int, ...], config: ModelConfig, path: str) -> torch.Tensor:
+    """A GGUF tensor as floats (float32, or its own float type), shaped and ordered as the decoder takes it."""
+    try:
+        array = dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise ValueError(f"{path}: tensor {t.name} has quantization type {t.tensor_type.name}, "
+                         "which the gguf package cannot dequantize") from None
+    if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
+        array = array.copy()
+    return _unpermuted_llama_qk(torch.from_numpy(array).reshape(shape), name, config)
 
 
 def gguf_config(fields: dict, tensors: dict, path: str) -> ModelConfig:

@@ -236,19 +236,33 @@ def model_weight_bytes(model: nn.Module) -> int:
     return sum(blocks.values()) + sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def quantize_weights(weights: dict[str, torch.Tensor], mode: str, cache: str | None = None) -> dict:
-    """`--quantize int8|int4`: every projection in mode's block type, the embedding and LM head in Q8_0; a matrix
-    whose rows are not whole blocks of 32 stays float. cache: a file that keeps the blocks for the next start (named
-    by the weights' fingerprint, so it never serves other weights); a damaged one is made again."""
-    cached = _read_blocks(cache) if cache else None
-    quantized = dict(weights)
-    for name, w in weights.items():
-        if w.dim() == 2 and w.shape[1] % 32 == 0:
-            kind = QUANTIZE_TYPES[mode] if name.endswith("_proj.weight") else GGMLQuantizationType.Q8_0
-            quantized[name] = cached[name] if cached and name in cached else quantize(w, kind)
-    if cache and cached is None:
-        _write_blocks(cache, {n: w for n, w in quantized.items() if isinstance(w, QuantizedWeight)})
-    return quantized
+class LoadQuantizer:
+    """`--quantize int8|int4`, applied to each weight as the loader reads it, so that a load never holds the model
+    in floats (an 8B checkpoint in float32 on CPU: 32 GB): every projection in mode's block type, the embedding and
+    LM head in Q8_0; a matrix whose rows are not whole blocks of 32 stays float, in dtype. cache: a file that keeps
+    the blocks for the next start (named by the weights' fingerprint, so it never serves other weights); a damaged
+    one is made again (`finish` writes it)."""
+
+    def __init__(self, mode: str, dtype: torch.dtype, cache: str | None = None):
+        self.kind, self.dtype, self.cache = QUANTIZE_TYPES[mode], dtype, cache
+        self.cached = _read_blocks(cache) if cache else None
+        self.made: dict[str, QuantizedWeight] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], read) -> torch.Tensor | QuantizedWeight:
+        """The weight `name` of `shape` as kept: its cached blocks (then `read`, which returns the float tensor, is
+        never called: a second start reads no float weight it quantizes), or read and quantized, or read in dtype."""
+        if len(shape) != 2 or shape[1] % 32:
+            return read().to(self.dtype)
+        if self.cached and name in self.cached:
+            made = self.cached[name]
+        else:
+            made = quantize(read(), self.kind if name.endswith("_proj.weight") else GGMLQuantizationType.Q8_0)
+        self.made[name] = made
+        return made
+
+    def finish(self) -> None:
+        if self.cache and self.cached is None:
+            _write_blocks(self.cache, self.made)
 
 
 def _read_blocks(path: str) -> dict[str, QuantizedWeight] | None:
