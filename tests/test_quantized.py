@@ -363,59 +363,41 @@ def test_decodes_are_the_same_beside_a_prompt_as_alone():
     assert together == {"a": alone, "b": b_alone}
 
 
-# run in a process of its own: its peak resident memory while loading the bundled model, over the file's size (the
-# peak reset first, after a tiny model's load has brought in every library and cache a load uses)
-PEAK_SCRIPT = """
-import os, sys, torch
-from kvtier.models.decoder import Decoder
-from kvtier.models.loader import BUNDLED_MODEL, read_gguf
-
-def load(path):
-    config, weights, _ = read_gguf(path, torch.float32, quantize="gguf")
-    return Decoder.from_weights(config, weights, torch.float32, torch.device("cpu"))
-
-def kib(field):
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
-
-load(sys.argv[1])
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-before = kib("VmRSS")
-model = load(BUNDLED_MODEL)
-print((kib("VmHWM") - before) * 1024 / os.path.getsize(BUNDLED_MODEL))
-"""
+def load_peak(load: str, warm_up: str, path: str, weights_file: str | None = None, env: dict | None = None) -> float:
+    """Run, in a process of its own, `load` (Python over `path`: a load) once over `warm_up` (which brings in every
+    library and cache a load uses), then over `path`, after resetting the process's peak resident memory: that
+    load's peak over the size of its weights' file (`path` itself unless given). Linux only (/proc/self)."""
+    script = "\n".join([
+        "import os, sys, torch",
+        "from kvtier.models.decoder import Decoder",
+        "from kvtier.models.loader import read_gguf, read_hf_dir",
+        "def kib(field):",
+        "    return next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith(field + ':'))",
+        f"def load(path):\n    return {load}",
+        "load(sys.argv[1])",
+        "open('/proc/self/clear_refs', 'w').write('5')",
+        "before = kib('VmRSS')",
+        "kept = load(sys.argv[2])",
+        "print((kib('VmHWM') - before) * 1024 / os.path.getsize(sys.argv[3]))"])
+    proc = subprocess.run([sys.executable, "-c", script, warm_up, path, weights_file or path], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return float(proc.stdout.split()[-1])
 
 
 def test_loading_a_gguf_holds_about_one_copy_of_its_weights(tmp_path):
     """The file's pages leave the process once copied, and each weight's loaded copy goes once its fused or
     repacked copy is made: 2.25x the file before, ~1.3x now (the rest: the vocabulary's strings and the decoder's
     objects; a 7B Q4_0 file of 4.2 GB peaks at 1.06x)."""
-    tiny = tiny_gguf(tmp_path / "tiny.gguf")
-    proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, tiny], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert float(proc.stdout.split()[-1]) < 1.6, proc.stdout
-
-
-HF_PEAK_SCRIPT = """
-import os, sys, torch
-from kvtier.models.loader import read_hf_dir
-
-def kib(field):
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
-
-read_hf_dir(sys.argv[2], torch.float32, quantize="int4")      # every library and cache a load uses, brought in
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-before = kib("VmRSS")
-config, weights, _ = read_hf_dir(sys.argv[1], torch.float32, quantize="int4")
-print((kib("VmHWM") - before) * 1024 / os.path.getsize(os.path.join(sys.argv[1], "model.safetensors")))
-"""
+    load = ("Decoder.from_weights(*read_gguf(path, torch.float32, quantize='gguf')[:2], torch.float32, "
+            "torch.device('cpu'))")
+    assert load_peak(load, tiny_gguf(tmp_path / "tiny.gguf"), BUNDLED_MODEL) < 1.6
 
 
 def test_quantizing_a_checkpoint_at_load_never_holds_it_in_floats(tmp_path):
     """--quantize int4 of a bfloat16 checkpoint on CPU: each tensor is quantized as it is read, so the load peaks
     at the file's mapped pages (which the page cache may drop) and the blocks, ~1.4x the file, not with the whole
-    checkpoint in float32 beside them (2x more)."""
+    checkpoint in float32 beside them (3.0x before)."""
     from safetensors.torch import save_file
 
     from kvtier.models.loader import expected_shapes, hf_config
@@ -427,10 +409,10 @@ def test_quantizing_a_checkpoint_at_load_never_holds_it_in_floats(tmp_path):
         generator = torch.Generator().manual_seed(0)
         save_file({n: torch.randn(shape, generator=generator).to(torch.bfloat16)
                    for n, shape in expected_shapes(hf_config(str(path))).items()}, path / "model.safetensors")
-    proc = subprocess.run([sys.executable, "-c", HF_PEAK_SCRIPT, str(tmp_path / "model"), str(tmp_path / "warm")],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert float(proc.stdout.split()[-1]) < 2.0, proc.stdout
+    model = tmp_path / "model"
+    peak = load_peak("read_hf_dir(path, torch.float32, quantize='int4')", str(tmp_path / "warm"), str(model),
+                     str(model / "model.safetensors"), env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert peak < 2.0
 
 
 def test_quantized_blocks_are_kept_for_the_next_start(tiny_model_dir, monkeypatch):

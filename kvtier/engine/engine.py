@@ -53,9 +53,9 @@ class LLMEngine:
         if config.chat_template:
             with open(config.chat_template) as f:
                 self.tokenizer.use_chat_template(f.read())
+        # the model takes the weights it runs (fused, repacked) out of loaded.weights: the loaded copies are gone
+        # before free memory sizes the pool
         self.model = Decoder.from_weights(loaded.config, loaded.weights, config.torch_dtype, self.device)
-        # the model holds the weights it runs (fused, repacked): the file's copies go before free memory sizes the pool
-        loaded.weights.clear()
         mc = loaded.config
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)

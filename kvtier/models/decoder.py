@@ -198,8 +198,9 @@ class Decoder(nn.Module):
         elsewhere (packed=True takes those on CPU too, in Triton's interpreter: how the tests check them). There, a
         block type no kernel multiplies is dequantized to dtype.
 
-        Takes the tensors out of `weights` (left empty) as it goes: a weight's loaded copy is dropped once its fused,
-        repacked or packed copy is made, so loading holds about one copy of the weights, not three."""
+        Takes the tensors out of `weights` as it goes (left empty, unless a ValueError stops it): a weight's loaded
+        copy is dropped once its fused, repacked or packed copy is made, so loading holds about one copy of the
+        weights, not three."""
         packed = device.type != "cpu" if packed is None else packed
         if packed:
             for k, v in weights.items():

@@ -3,8 +3,9 @@
 gguf's own GGUFReader builds a numpy view for every element of every metadata array: SmolLM2's vocabulary (49,152
 tokens, 48,900 merges) took it 5.6 s on a 2-core machine, at every start of every engine. Here the header is read
 with struct, a string array by a loop of slices, a number array as one numpy view: about 0.1 s. The tensors' bytes
-stay in the file map until the loader copies them; `release` then unmaps a tensor's pages from the process (the
-page cache keeps them), so a load's resident memory peaks at about one copy of the weights, not two. Little-endian GGUF, versions 2 and 3 (what llama.cpp writes).
+stay in the file map until the loader copies them; `release` then drops a tensor's pages from the process's
+resident memory (the page cache keeps them), so a load's resident memory peaks at about one copy of the weights,
+not two. Little-endian GGUF, versions 2 and 3 (what llama.cpp writes).
 A damaged header fails fast: every count is checked against the bytes left before it is read.
 """
 from __future__ import annotations
@@ -84,6 +85,8 @@ class GGUFFile:
 
     def release(self, tensor: GGUFTensor) -> None:
         """Drop the tensor's pages from this process's memory (they fault back in from the file if read again)."""
+        if not hasattr(mmap, "MADV_DONTNEED"):      # not on every platform: the pages then stay until the map goes
+            return
         start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
         self._mmap.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
 

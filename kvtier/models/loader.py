@@ -128,11 +128,11 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], config: ModelConfig, path: 
         raise ValueError(f"{path}: the weights do not fit the {config.architecture} config ({'; '.join(problems)})")
 
 
-def _quantizer(weights_fingerprint: str, dtype: torch.dtype, quantize: str) -> LoadQuantizer | None:
-    """--quantize int8|int4: what quantizes each float tensor as a reader reads it (the blocks kept for the next
-    start, by the weights' fingerprint)."""
+def _quantizer(weights_fingerprint: str, dtype: torch.dtype, quantize: str) -> LoadQuantizer:
+    """How a reader keeps each float tensor: in dtype, or under --quantize int8|int4 quantized as it is read (the
+    blocks kept for the next start, by the weights' fingerprint)."""
     if quantize not in QUANTIZE_TYPES:
-        return None
+        return LoadQuantizer(None, dtype)
     cache = os.path.join(cache_home(), "quantized", f"{weights_fingerprint}-{quantize}.safetensors")
     return LoadQuantizer(quantize, dtype, cache)
 
@@ -168,11 +168,9 @@ def read_hf_dir(path: str, dtype: torch.dtype, digest_cache: str | None = None,
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     if name in shapes:
-                        weights[name] = quantizer.take(name, shapes[name], functools.partial(f.get_tensor, name)) \
-                            if quantizer else f.get_tensor(name).to(dtype)
+                        weights[name] = quantizer.take(name, shapes[name], functools.partial(f.get_tensor, name))
                         bar.update()
-    if quantizer:
-        quantizer.finish()
+    quantizer.finish()
     return config, weights, weights_fingerprint
 
 
@@ -296,10 +294,9 @@ def read_gguf(path: str, dtype: torch.dtype, digest_cache: str | None = None,
             weights[name] = dataclasses.replace(w, blocks=_unpermuted_llama_qk(w.blocks, name, config))
         else:
             read = functools.partial(_dequantized, t, name, shapes[name], config, path)
-            weights[name] = quantizer.take(name, shapes[name], read) if quantizer else read().to(dtype)
-        gguf.release(t)     # copied: its pages leave this process
-    if quantizer:
-        quantizer.finish()
+            weights[name] = quantizer.take(name, shapes[name], read)
+        gguf.release(t)     # copied: its pages leave this process's memory
+    quantizer.finish()
     return config, weights, weights_fingerprint
 
 

@@ -237,21 +237,22 @@ def model_weight_bytes(model: nn.Module) -> int:
 
 
 class LoadQuantizer:
-    """`--quantize int8|int4`, applied to each weight as the loader reads it, so that a load never holds the model
-    in floats (an 8B checkpoint in float32 on CPU: 32 GB): every projection in mode's block type, the embedding and
-    LM head in Q8_0; a matrix whose rows are not whole blocks of 32 stays float, in dtype. cache: a file that keeps
-    the blocks for the next start (named by the weights' fingerprint, so it never serves other weights); a damaged
-    one is made again (`finish` writes it)."""
+    """How a loader keeps each float tensor it reads: in dtype, or under `--quantize int8|int4` (mode) quantized at
+    once, so that a load never holds the model in floats (an 8B checkpoint in float32 on CPU: 32 GB): every
+    projection in mode's block type, the embedding and LM head in Q8_0; a matrix whose rows are not whole blocks of
+    32 stays float, in dtype. The blocks come from the checkpoint's own values, whatever dtype. cache: a file that
+    keeps the blocks for the next start (named by the weights' fingerprint, so it never serves other weights); a
+    damaged one is made again."""
 
-    def __init__(self, mode: str, dtype: torch.dtype, cache: str | None = None):
-        self.kind, self.dtype, self.cache = QUANTIZE_TYPES[mode], dtype, cache
+    def __init__(self, mode: str | None, dtype: torch.dtype, cache: str | None = None):
+        self.kind, self.dtype, self.cache = mode and QUANTIZE_TYPES[mode], dtype, cache
         self.cached = _read_blocks(cache) if cache else None
         self.made: dict[str, QuantizedWeight] = {}
 
     def take(self, name: str, shape: tuple[int, ...], read) -> torch.Tensor | QuantizedWeight:
         """The weight `name` of `shape` as kept: its cached blocks (then `read`, which returns the float tensor, is
         never called: a second start reads no float weight it quantizes), or read and quantized, or read in dtype."""
-        if len(shape) != 2 or shape[1] % 32:
+        if self.kind is None or len(shape) != 2 or shape[1] % 32:
             return read().to(self.dtype)
         if self.cached and name in self.cached:
             made = self.cached[name]
@@ -261,6 +262,7 @@ class LoadQuantizer:
         return made
 
     def finish(self) -> None:
+        """Write the blocks made by this load where no readable cache was found."""
         if self.cache and self.cached is None:
             _write_blocks(self.cache, self.made)
 
