@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--block-size", type=int, metavar="N",
                        help="tokens per KV block (default: 64, or 16 with --kv-resident-tokens)")
     group.add_argument("--kv-pool-tokens", type=int, metavar="N", help="tokens of KV the device pool holds "
-                                                         "(default: a share of free device memory)")
+                                                         "(default: 10%% of available RAM on CPU, 80%% of free GPU memory on CUDA)")
     group.add_argument("--gpu-memory-utilization", type=float, metavar="F",
                        help="on CUDA, the fraction of the device's memory this server's weights and KV pool may "
                             "take (vLLM's option; activations and CUDA graphs come on top), so that several servers "

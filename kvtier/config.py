@@ -84,7 +84,7 @@ class Config:
     # (every weight in dtype), int8 | int4 (every projection quantized at load: Q8_0 / Q4_0 blocks of 32)
     quantize: str = "auto"
     block_size: int | None = None         # None → 64, or 16 under bounded residency
-    kv_pool_tokens: int | None = None     # None → a share of free device memory
+    kv_pool_tokens: int | None = None     # None → a share of available device memory (pool.default_pool_tokens)
     # on CUDA, the fraction of the device's memory this engine's weights and pool may take (vLLM's option; several
     # servers on one GPU); None → $KVTIER_GPU_MEMORY_UTILIZATION, else no fraction (the pool takes a share of what is
     # free after the weights)

@@ -2,13 +2,14 @@
 import asyncio
 
 import pytest
+import torch
 from conftest import until_nothing_runs
 
 from kvtier.config import Config, ConfigError
 from kvtier.engine.async_engine import AsyncEngine
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.outputs import RequestRejected
-from kvtier.kv.pool import cuda_pool_budget
+from kvtier.kv.pool import CPU_POOL_SHARE, cuda_pool_budget, default_pool_tokens
 from kvtier.engine.sampling_params import SamplingParams
 
 BS = 16
@@ -188,6 +189,19 @@ def test_a_gpu_memory_utilization_bounds_the_pool_by_the_whole_device():
     # never more than the share of what is free (another process holds the rest), never below nothing
     assert cuda_pool_budget(5 * gib, 80 * gib, 1 * gib, 0, 0.5) == 4 * gib
     assert cuda_pool_budget(70 * gib, 80 * gib, 30 * gib, 0, 0.25) == 0
+
+
+def test_the_cpu_pool_counts_the_page_cache_as_available():
+    """A weight file just read sits in the page cache, which the kernel drops on demand: MemAvailable counts it,
+    free pages do not (they made the default pool shrink by the file's size, as if the weights took twice their
+    memory, and to almost nothing on a host whose RAM the cache had filled). The default is a share of the former."""
+    meminfo = {line.split(":")[0]: line.split()[1] for line in open("/proc/meminfo")}
+    available, free = int(meminfo["MemAvailable"]) * 1024, int(meminfo["MemFree"]) * 1024
+    tokens = default_pool_tokens(1, torch.device("cpu"))
+    # memory moves a little between the reads; where the cache holds more than 2% of the available memory (this
+    # machine's: ~2 GB of 23), free pages would miss by more than this
+    assert abs(tokens - available * CPU_POOL_SHARE) < 0.002 * available
+    assert tokens >= 0.99 * free * CPU_POOL_SHARE
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}, {"top_k": -2},

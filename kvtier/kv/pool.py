@@ -29,6 +29,20 @@ class PoolExhausted(RuntimeError):
     """Not enough free blocks for an allocation; the caller should have checked can_allocate."""
 
 
+def available_host_bytes() -> int:
+    """Host memory new allocations can take: the kernel's MemAvailable (free pages and the page cache it can drop:
+    a weight file just read sits there, and would otherwise count as used beside the weights' own copy), else free
+    pages only where there is no /proc/meminfo."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def default_pool_tokens(bytes_per_token: int, device: torch.device, held: int = 0, reserve: int = 0,
                         utilization: float | None = None) -> int:
     """held: device bytes the engine's weights take; reserve: those that something not yet on a CUDA device will take
@@ -37,7 +51,7 @@ def default_pool_tokens(bytes_per_token: int, device: torch.device, held: int = 
         free, total = torch.cuda.mem_get_info(device)
         budget = cuda_pool_budget(free, total, held, reserve, utilization)
     else:
-        budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_POOL_SHARE
+        budget = available_host_bytes() * CPU_POOL_SHARE
     return int(budget // bytes_per_token)
 
 
