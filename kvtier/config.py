@@ -174,10 +174,7 @@ class Config:
             self._check_utilization()
         if self.max_batched_tokens < 1:
             raise ConfigError(f"max_batched_tokens must be positive, got {self.max_batched_tokens}")
-        try:       # $KVTIER_KV_HOST_GIB's text read as a number
-            self.kv_host_gib = float(self.kv_host_gib)
-        except ValueError:
-            raise ConfigError(f"kv_host_gib must be a number, got {self.kv_host_gib!r}") from None
+        self.kv_host_gib = self._number("kv_host_gib")
         if self.kv_host_gib < 0 or self.kv_disk_gib < 0:
             raise ConfigError("kv_host_gib and kv_disk_gib must be >= 0")
         if self.kv_resident_tokens is not None:
@@ -230,12 +227,17 @@ class Config:
         if self.max_request_bytes < 1024:
             raise ConfigError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
 
-    def _check_utilization(self) -> None:
-        """A fraction in (0, 1]; $KVTIER_GPU_MEMORY_UTILIZATION's text read as one."""
+    def _number(self, name: str) -> float:
+        """A field's value as a number (its $KVTIER_* default comes as text), or a ConfigError that names it."""
+        value = getattr(self, name)
         try:
-            self.gpu_memory_utilization = float(self.gpu_memory_utilization)
+            return float(value)
         except ValueError:
-            raise ConfigError(f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}") from None
+            raise ConfigError(f"{name} must be a number, got {value!r}") from None
+
+    def _check_utilization(self) -> None:
+        """A fraction in (0, 1]."""
+        self.gpu_memory_utilization = self._number("gpu_memory_utilization")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
