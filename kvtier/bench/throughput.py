@@ -312,8 +312,7 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
     decode_path = ("eager" if graphs is None else "one ggml graph per step" if isinstance(graphs, GgmlDecodeSteps)
                    else f"CUDA graphs (batch buckets {graphs.buckets})")
     prompt = prompt_dtype(eng.config.torch_dtype, torch.device(args.device).type)
-    prompt_rows = f", prompt rows multiply and attend in {str(prompt).removeprefix('torch.')}" \
-        if prompt != eng.config.torch_dtype else ""
+    prompt_rows = f", prompt rows in {str(prompt).removeprefix('torch.')}" if prompt != eng.config.torch_dtype else ""
     size = model_weight_bytes(eng.model) / 1e6
     weights = (f"weights kept quantized ({eng.weights_mode}, {size:.0f} MB{prompt_rows})"
                if eng.model.quantized else f"{eng.config.dtype} weights")
