@@ -107,9 +107,6 @@ class AttentionMetadata:
     features: dict[int, torch.Tensor] = field(default_factory=dict)   # such a layer → its output rows [T, hidden]
     layer: int = 0                             # the layer being computed, set by the decoder
     block_size: int = 0
-    # the dtype prompt rows (all but generated_rows) attend in on CPU where it is not the activations'
-    # (paged_attention), set by the decoder
-    attention_dtype: torch.dtype | None = None
     _kernel_args: dict = field(default_factory=dict)   # built by the first layer, used by every layer
 
     def stacked_features(self) -> torch.Tensor | None:
@@ -168,9 +165,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
-    # on CPU prompt rows may attend in another dtype than the pool's (quantized weights' in bfloat16: the
-    # decoder's attention_dtype), each piece of K/V cast as it is read
-    work = meta.attention_dtype if meta.attention_dtype is not None and q.device.type == "cpu" else q.dtype
     # a graph's decode step runs the kernel on any device (on CPU in Triton's interpreter: how the tests check it)
     graphed = meta.decode is not None and meta.decode.tensors is not None
     use_kernels = (q.device.type == "cuda" or graphed) and triton_supports(q.shape[-1], meta.block_size)
@@ -180,15 +174,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         prefills = _prefills_by_kernel(kernels, q, k_cache, v_cache, out, meta, scale)
     for seq in prefills:
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
-        qs, ks, vs = (x[rows].transpose(0, 1).unsqueeze(0).to(work) for x in (q, k, v))   # [1, heads, n, D]
+        qs, ks, vs = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, n, D]
         paged_out = None if seq.paged_out is None else (seq.paged_out[0, meta.layer], seq.paged_out[1, meta.layer])
         if not seq.prefix_runs and paged_out is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         elif q.device.type == "cpu":
-            segments = _context_segments(seq.prefix_runs, k_cache, v_cache, work)
-            if paged_out is not None:
-                segments.append(tuple(t.to(work) for t in paged_out))
-            o = _attention_after_segments_cpu(qs, ks, vs, segments, scale)
+            segments = _context_segments(seq.prefix_runs, k_cache, v_cache)
+            o = _attention_after_segments_cpu(qs, ks, vs, segments + ([paged_out] if paged_out else []), scale)
         else:
             kp, vp = (c[seq.prefix_slots(q.device)] for c in (k_cache, v_cache))
             if paged_out is not None:     # prompt tokens attend to every earlier block, resident or not
@@ -206,18 +198,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             # on CPU a verify step's rows attend as a prompt chunk after the context before them (one read of it
             # for them all, not one per row); a lone decode or a long context is read where it lies, one sequence at
-            # a time, and so is a prompt row that attends in another dtype (a cached prompt's last token); the
-            # others are gathered and padded into one batched call, which costs less than a call per sequence while
-            # they are short
+            # a time; the others are gathered and padded into one batched call, which costs less than a call per
+            # sequence while they are short
             chunked = _verify_chunks_cpu(q, k, v, k_cache, v_cache, out, d, scale) if q.device.type == "cpu" else set()
-            generated = meta.kernel_args("generated", lambda: set(meta.generated_rows))
-            prompt = {i for i, row in enumerate(d.query_rows) if row not in generated} if work != q.dtype else set()
             apart = [i for i, runs in enumerate(d.runs) if q.device.type == "cpu" and i not in chunked
-                     and (len(d.runs) == 1 or sum(b - a for a, b in runs) >= CPU_DECODE_APART or i in prompt)]
+                     and (len(d.runs) == 1 or sum(b - a for a, b in runs) >= CPU_DECODE_APART)]
             for i in apart:
-                row, runs, dtype = d.query_rows[i], d.runs[i], work if i in prompt else q.dtype
-                qs = q[row:row + 1].transpose(0, 1).unsqueeze(0).to(dtype)     # [1, H, 1, D]
-                parts = _segment_parts_cpu(qs, k.shape[1], _context_segments(runs, k_cache, v_cache, dtype), scale)
+                row, runs = d.query_rows[i], d.runs[i]
+                qs = q[row:row + 1].transpose(0, 1).unsqueeze(0)     # [1, H, 1, D]
+                parts = _segment_parts_cpu(qs, k.shape[1], _context_segments(runs, k_cache, v_cache), scale)
                 out[row] = _merged(parts)[0, :, 0]
             if len(apart) + len(chunked) < len(d.runs):
                 skip = set(apart) | chunked
@@ -237,7 +226,7 @@ def _verify_chunks_cpu(q, k, v, k_cache, v_cache, out, d: DecodeGroup, scale: fl
     for i, n, prefix in d.verify:
         rows = slice(d.query_rows[i], d.query_rows[i] + n)
         qs, ks, vs = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        o = _attention_after_segments_cpu(qs, ks, vs, _context_segments(prefix, k_cache, v_cache, q.dtype), scale)
+        o = _attention_after_segments_cpu(qs, ks, vs, _context_segments(prefix, k_cache, v_cache), scale)
         out[rows] = o.squeeze(0).transpose(0, 1)
         chunked.update(range(i, i + n))
     return chunked
@@ -261,10 +250,10 @@ def _prefills_by_kernel(kernels, q, k_cache, v_cache, out, meta: AttentionMetada
     return [seq for seq in meta.prefills if seq not in taken]
 
 
-def _context_segments(runs: list[tuple[int, int]], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A context's K/V (runs of pool slots, in order) in segments of CONTEXT_SEGMENT tokens, in dtype: views where a
-    segment's slots are one run in the pool's dtype, copies otherwise."""
+def _context_segments(runs: list[tuple[int, int]], k_cache: torch.Tensor, v_cache: torch.Tensor
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A context's K/V (runs of pool slots, in order) in segments of CONTEXT_SEGMENT tokens: views where a segment's
+    slots are one run, copies of its pieces otherwise."""
     segments, pieces, filled = [], [], 0
     for a, b in runs:
         while a < b:
@@ -272,19 +261,19 @@ def _context_segments(runs: list[tuple[int, int]], k_cache: torch.Tensor, v_cach
             pieces.append((a, a + take))
             filled, a = filled + take, a + take
             if filled == CONTEXT_SEGMENT:
-                segments.append(_joined_pieces(pieces, k_cache, v_cache, dtype))
+                segments.append(_joined_pieces(pieces, k_cache, v_cache))
                 pieces, filled = [], 0
     if pieces:
-        segments.append(_joined_pieces(pieces, k_cache, v_cache, dtype))
+        segments.append(_joined_pieces(pieces, k_cache, v_cache))
     return segments
 
 
-def _joined_pieces(pieces: list[tuple[int, int]], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _joined_pieces(pieces: list[tuple[int, int]], k_cache: torch.Tensor, v_cache: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     if len(pieces) == 1:
         (a, b), = pieces
-        return k_cache[a:b].to(dtype), v_cache[a:b].to(dtype)
-    return tuple(torch.cat([cache[a:b] for a, b in pieces]).to(dtype) for cache in (k_cache, v_cache))
+        return k_cache[a:b], v_cache[a:b]
+    return tuple(torch.cat([cache[a:b] for a, b in pieces]) for cache in (k_cache, v_cache))
 
 
 def _attention_after_prefix(q, k, v, k_prefix, v_prefix, scale: float) -> torch.Tensor:

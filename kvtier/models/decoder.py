@@ -19,8 +19,7 @@ from kvtier.models.attention import AttentionMetadata, paged_attention
 from kvtier.models.config import ModelConfig
 from kvtier.models.products import Linear
 from kvtier.models.packed import pack, packable
-from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding,
-                                     prompt_dtype)
+from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding
 from kvtier.models.repacked import repacked
 
 log = logging.getLogger("kvtier.models")
@@ -257,9 +256,6 @@ class Decoder(nn.Module):
         decode_rows[meta.generated_rows] = True
         with decoding(decode_rows):      # how quantized weights multiply each row (quantized.py)
             x = self.model.embed_tokens(token_ids)
-            if self.quantized:     # prompt rows attend in the dtype their products take: bfloat16 where the
-                # CPU has bfloat16 dot products (with AMX, prefill 1.3x as fast at 512 tokens, 1.7x at 7.7K)
-                meta.attention_dtype = prompt_dtype(x.dtype, x.device.type)
             rope = self.rope(meta.positions, x.dtype)
             for i, layer in enumerate(self.model.layers):
                 meta.layer = i

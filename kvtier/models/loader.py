@@ -86,9 +86,9 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, digest_cache: str 
         raise ValueError(f"no model at {path}: expected a Hugging Face directory or a .gguf file")
     if any(isinstance(w, QuantizedWeight) for w in weights.values()):
         # the K/V quantized weights compute differs a little from the float weights', and with the dtype in which
-        # prompt rows multiply and attend
+        # prompt rows multiply
         fingerprint = xxhash.xxh3_128_hexdigest(
-            f"{fingerprint};weights={quantize};prompt rows multiply and attend in {prompt_dtype(dtype)}".encode())
+            f"{fingerprint};weights={quantize};prompt rows in {prompt_dtype(dtype)}".encode())
     tokenizer = Tokenizer.load(path, config.eos_token_ids)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the embedding only "

@@ -15,8 +15,7 @@ does not change with the traffic beside it:
   on CPU in bfloat16 where the CPU has bfloat16 dot products (AVX512-BF16, AMX; `products.dequantized_dtype`),
   else in float32. torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0
   kernels (the wheel's AVX2 build; Q4_K about even; `kvtier bench kernels`), its bfloat16 product about 2x faster
-  again: prefill 1.13-1.23x as fast as with float32 weights on a 2-core EPYC (two runs). Prompt rows attend in the
-  same dtype (`Decoder.forward`, attention.py).
+  again: prefill 1.13-1.23x as fast as with float32 weights on a 2-core EPYC (two runs).
 `Decoder.forward` says which rows decode (`decoding`); rows outside it are prompt rows. On CPU the decode rows'
 quantized activations and the prompt rows' bfloat16 round differently from float32's, so greedy output can differ
 from float32 weights' where two tokens nearly tie, and a prompt whose last tokens were computed in another chunk (a
