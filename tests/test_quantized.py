@@ -27,6 +27,7 @@ from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.loader import BUNDLED_MODEL, load_model, read_gguf
 from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, dequantized_product, model_weight_bytes,
                                      quantize)
+from kvtier.models import quantized
 from kvtier.models.repacked import RepackedWeight
 
 pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
@@ -235,7 +236,6 @@ def test_prompt_rows_multiply_by_dequantized_weights_in_the_chosen_dtype(monkeyp
 def test_a_prompt_product_runs_in_and_out_of_inference_mode(monkeypatch):
     """The reused buffers, made under inference mode, are written in place out of it too (a bfloat16 product
     copies its dequantized slice into its own)."""
-    from kvtier.models import quantized
     monkeypatch.setattr("kvtier.models.quantized.dequantized_dtype", lambda: torch.bfloat16)
     quantized._dequantized_buffer.cache_clear()
     weight, x = quantize(torch.randn(64, 64), Q.Q4_1), torch.randn(3, 64)
@@ -460,7 +460,7 @@ def test_quantized_blocks_are_kept_for_the_next_start(tiny_model_dir, monkeypatc
 
 @pytest.mark.integration
 def test_a_cached_prompt_answers_as_a_computed_one():
-    """A prompt cached but for its last token computes that token as a prompt row (float32 products), not as a
+    """A prompt cached but for its last token computes that token as a prompt row (dequantized products), not as a
     decode: the first token is the one the whole prompt computed gives (the France prompt's top two nearly tie)."""
     engine = LLMEngine(Config(device="cpu", kv_pool_tokens=4096, kv_disk=False, kv_host_gib=0))
     ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
@@ -471,6 +471,35 @@ def test_a_cached_prompt_answers_as_a_computed_one():
             for out in engine.step():
                 first[run] = (out.new_token_ids, out.num_cached_tokens)
     assert first["warm"] == (first["cold"][0], len(ids) - 1) and first["cold"][1] == 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("products", ["float32", "bfloat16"])
+def test_a_prompts_last_token_computes_the_same_bits_warm_and_cold(monkeypatch, products):
+    """A prompt's last token runs alone, cached or not: one-row products and attention over the pool after its
+    chunk. The warm run's first-token logits and that token's K/V are the cold run's bit for bit, prompt rows in
+    float32 or bfloat16 (whose one-row product rounds otherwise than a chunk's: up to 0.36 apart in the logits when
+    the cold run multiplied it inside its chunk)."""
+    monkeypatch.setattr(quantized, "prompt_dtype", lambda dtype, device_type="cpu": getattr(torch, products))
+    engine = LLMEngine(Config(device="cpu", kv_pool_tokens=4096, kv_disk=False, kv_host_gib=0))
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story."}])
+    bs, run, seen = engine.pool.block_size, engine.runner.run, []
+
+    def recording(batch, capture=None):
+        logits, queries = run(batch, capture)
+        table = batch.seqs[0].kv.block_table
+        slot = table[(len(ids) - 1) // bs] * bs + (len(ids) - 1) % bs
+        seen.append((batch.num_tokens[0], logits[0][-1].clone(), engine.pool.kv_cache[:, :, slot].clone()))
+        return logits, queries
+
+    monkeypatch.setattr(engine.runner, "run", recording)
+    for name in ("cold", "warm"):
+        engine.add_request(name, ids, SamplingParams(max_tokens=1, temperature=0))
+        while engine.has_unfinished():
+            engine.step()
+    (cold_rows, cold_logits, cold_kv), (warm_rows, warm_logits, warm_kv) = seen
+    assert (cold_rows, warm_rows) == (len(ids), 1)
+    assert torch.equal(cold_logits, warm_logits) and torch.equal(cold_kv, warm_kv)
 
 
 @pytest.mark.integration

@@ -73,7 +73,7 @@ class ModelRunner:
         a verify step's every row. capture[i]: how many of sequence i's last rows should hand back their
         queries."""
         token_ids, positions, slot_mapping, prefills, out_rows, capture_rows = [], [], [], [], [], []
-        decode_rows, decode_runs, generated_rows, verify = [], [], [], []
+        decode_rows, decode_runs, generated_rows, verify, alone_rows = [], [], [], [], []
         bounded = []      # (prompt chunk, its sequence's KV state, its blocks before it): it attends to paged-out ones
         row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
@@ -86,13 +86,22 @@ class ModelRunner:
                 decode_rows += range(row, row + n)
                 if generates(seq, n):
                     generated_rows += range(row, row + n)
+                elif n == 1 and self.device.type == "cpu":      # a cached prompt's last token
+                    alone_rows.append(row)
                 decode_runs += [slot_runs(table, start + j + 1, self.pool.block_size) for j in range(n)]
                 if n > 1:
                     verify.append((len(decode_rows) - n, n, slot_runs(table, start, self.pool.block_size)))
             else:
                 table = self.kv.step_table(seq.kv)        # blocks whose page-out is in flight are still read in place
                 prefix = slot_runs(table, start, self.pool.block_size)
-                prefills.append(PrefillSeq(row, n, prefix, table[:self.pool.blocks_for(end)]))
+                # on CPU a prompt's last token runs alone after its chunk, as it does when the rest of the prompt is
+                # cached: warm equals cold bitwise for the token sampled from it (AttentionMetadata.alone_rows)
+                alone = self.device.type == "cpu" and n > 1 and end >= len(seq.token_ids) and not seq.kv.residency
+                prefills.append(PrefillSeq(row, n - alone, prefix, table[:self.pool.blocks_for(end)]))
+                if alone:
+                    decode_rows.append(row + n - 1)
+                    decode_runs.append(slot_runs(table, end, self.pool.block_size))
+                    alone_rows.append(row + n - 1)
                 if seq.kv.residency and start > 0:
                     bounded.append((prefills[-1], seq.kv, table[:start // self.pool.block_size]))
             row += n
@@ -108,6 +117,7 @@ class ModelRunner:
             prefills=prefills,
             decode=DecodeGroup(decode_rows, decode_runs, verify=verify) if decode_rows else None,
             generated_rows=generated_rows,
+            alone_rows=alone_rows,
             capture_rows=to_device(torch.tensor(capture_rows, dtype=torch.long), self.device) if capture_rows else None,
             block_size=self.pool.block_size,
         )

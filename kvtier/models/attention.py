@@ -102,6 +102,9 @@ class AttentionMetadata:
     # rows of tokens the model generated, as opposed to prompt tokens (a cached prompt's last token also runs as a
     # one-token decode): quantized weights multiply them as decodes (quantized.py)
     generated_rows: list[int] = field(default_factory=list)
+    # on CPU, rows of a prompt's last token, cached or not: each attends alone, as a decode over the pool after its
+    # chunk's K/V is written, and multiplies alone (quantized.py), so that it computes the same bits warm and cold
+    alone_rows: list[int] = field(default_factory=list)
     captured: list[torch.Tensor] = field(default_factory=list)   # per layer [len(capture_rows), H, D]
     feature_layers: tuple[int, ...] = ()       # layers whose outputs a drafter reads (DFlash)
     features: dict[int, torch.Tensor] = field(default_factory=dict)   # such a layer → its output rows [T, hidden]
@@ -197,12 +200,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             kernels.decode(q, k_cache, v_cache, out, rows, tables, lens, meta.block_size, scale, splits)
         else:
             # on CPU a verify step's rows attend as a prompt chunk after the context before them (one read of it
-            # for them all, not one per row); a lone decode or a long context is read where it lies, one sequence at
-            # a time; the others are gathered and padded into one batched call, which costs less than a call per
-            # sequence while they are short
+            # for them all, not one per row); a lone decode, a long context or a prompt's last token is read where it
+            # lies, one sequence at a time; the others are gathered and padded into one batched call, which costs
+            # less than a call per sequence while they are short
             chunked = _verify_chunks_cpu(q, k, v, k_cache, v_cache, out, d, scale) if q.device.type == "cpu" else set()
+            alone = meta.kernel_args("alone", lambda: set(meta.alone_rows))
             apart = [i for i, runs in enumerate(d.runs) if q.device.type == "cpu" and i not in chunked
-                     and (len(d.runs) == 1 or sum(b - a for a, b in runs) >= CPU_DECODE_APART)]
+                     and (len(d.runs) == 1 or sum(b - a for a, b in runs) >= CPU_DECODE_APART
+                          or d.query_rows[i] in alone)]
             for i in apart:
                 row, runs = d.query_rows[i], d.runs[i]
                 qs = q[row:row + 1].transpose(0, 1).unsqueeze(0)     # [1, H, 1, D]

@@ -254,7 +254,11 @@ class Decoder(nn.Module):
     def forward(self, token_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         decode_rows = torch.zeros(len(token_ids), dtype=torch.bool)
         decode_rows[meta.generated_rows] = True
-        with decoding(decode_rows):      # how quantized weights multiply each row (quantized.py)
+        alone = None
+        if meta.alone_rows:
+            alone = torch.zeros(len(token_ids), dtype=torch.bool)
+            alone[meta.alone_rows] = True
+        with decoding(decode_rows, alone):      # how quantized weights multiply each row (quantized.py)
             x = self.model.embed_tokens(token_ids)
             rope = self.rope(meta.positions, x.dtype)
             for i, layer in enumerate(self.model.layers):

@@ -42,7 +42,8 @@ from kvtier.models.packed import PackedWeight
 from kvtier.models.products import dequantized_dtype, many_rows_product
 
 DEQUANTIZED_BYTES = 64 << 20     # the most weight a prompt row's product dequantizes at once, in x's dtype
-_DECODE_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("decode_rows", default=None)
+# (decode rows, prompt rows that multiply alone or None): bool [rows] each (`decoding`)
+_DECODE_ROWS: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("decode_rows", default=None)
 # `--quantize`: the block type of every projection; embeddings and the LM head take Q8_0 in both
 QUANTIZE_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
@@ -147,10 +148,11 @@ def prompt_dtype(dtype: torch.dtype, device_type: str = "cpu") -> torch.dtype:
 
 
 def dequantized_product(weight: QuantizedWeight | PackedWeight, x: torch.Tensor,
-                        dtype: torch.dtype | None = None) -> torch.Tensor:
+                        dtype: torch.dtype | None = None, alone: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in_features] @ weight.T, returned in x's dtype, the weight dequantized DEQUANTIZED_BYTES at a time
     (an LM head of 128K rows would take 2 GB at once). dtype: what the product multiplies in, by default
-    `prompt_dtype` (`kvtier bench kernels` sets it)."""
+    `prompt_dtype` (`kvtier bench kernels` sets it); alone (bool [rows]): rows multiplied one at a time, each as
+    it would be the only row (`decoding`)."""
     cpu = x.device.type == "cpu"
     if dtype is None:
         dtype = prompt_dtype(x.dtype, x.device.type)
@@ -161,13 +163,17 @@ def dequantized_product(weight: QuantizedWeight | PackedWeight, x: torch.Tensor,
     copy = _dequantized_buffer(x.device, dtype, elements) if dtype != x.dtype else None
     multiply = many_rows_product(dtype) if cpu else F.linear
     xs = x.to(dtype)
+    lone = [] if alone is None else alone.nonzero().flatten().tolist()
     slices = []
     for a in range(0, weight.out_features, step):
         ids = rows[a:a + step]
         w = weight.rows(ids, buffer[:len(ids) * weight.in_features].view(len(ids), weight.in_features))
         if copy is not None:
             w = copy[:w.numel()].view_as(w).copy_(w)
-        slices.append(multiply(xs, w, None))
+        y = multiply(xs, w, None)
+        for row in lone:
+            y[row] = multiply(xs[row:row + 1], w, None)[0]
+        slices.append(y)
     return _joined(slices).to(x.dtype)
 
 
@@ -177,9 +183,11 @@ def _joined(ys: list[torch.Tensor]) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def decoding(rows: torch.Tensor | None):
-    """Within it, the rows of the products' inputs marked True (bool [rows]) are decode rows."""
-    token = _DECODE_ROWS.set(rows)
+def decoding(rows: torch.Tensor, alone: torch.Tensor | None = None):
+    """Within it, the rows of the products' inputs marked True in `rows` (bool [rows]) are decode rows, and those
+    marked in `alone` prompt rows that multiply one at a time (a prompt's last token, cached or not: a one-row product
+    rounds otherwise than a chunk's in bfloat16, so warm equals cold only if cold multiplies it alone too)."""
+    token = _DECODE_ROWS.set((rows, alone))
     try:
         yield
     finally:
@@ -198,22 +206,23 @@ class QuantizedLinear(nn.Module):
         self.out_features = sum(p.out_features for p in parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        decode = _DECODE_ROWS.get()
+        decode, alone = _DECODE_ROWS.get() or (None, None)
         if decode is None or not decode.any():
-            y = self._dequantized_product(x)
+            y = self._dequantized_product(x, alone)
         elif decode.all():
             y = self._quantized_product(x)
         else:
             decode = decode.to(x.device)
             y = x.new_empty(x.shape[0], self.out_features)
-            y[decode], y[~decode] = self._quantized_product(x[decode]), self._dequantized_product(x[~decode])
+            y[decode] = self._quantized_product(x[decode])
+            y[~decode] = self._dequantized_product(x[~decode], None if alone is None else alone[~decode])
         return y if self.bias is None else y + self.bias
 
     def _quantized_product(self, x: torch.Tensor) -> torch.Tensor:
         return _joined([p.product(x) for p in self.parts])
 
-    def _dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
-        return _joined([dequantized_product(p, x) for p in self.parts])
+    def _dequantized_product(self, x: torch.Tensor, alone: torch.Tensor | None) -> torch.Tensor:
+        return _joined([dequantized_product(p, x, alone=alone) for p in self.parts])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
