@@ -42,6 +42,6 @@ def test_only_runs_the_steps_it_names_into_a_section_of_their_own(tmp_path):
 
 
 def test_the_suite_on_cuda_runs_every_test_file_spread_over_workers_or_in_one_process():
-    spread, serial = gpu_check.suite_on_cuda(8), gpu_check.suite_on_cuda(0)
+    spread, serial = gpu_check.suite_on_cuda(8, 540), gpu_check.suite_on_cuda(0, 540)
     assert spread.argv[-1] == serial.argv[-1] == "tests" and spread.env["KVTIER_DEVICE"] == "cuda"
     assert spread.argv[spread.argv.index("-n") + 1] == "8" and "-n" not in serial.argv

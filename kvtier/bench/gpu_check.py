@@ -44,16 +44,16 @@ THREADS_PER_WORKER = 2
 PYTEST_ON_CUDA = ["-v", "--tb=short", "--durations=15", "--continue-on-collection-errors"]
 
 
-def suite_on_cuda(workers: int) -> Step:
-    """The whole suite on CUDA, over `workers` processes (0: in this one, a test at a time)."""
+def suite_on_cuda(workers: int, seconds: int) -> Step:
+    """The whole suite on CUDA, over `workers` processes (0: in this one, a test at a time), cut off after seconds."""
     spread, threads = [], {}
     if workers:
         spread, threads = ["-n", str(workers), "--dist", "loadfile"], {"OMP_NUM_THREADS": str(THREADS_PER_WORKER)}
-    return Step(f"test suite on CUDA, {workers or 'no'} workers", ["pytest", *PYTEST_ON_CUDA, *spread, "tests"], 540,
+    return Step(f"test suite on CUDA, {workers or 'no'} workers", ["pytest", *PYTEST_ON_CUDA, *spread, "tests"], seconds,
                 {"KVTIER_DEVICE": "cuda", **threads})
 
 
-def steps(report: str, dry: bool, workers: int = WORKERS) -> list[Step]:
+def steps(report: str, dry: bool, workers: int = WORKERS, suite_seconds: int = 540) -> list[Step]:
     """What the check runs, in order: on CUDA at the sizes that tell, or (dry) on CPU at toy sizes."""
     out = ["--output", report]
     if dry:
@@ -70,7 +70,7 @@ def steps(report: str, dry: bool, workers: int = WORKERS) -> list[Step]:
                                                                      "--rows", "1", *out], 300)]
     cuda = ["--device", "cuda"]
     # in the order the open issues need them: the suite, the 8B shape's int4 decode beside bfloat16, speculation
-    return [suite_on_cuda(workers),
+    return [suite_on_cuda(workers, suite_seconds),
             # int4 weights (Q4_0 blocks, kvtier's Triton kernels) beside bfloat16 ones (transformers left out: a third
             # 16 GB load in the step's time)
             Step("throughput, Llama-3.1-8B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.1-8b",
@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry", action="store_true", help="on CPU at toy sizes: checks that the check works")
     p.add_argument("--workers", type=int, default=WORKERS, help="processes the suite on CUDA spreads over (0: one, "
                                                                "a test at a time; default: %(default)s)")
+    p.add_argument("--suite-seconds", type=int, default=540, help="the suite's time limit, so that a call of 10 "
+                                                                    "minutes has room for a benchmark after it "
+                                                                    "(default: %(default)s)")
     p.add_argument("--only", default="", help="run only the steps whose names contain one of these texts "
                                                "(comma-separated)")
     args = p.parse_args(argv)
@@ -156,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     heading = SECTION + (f": the steps named '{args.only}'" if args.only else "")     # one section per call
     write_section(report, heading + "\n\nrunning\n")     # first in the file, the benchmarks' sections after it
     wanted = [text.strip() for text in args.only.split(",")]
-    chosen = [step for step in steps(report, args.dry, args.workers) if any(text in step.name for text in wanted)]
+    chosen = [step for step in steps(report, args.dry, args.workers, args.suite_seconds)
+              if any(text in step.name for text in wanted)]
     if not chosen:
         print(f"no step is named like {args.only!r}", file=sys.stderr)
         return 2
