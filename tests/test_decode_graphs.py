@@ -24,9 +24,11 @@ LATE = (90, 5)      # added after the third step, beside running decodes
 
 
 def engine(model_dir: str, device: str, enforce_eager: bool, speculative: str | None = None) -> LLMEngine:
+    """No pacing: it would spread the late prompt over steps by their measured times, and so vary how many steps
+    decode only."""
     return LLMEngine(Config(model=model_dir, device=device, dtype="float32", kv_pool_tokens=64 * 64,
                             max_num_seqs=6, kv_host_gib=0, kv_disk=False, enforce_eager=enforce_eager,
-                            speculative=speculative))
+                            speculative=speculative, max_itl_ratio=0))
 
 
 def generate(eng: LLMEngine) -> dict[str, tuple[list[int], list[float]]]:

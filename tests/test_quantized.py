@@ -26,7 +26,7 @@ from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.loader import BUNDLED_MODEL, load_model, read_gguf
 from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, dequantized_product, model_weight_bytes,
-                                     quantize)
+                                     prompt_dtype, quantize)
 from kvtier.models import quantized
 from kvtier.models.repacked import RepackedWeight
 
@@ -293,6 +293,9 @@ def test_the_bundled_model_in_its_blocks(device, dtype, steps, tie):
                for mode in ("auto", "none")}
     quantized = engines["auto"].model
     assert quantized.quantized and isinstance(engines["auto"].runner.graphs, steps)
+    # the first-token logits' largest gap, as a share of the largest logit: 1.0-1.2% with float32 prompt products,
+    # 1.0-1.5% in bfloat16 emulated, 2.5% in bfloat16 on a Xeon with AMX (the H100 machine's host)
+    gap = 0.03 if device == "cpu" and prompt_dtype(torch.float32) == torch.bfloat16 else 0.02
     assert model_weight_bytes(quantized) <= 1.2 * tensor_bytes(BUNDLED_MODEL)
     prompts = ["What is the capital of France?", "Write a haiku about the sea.",
                "Explain in two sentences why the sky is blue.", "List three prime numbers and say why they are prime."]
@@ -308,7 +311,7 @@ def test_the_bundled_model_in_its_blocks(device, dtype, steps, tie):
         got, want = outputs["auto"], outputs["none"]
         if i == 0:      # the prompt's next-token logits
             q, f = next_logits(engines["auto"], ids), next_logits(engines["none"], ids)
-            assert (q - f).abs().max() <= 0.02 * f.abs().max()
+            assert (q - f).abs().max() <= gap * f.abs().max()
         first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if first is not None:     # a near-tie, which the quantized activations' rounding decides
             top2 = next_logits(engines["none"], ids + want[:first]).topk(2)

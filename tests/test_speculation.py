@@ -409,7 +409,8 @@ def test_bounded_sequences_speculate_with_the_resident_sets_of_their_decode_step
     assert on["tokens"] == off["tokens"]
     if quantize == "int8":
         assert on["logprobs"] == off["logprobs"]
-        assert isinstance(bounded.runner.graphs, GgmlDecodeSteps) and bounded.runner.graphs.steps > 0
+        if bounded.runner.device.type == "cpu":      # on CUDA Triton's products run them, eagerly
+            assert isinstance(bounded.runner.graphs, GgmlDecodeSteps) and bounded.runner.graphs.steps > 0
     stats = bounded.stats()["residency"]
     assert stats["page_outs"] > 0 and stats["reselects"] > 0
     assert drafts and max(drafts) < BS and bounded.speculator.stats()["accepted_tokens"] > 0
@@ -420,7 +421,7 @@ def test_ggml_steps_hand_the_pager_the_queries_an_eager_step_would(tiny_model_di
     """A bounded sequence's decode steps through ggml's graphs hand back each layer's queries after RoPE as the eager
     decoder captures them ([rows, layers, heads, head_dim]): the same numbers, within the two paths' rounding."""
     settings = dict(kv_resident_tokens=8 * BS, kv_pool_tokens=120 * BS, max_batched_tokens=64, kv_host_gib=1,
-                    quantize="int8")
+                    quantize="int8", device="cpu")
     got = {}
     for eager in (False, True):
         engine = engine_for(tiny_model_dir, None, enforce_eager=eager, **settings)
