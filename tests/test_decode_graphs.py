@@ -92,7 +92,7 @@ def test_a_graph_splits_a_long_context_and_not_a_short_one(monkeypatch, tiny_mod
     graphs = graphed.runner.graphs
     assert graphs.lengths == [512, 1024, 2048]
     if device == "cpu":
-        assert [graphs.split_count(1, n) for n in (100, 512, 600, 2000)] == [1, 1, 2, 4]
+        assert [graphs.split_count(n) for n in (100, 512, 600, 2000)] == [1, 1, 2, 4]
     used = []
     if capture:      # which captured graph each step replays
         for key, graph in graphs.graphs.items():
@@ -105,7 +105,7 @@ def test_a_graph_splits_a_long_context_and_not_a_short_one(monkeypatch, tiny_mod
         want, got = run_greedy(eager, prompt, max_tokens=4), run_greedy(graphed, prompt, max_tokens=4)
         assert got.tokens == want.tokens
         assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
-    splits = {graphs.split_count(1, 103), graphs.split_count(1, 603)}
+    splits = {graphs.split_count(103), graphs.split_count(603)}
     assert set(used) == splits and len(used) == 6          # 3 decode steps of each; on CPU {1, 2}
     assert len(splits) == 2, "a 600-token context splits where a 100-token one does not"
 

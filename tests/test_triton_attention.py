@@ -60,19 +60,41 @@ def test_decode_kernel_matches_the_reference(bs, heads, kv_heads):
     assert torch.allclose(out.cpu().double(), expected, atol=1e-4)
 
 
-@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("most", [2, 5])
 @pytest.mark.parametrize("bs, heads, kv_heads", [(16, 8, 2), (64, 6, 2), (16, 4, 4)])
-def test_split_decode_matches_the_reference(splits, bs, heads, kv_heads):
-    """Contexts split into parts and merged: shorter than one part each (empty parts), split unevenly, long."""
+def test_split_decode_matches_the_reference(most, bs, heads, kv_heads):
+    """Contexts split into parts of at least a block and merged: one part (shorter than a block), parts of an uneven
+    split (an empty last one: 11 blocks in 5 parts of 3), at most `most` parts, over a grid of more than any needs."""
     work = [(0, 1), (bs - 1, 1), (3 * bs + 5, 1), (11 * bs - 2, 1)]
-    q, k_cache, v_cache, tables, expected = setup(work, heads, kv_heads, bs, seed=splits + bs + heads)
+    q, k_cache, v_cache, tables, expected = setup(work, heads, kv_heads, bs, seed=most + bs + heads)
     q, k_cache, v_cache, tables = (x.to(DEVICE) for x in (q, k_cache, v_cache, tables))
     out = torch.zeros_like(q)
     rows = torch.tensor([3, 0, 2, 1], device=DEVICE)          # rows in any order
     triton_attention.decode(q, k_cache, v_cache, out, rows, tables[[3, 0, 2, 1]],
                             torch.tensor([s + n for s, n in work], device=DEVICE)[[3, 0, 2, 1]], bs, DIM ** -0.5,
-                            num_splits=splits)
+                            num_splits=most + 1, most_parts=most, part_tokens=bs)
     assert torch.allclose(out.cpu().double(), expected, atol=1e-4)
+
+
+def test_a_rows_decode_sums_alike_in_any_batch():
+    """A context's attention is the same to the bit whatever decodes beside it and however many parts the step's
+    grid runs (its longest context's): a verify step's rows score as their decode steps would."""
+    bs, heads, kv_heads, most = 16, 8, 2, 4
+    work = [(5 * bs + 3, 1), (bs - 1, 1), (2 * bs, 1), (9 * bs + 7, 1)]
+    q, k_cache, v_cache, tables, _ = setup(work, heads, kv_heads, bs, seed=7)
+    q, k_cache, v_cache, tables = (x.to(DEVICE) for x in (q, k_cache, v_cache, tables))
+    lens = torch.tensor([s + n for s, n in work], device=DEVICE)
+
+    def decode(which: list[int]) -> torch.Tensor:
+        out = torch.zeros_like(q)
+        grid = triton_attention.parts(int(lens[which].max()), most, part_tokens=bs)
+        triton_attention.decode(q, k_cache, v_cache, out, torch.tensor(which, device=DEVICE), tables[which],
+                                lens[which], bs, DIM ** -0.5, num_splits=grid, most_parts=most, part_tokens=bs)
+        return out[which]
+    together = decode([0, 1, 2, 3])
+    for i in range(len(work)):
+        assert torch.equal(decode([i])[0], together[i]), i
+    assert torch.equal(decode([1, 2]), together[[1, 2]])
 
 
 @pytest.mark.parametrize("bs", [16, 64])

@@ -8,12 +8,11 @@ lengths into one pinned buffer, copies that to the device in one transfer, and r
 smallest bucket that holds the batch. Padding rows decode token 0 at position 0 into the
 pool's pad slot, which no sequence owns. Attention is the Triton decode kernel: its grid is
 the bucket and context lengths are numbers in a buffer, so one graph serves every length up to
-its bucket of context length. What a graph fixes is how many parts the kernel splits each
-context into (flash-decoding), so a step replays the graph split for the smallest length bucket
-(512, 1K, 2K, ... tokens) that holds its longest context: a short context does not run the many
-mostly empty parts a long one needs (its parts hold at least half the kernel's minimum, since a
-context may be just over the bucket below). Split counts are powers of two, and buckets that split
-alike share one graph.
+its bucket of context length. The kernel splits each context into parts (flash-decoding) by its
+own length, one per 512 tokens up to the device's most; what a graph fixes is its grid's count of
+parts, so a step replays the graph for the smallest length bucket (512, 1K, 2K, ... tokens) that
+holds its longest context: a short context does not wait on the many parts a long one needs.
+Length buckets with the same count share one graph.
 A verify step (a sequence's last token and its draft, speculative decoding) replays the same graphs: each of its
 rows is a decode of its own over the sequence's block table, attending up to its own position, so a graph's bucket
 counts rows, and with speculation on the buckets go up to `max_num_seqs` × (1 + k) rows (at most MAX_ROWS).
@@ -54,14 +53,14 @@ class DecodeGraphs:
         self.buckets = sorted({b for b in BUCKETS if b < most_rows} | {most_rows})
         self.most = most = self.buckets[-1]
         # graphs need Triton; the engine does not
-        from kvtier.models.triton_attention import MIN_SPLIT_TOKENS, decode_splits, multiprocessors
+        from kvtier.models.triton_attention import PART_TOKENS, max_parts, multiprocessors, parts
         self.width = min(pool.blocks_for(max_model_len), pool.num_blocks)   # the longest block table
         longest = self.width * self.block_size
-        self.lengths = [n for n in (MIN_SPLIT_TOKENS << i for i in range(32)) if n < longest] + [longest]
+        self.lengths = [n for n in (PART_TOKENS << i for i in range(32)) if n < longest] + [longest]
         sms = multiprocessors(pool.kv_cache.device) if num_multiprocessors is None else num_multiprocessors
-        kv_heads = pool.kv_cache.shape[3]
-        # (batch bucket, length bucket) → the kernel's parts per context
-        self.splits = {(b, n): decode_splits(b, kv_heads, n, sms) for b in self.buckets for n in self.lengths}
+        self.most_parts = max_parts(pool.kv_cache.shape[3], sms)
+        # length bucket → the kernel's grid of parts per context
+        self.splits = {n: parts(n, self.most_parts) for n in self.lengths}
         device = pool.kv_cache.device
         # [token ids | positions | slots | context lengths] of `most` rows each, then block tables [most, width]
         size = 4 * most + most * self.width
@@ -84,9 +83,9 @@ class DecodeGraphs:
         """The smallest captured batch size that holds num_rows, or None when none does."""
         return next((b for b in self.buckets if b >= num_rows), None)
 
-    def split_count(self, b: int, longest: int) -> int:
-        """The parts per context of bucket b's graph for contexts of at most `longest` tokens."""
-        return self.splits[b, next(n for n in self.lengths if n >= longest)]
+    def split_count(self, longest: int) -> int:
+        """The grid's parts per context of the graphs for contexts of at most `longest` tokens."""
+        return self.splits[next(n for n in self.lengths if n >= longest)]
 
     @torch.inference_mode()
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
@@ -97,7 +96,7 @@ class DecodeGraphs:
         lens = [length - count + 1 + j for length, count in zip(lens, rows) for j in range(count)]
         n = len(token_ids)
         b = self.bucket(n)
-        key = (b, self.split_count(b, max(lens)))
+        key = (b, self.split_count(max(lens)))
         if self.copied is not None:
             self.copied.synchronize()    # the pinned buffer is free again (the step's sampling waited for it anyway)
         staged = self.staging.numpy()        # numpy writes Python lists in place several times faster than torch
@@ -123,7 +122,8 @@ class DecodeGraphs:
     def _forward(self, b: int, splits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step of the first b rows of the buffers, each context in `splits` parts: logits [b, vocab], and
         the feature layers' outputs side by side [b, features] where there are any."""
-        decode = DecodeGroup(list(range(b)), [], (self.rows[:b], self.tables[:b], self.lens[:b]), num_splits=splits)
+        decode = DecodeGroup(list(range(b)), [], (self.rows[:b], self.tables[:b], self.lens[:b]), num_splits=splits,
+                             most_parts=self.most_parts)
         meta = AttentionMetadata(positions=self.positions[:b], slot_mapping=self.slots[:b], prefills=[],
                                  decode=decode, block_size=self.block_size, generated_rows=list(range(b)))
         meta.feature_layers = self.feature_layers
@@ -141,7 +141,7 @@ class DecodeGraphs:
         # one (logits, features) buffer, the largest bucket's, that every graph copies its step's into: outputs kept
         # per graph would hold ~1 GB of a 128K-vocabulary model's logits in verify buckets, outside the pool's budget
         kept = None
-        for key in sorted({(b, s) for (b, _), s in self.splits.items()}, reverse=True):
+        for key in sorted({(b, s) for b in self.buckets for s in self.splits.values()}, reverse=True):
             warm = self._forward(*key)       # warm-up: Triton compiles its kernels, cuBLAS picks its algorithms
             if kept is None:
                 kept = tuple(None if t is None else torch.empty_like(t) for t in warm)

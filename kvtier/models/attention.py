@@ -63,7 +63,10 @@ class DecodeGroup:
     # (rows, block tables, context lengths) already in a captured decode graph's buffers: the kernel reads them
     tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     longest: int = 0     # tokens of the longest context
-    num_splits: int | None = None   # the kernel's parts per context: set by a graph at capture, else from `longest`
+    # the kernel's grid of parts per context and the most parts a context gets: set by a graph at capture, else
+    # from `longest` and the device
+    num_splits: int | None = None
+    most_parts: int | None = None
     # verify steps: (index of the first of its rows in query_rows, its rows, pool slot ranges of the context before
     # them), attended on CPU as one chunk after that context
     verify: list[tuple[int, int, list[tuple[int, int]]]] = field(default_factory=list)
@@ -195,9 +198,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         d = meta.decode
         if kernels is not None:
             rows, tables, lens = meta.kernel_args("decode", lambda: d.kernel_args(meta.block_size, q.device))
-            splits = d.num_splits or kernels.decode_splits(len(rows), k_cache.shape[1], d.longest,
-                                                           kernels.multiprocessors(q.device))
-            kernels.decode(q, k_cache, v_cache, out, rows, tables, lens, meta.block_size, scale, splits)
+            most = d.most_parts or kernels.max_parts(k_cache.shape[1], kernels.multiprocessors(q.device))
+            splits = d.num_splits or kernels.parts(d.longest, most)
+            kernels.decode(q, k_cache, v_cache, out, rows, tables, lens, meta.block_size, scale, splits, most)
         else:
             # on CPU a verify step's rows attend as a prompt chunk after the context before them (one read of it
             # for them all, not one per row); a lone decode, a long context or a prompt's last token is read where it

@@ -7,9 +7,11 @@ head size, block size and GQA group, and a new context length is just a new numb
 - `decode`: one query token per sequence. A program serves one (sequence, K/V head) pair
   and all the query heads that share that K/V head at once, walking the sequence's blocks
   with an online softmax, so each K/V block is read once per step.
-  A long context at a small batch would leave most of the GPU idle, so `decode` can split
-  each context into `num_splits` parts (flash-decoding): a program per (sequence, K/V
-  head, part) keeps its part's output and log-sum-exp, and a second kernel merges them.
+  A long context at a small batch would leave most of the GPU idle, so `decode` splits
+  each context into parts (flash-decoding): a program per (sequence, K/V head, part) keeps
+  its part's output and log-sum-exp, and a second kernel merges them. How many parts a
+  context gets depends on its own length alone (`parts`), never on the batch beside it, so
+  a row sums alike in any step: a verify step's rows as their decode steps would.
 - `prefill`: a chunk of query tokens per sequence, attending causally to everything before
   and including each token: the cached prefix and the chunk itself, whose K/V the caller
   has already written into the pool. A program serves BLOCK_M query tokens of one head.
@@ -37,19 +39,26 @@ def _online_softmax(scores, v, best, total, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _row_parts(length, MAX_PARTS: tl.constexpr, PART_TOKENS: tl.constexpr):
+    """`parts` in the kernels: the parts a context of `length` tokens is split into."""
+    return tl.maximum(1, tl.minimum(MAX_PARTS, length // PART_TOKENS))
+
+
+@triton.jit
 def _decode_part(q_ptr, k_ptr, v_ptr, rows_ptr, tables_ptr, lens_ptr, scale, seq, kv_head, split,
                  stride_qt, stride_qh, stride_ks, stride_kh, stride_tb,
-                 NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+                 MAX_PARTS: tl.constexpr, PART_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
     """The query heads sharing K/V head kv_head, of sequence seq, over part `split` of its blocks (an even share of
-    NUM_SPLITS; all of them for 1): (its row, the running max, sum and unnormalised output per head)."""
+    its context's parts; none past them; all of them for 1 part): (its row, the running max, sum and unnormalised
+    output per head)."""
     row, length = tl.load(rows_ptr + seq), tl.load(lens_ptr + seq)
     g, d, t = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_SIZE)
     heads = kv_head * GROUP + g
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
                 other=0.0)
     num_blocks = tl.cdiv(length, BLOCK_SIZE)
-    share = tl.cdiv(num_blocks, NUM_SPLITS)
+    share = tl.cdiv(num_blocks, _row_parts(length, MAX_PARTS, PART_TOKENS))
     first = split * share
     best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
@@ -74,7 +83,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, rows_ptr, tables_ptr, lens_ptr,
     seq, kv_head = tl.program_id(0), tl.program_id(1)
     row, best, total, acc = _decode_part(q_ptr, k_ptr, v_ptr, rows_ptr, tables_ptr, lens_ptr, scale, seq, kv_head, 0,
                                          stride_qt, stride_qh, stride_ks, stride_kh, stride_tb,
-                                         1, GROUP, GROUP_PAD, BLOCK_SIZE, HEAD_DIM, PRECISION)
+                                         1, 1, GROUP, GROUP_PAD, BLOCK_SIZE, HEAD_DIM, PRECISION)
     g, d = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + g
     out = acc / total[:, None]
@@ -85,16 +94,18 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, rows_ptr, tables_ptr, lens_ptr,
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr, rows_ptr, tables_ptr, lens_ptr, scale,
                          num_heads, stride_qt, stride_qh, stride_ks, stride_kh, stride_tb,
-                         NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
-    """One part of a context, kept with its log-sum-exp for the merge."""
+                         NUM_SPLITS: tl.constexpr, MAX_PARTS: tl.constexpr, PART_TOKENS: tl.constexpr,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+    """One part of a context, kept with its log-sum-exp for the merge (NUM_SPLITS: the grid's parts, at least any
+    of its contexts' own)."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     _, best, total, acc = _decode_part(q_ptr, k_ptr, v_ptr, rows_ptr, tables_ptr, lens_ptr, scale, seq, kv_head,
                                        split, stride_qt, stride_qh, stride_ks, stride_kh, stride_tb,
-                                       NUM_SPLITS, GROUP, GROUP_PAD, BLOCK_SIZE, HEAD_DIM, PRECISION)
+                                       MAX_PARTS, PART_TOKENS, GROUP, GROUP_PAD, BLOCK_SIZE, HEAD_DIM, PRECISION)
     g, d = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + g
-    # an empty part (a short context split many ways) weighs nothing in the merge: log-sum-exp -inf
+    # an empty part (the last of an uneven split) weighs nothing in the merge: log-sum-exp -inf
     found = total > 0
     out = acc / tl.where(found, total, 1.0)[:, None]
     lse = tl.where(found, best + tl.log(tl.where(found, total, 1.0)), float("-inf"))
@@ -104,16 +115,25 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr, rows_p
 
 
 @triton.jit
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, rows_ptr, num_heads, stride_ot, stride_oh,
-                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """out = the parts' outputs weighted by their share of the whole softmax, from their log-sum-exps."""
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, rows_ptr, lens_ptr, num_heads, stride_ot, stride_oh,
+                         NUM_SPLITS: tl.constexpr, MAX_PARTS: tl.constexpr, PART_TOKENS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr):
+    """out = the context's own parts' outputs weighted by their share of the whole softmax, from their
+    log-sum-exps, summed one part after another: the same sums however many parts the grid ran."""
     seq, head = tl.program_id(0), tl.program_id(1)
-    s, d = tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM)
-    parts = (seq * num_heads + head) * NUM_SPLITS + s
-    lse = tl.load(part_lse_ptr + parts, mask=s < NUM_SPLITS, other=float("-inf"))
-    weight = tl.exp(lse - tl.max(lse, 0))          # the first part is never empty: the maximum is finite
-    o = tl.load(part_out_ptr + parts[:, None] * HEAD_DIM + d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
-    out = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
+    d = tl.arange(0, HEAD_DIM)
+    parts = _row_parts(tl.load(lens_ptr + seq), MAX_PARTS, PART_TOKENS)
+    first = (seq * num_heads + head) * NUM_SPLITS            # [B, heads, NUM_SPLITS] row-major
+    best = tl.load(part_lse_ptr + first)           # the first part is never empty: the maximum is finite
+    for s in range(1, parts):
+        best = tl.maximum(best, tl.load(part_lse_ptr + first + s))
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    total = tl.zeros([], tl.float32)
+    for s in range(0, parts):
+        weight = tl.exp(tl.load(part_lse_ptr + first + s) - best)
+        acc += weight * tl.load(part_out_ptr + (first + s) * HEAD_DIM + d)
+        total += weight
+    out = acc / total
     row = tl.load(rows_ptr + seq)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
@@ -167,7 +187,7 @@ def _multiprocessors(device_index: int) -> int:
 
 
 # a part of a split context holds at least this many tokens: shorter ones cost more to merge than they save
-MIN_SPLIT_TOKENS = 512
+PART_TOKENS = 512
 
 
 def multiprocessors(device: torch.device) -> int:
@@ -177,22 +197,27 @@ def multiprocessors(device: torch.device) -> int:
     return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def decode_splits(batch: int, kv_heads: int, longest: int, num_multiprocessors: int) -> int:
-    """How many parts each context is split into: enough programs to give every streaming multiprocessor two, no
-    part shorter than MIN_SPLIT_TOKENS of the longest context, rounded down to a power of two (the split count is
-    a compile-time constant: few kernel variants to compile and graphs to capture, at least half the programs the
-    exact split would run). 1 without multiprocessors (off CUDA)."""
-    programs = 2 * num_multiprocessors
-    splits = max(1, min(-(-programs // (batch * kv_heads)), longest // MIN_SPLIT_TOKENS))
-    return 1 << (splits.bit_length() - 1)
+def max_parts(kv_heads: int, num_multiprocessors: int) -> int:
+    """The most parts a context is split into: enough for one sequence's programs to give every streaming
+    multiprocessor two, rounded down to a power of two. A constant of the device and the model, not of the batch;
+    1 without multiprocessors (off CUDA)."""
+    programs = max(1, 2 * num_multiprocessors // kv_heads)
+    return 1 << (programs.bit_length() - 1)
+
+
+def parts(length: int, most: int, part_tokens: int = PART_TOKENS) -> int:
+    """The parts a context of `length` tokens is split into: one per part_tokens, at least 1, at most `most`. A
+    step's grid runs the most its longest context needs; the kernels give each context its own."""
+    return max(1, min(most, length // part_tokens))
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, scale: float,
-           num_splits: int = 1) -> None:
+           num_splits: int = 1, most_parts: int = 1, part_tokens: int = PART_TOKENS) -> None:
     """out[rows[b]] = attention of q[rows[b]] ([T, heads, D]) over the first context_lens[b] positions of
     sequence b's blocks (block_tables [B, max_blocks]) in the caches ([slots, kv_heads, D]); each context in
-    num_splits parts."""
+    `parts(its length, most_parts, part_tokens)` parts, over a grid of num_splits parts (at least the longest
+    context's)."""
     heads, kv_heads, dim = q.shape[1], k_cache.shape[1], q.shape[2]
     group = heads // kv_heads
     shape = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
@@ -208,10 +233,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     _decode_split_kernel[(len(rows), kv_heads, num_splits)](
         q, k_cache, v_cache, part_out, part_lse, rows, block_tables, context_lens, scale, heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        NUM_SPLITS=num_splits, **shape)
+        NUM_SPLITS=num_splits, MAX_PARTS=most_parts, PART_TOKENS=part_tokens, **shape)
     _merge_splits_kernel[(len(rows), heads)](
-        part_out, part_lse, out, rows, heads, out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=dim)
+        part_out, part_lse, out, rows, context_lens, heads, out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, MAX_PARTS=most_parts, PART_TOKENS=part_tokens, HEAD_DIM=dim)
 
 
 PREFILL_BLOCK_M = 64
