@@ -82,7 +82,8 @@ def steps(report: str, dry: bool, workers: int = WORKERS, suite_seconds: int = 5
                                                     "--quantize", "int4", "--prefill-lengths", "512,2048,8192",
                                                     "--decode-batch", "1,8,64", *out], 100),
             Step("products for quantized weights", ["kvtier.bench.kernels", *cuda, "--shapes",
-                                                    "4096x4096,4096x14336,14336x4096", "--rows", "1,16", *out], 100),
+                                                    "4096x4096,4096x14336,14336x4096", "--rows", "1,16,2048", *out],
+                 200),
             # a GGUF file's K-quants (Q4_K, Q6_K) kept as they are, beside the same weights dequantized
             Step("throughput, Mistral-7B Q4_K_M GGUF shape",
                  ["kvtier.bench.throughput", *cuda, "--shape", "mistral-7b-q4_k_m", "--no-transformers",

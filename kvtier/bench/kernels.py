@@ -8,8 +8,8 @@ and 8 rows:
   a time); Q4_K keeps the file's layout, since its repacked product rounds a row differently by how many rows share
   it, which speculation's verify steps and batches must not see;
 - on CUDA (--device cuda), rows in bfloat16: cuBLAS over bfloat16 weights, kvtier's Triton kernels over packed GGUF
-  blocks (every packed type), the same blocks dequantized for cuBLAS (what prompt rows take), and torch's tinygemm
-  int4 kernel (`_weight_int4pack_mm`, groups of 32).
+  blocks (every packed type), the same blocks dequantized for cuBLAS (what prompt rows of the other types take),
+  and Q4_0 / Q4_1 in torch's int4 layout for its tinygemm kernel (`_weight_int4pack_mm`: what kvtier runs for them).
 
 Each candidate cycles through enough copies of its weight that they do not stay in the caches, as a model's layers
 do not: the time is a product's as served, reading its weight from memory.
@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType
 
 from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish
 from kvtier.models import ggml
+from kvtier.models.int4pack import Int4PackWeight, int4packed
 from kvtier.models.packed import PACKED_TYPES, pack
 from kvtier.models.quantized import QuantizedWeight, dequantized_product
 
@@ -107,33 +108,16 @@ def cuda_candidates(weights: list[torch.Tensor], device: torch.device, dtype: to
             continue
         packed = [pack(ggml.quantize(w, int(kind)), int(kind), in_features, device, dtype) for w in weights]
         found[f"kvtier Triton {kind.name}"] = ([lambda x, p=p: p.product(x) for p in packed], packed[0].nbytes)
-        if kind == GGMLQuantizationType.Q4_0:      # what prompt rows take: the weight dequantized, then cuBLAS
+        if kind == GGMLQuantizationType.Q4_0:      # the weight dequantized, then cuBLAS: other types' prompt rows
             ids = torch.arange(weights[0].shape[0], device=device)
             found["dequantize Q4_0 + dense"] = ([lambda x, p=p: F.linear(x, p.rows(ids)) for p in packed],
                                                 packed[0].nbytes)
-    try:
-        found["torch tinygemm int4 (g32)"] = tinygemm(weights, device)
-    except (RuntimeError, AttributeError, TypeError) as e:     # this build of torch lacks it, or takes other arguments
-        print(f"  tinygemm int4: not measured ({e})", flush=True)
+        # what kvtier runs for Q4_0 and Q4_1 where tinygemm takes them (int4pack.py): every row
+        tinygemm = [int4packed(p) for p in packed]
+        if isinstance(tinygemm[0], Int4PackWeight):
+            found[f"kvtier tinygemm {kind.name}"] = ([lambda x, p=p: p.product(x) for p in tinygemm],
+                                                     tinygemm[0].nbytes)
     return found
-
-
-def tinygemm(weights: list[torch.Tensor], device: torch.device, group: int = 32) -> tuple[list, int]:
-    """torch's int4 weight-only kernel for CUDA (torchao's int4 layout): asymmetric groups of `group`, scales and
-    zeros in bfloat16."""
-    calls, nbytes = [], 0
-    for w in weights:
-        w = w.to(device)
-        groups = w.reshape(w.shape[0], -1, group)
-        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-        scale = ((high - low) / 15).clamp(min=1e-8)
-        q = ((groups - low) / scale).round().clamp(0, 15).to(torch.uint8).reshape(w.shape)
-        packed = torch.ops.aten._convert_weight_to_int4pack(q[:, ::2] << 4 | q[:, 1::2], 8)
-        zeros = low + 8 * scale         # tinygemm's weight: (q - 8) * scale + zero
-        scales_and_zeros = torch.cat([scale, zeros], -1).to(torch.bfloat16).transpose(0, 1).contiguous()
-        calls.append(lambda x, p=packed, sz=scales_and_zeros: torch.ops.aten._weight_int4pack_mm(x, p, group, sz))
-        nbytes = packed.numel() * packed.element_size() + scales_and_zeros.numel() * 2
-    return calls, nbytes
 
 
 def measure(args: argparse.Namespace) -> list[dict]:

@@ -18,6 +18,7 @@ from torch import nn
 from kvtier.models.attention import AttentionMetadata, paged_attention
 from kvtier.models.config import ModelConfig
 from kvtier.models.products import Linear
+from kvtier.models.int4pack import int4packed
 from kvtier.models.packed import pack, packable
 from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding
 from kvtier.models.repacked import repacked
@@ -228,6 +229,8 @@ class Decoder(nn.Module):
             del weights[f"{name}.weight"]
             if packed:
                 parts = [pack(p.blocks, p.ggml_type, p.in_features, device, dtype) for p in parts]
+                if name != "model.embed_tokens":
+                    parts = [int4packed(p) for p in parts]     # Q4_0 / Q4_1 for tinygemm, where it takes them
             elif name != "model.embed_tokens":      # an embedding takes rows, never products
                 parts = [repacked(p) for p in parts]
             bias = weights.pop(f"{name}.bias", None)

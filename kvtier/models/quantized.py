@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from kvtier.models import ggml
+from kvtier.models.int4pack import Int4PackWeight
 from kvtier.models.packed import PackedWeight
 from kvtier.models.products import dequantized_dtype, many_rows_product
 
@@ -195,10 +196,11 @@ def decoding(rows: torch.Tensor, alone: torch.Tensor | None = None):
 
 
 class QuantizedLinear(nn.Module):
-    """A projection over quantized weights (ggml's blocks on CPU, packed ones on CUDA): parts stacked along the
-    output (fused q/k/v or gate/up whose block types differ), and an optional float bias."""
+    """A projection over quantized weights (ggml's blocks on CPU, packed ones on CUDA, Q4_0 and Q4_1 in tinygemm's
+    layout): parts stacked along the output (fused q/k/v or gate/up whose block types differ), and an optional float
+    bias."""
 
-    def __init__(self, parts: list[QuantizedWeight] | list[PackedWeight], bias: torch.Tensor | None):
+    def __init__(self, parts: list[QuantizedWeight] | list[PackedWeight | Int4PackWeight], bias: torch.Tensor | None):
         super().__init__()
         self.parts = parts
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -222,7 +224,9 @@ class QuantizedLinear(nn.Module):
         return _joined([p.product(x) for p in self.parts])
 
     def _dequantized_product(self, x: torch.Tensor, alone: torch.Tensor | None) -> torch.Tensor:
-        return _joined([dequantized_product(p, x, alone=alone) for p in self.parts])
+        # tinygemm's layout keeps no dequantized rows: its own product takes prompt rows too
+        return _joined([p.product(x) if isinstance(p, Int4PackWeight) else dequantized_product(p, x, alone=alone)
+                        for p in self.parts])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \

@@ -1,0 +1,70 @@
+"""Q4_0 and Q4_1 projections on CUDA in torch's own int4 layout, multiplied by its tinygemm kernel
+(`torch.ops.aten._weight_int4pack_mm`): every row, decode and prompt alike.
+
+On an H100 (`kvtier bench kernels`, 2026-11-27) tinygemm read a 4096x14336 int4 weight at 1199 GB/s for one row and
+a 4096x4096 one at 596 GB/s, where kvtier's Triton kernel over packed.py's layout read Q4_0 at 128-139 GB/s: decode
+of the Llama-3.1-8B shape in Q4_0 ran at 0.27x its speed in bfloat16. tinygemm's weight is (q - 8) * scale + zero per
+group of 32 weights along K, scale and zero in bfloat16, so both types convert without requantizing: Q4_0's
+d * (q - 8) is scale d, zero 0; Q4_1's d * q + m is scale d, zero m + 8d (the float16 scales rounded to bfloat16:
+2^-9 of a scale). The layout holds no dequantized rows: an embedding keeps packed.py's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType as T
+
+from kvtier.models.packed import GROUP, PackedWeight
+
+INNER_K_TILES = 8      # tinygemm's K tiles per pack: K must be a multiple of 16 of them
+
+
+@dataclass
+class Int4PackWeight:
+    """A weight [out_features, in_features] in tinygemm's layout; products come out in bfloat16."""
+    ggml_type: int
+    in_features: int
+    out_features: int
+    packed: torch.Tensor              # int32, _convert_weight_to_int4pack's
+    scales_and_zeros: torch.Tensor    # bfloat16 [in_features / 32, out_features, 2]
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def type_name(self) -> str:
+        return T(self.ggml_type).name
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros))
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm(x.contiguous(), self.packed, GROUP, self.scales_and_zeros)
+
+
+def takes(weight: PackedWeight) -> bool:
+    """Whether tinygemm multiplies this weight: Q4_0 or Q4_1 on CUDA in bfloat16, of shapes its tiles divide."""
+    return (weight.q.device.type == "cuda" and weight.dtype == torch.bfloat16
+            and T(weight.ggml_type) in (T.Q4_0, T.Q4_1) and weight.in_features % (INNER_K_TILES * 16) == 0
+            and weight.out_features % 8 == 0)
+
+
+def quants_scales_zeros(weight: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0 or Q4_1 weight as tinygemm's terms: its quants in weight order (uint8 [N, K], 0-15) and per group of 32
+    a scale and a zero (float32 [N, K / 32]), such that weight = (q - 8) * scale + zero."""
+    n, k = weight.out_features, weight.in_features
+    nibbles = weight.q.view(n, k // GROUP, GROUP // 2)          # byte i: weight i (low nibble), i + 16 (high)
+    quants = torch.cat([nibbles & 15, nibbles >> 4], -1).reshape(n, k)
+    scale = weight.d.float()
+    offset = -8 * scale if weight.dmin is None else weight.dmin.float()     # Q4_0's d·(q−8), Q4_1's d·q + m
+    return quants, scale, offset + 8 * scale
+
+
+def int4packed(weight: PackedWeight) -> PackedWeight | Int4PackWeight:
+    """The weight in tinygemm's layout where `takes` it, else as it is."""
+    if not takes(weight):
+        return weight
+    quants, scale, zero = quants_scales_zeros(weight)
+    packed = torch.ops.aten._convert_weight_to_int4pack(quants[:, ::2] << 4 | quants[:, 1::2], INNER_K_TILES)
+    scales_and_zeros = torch.stack([scale, zero], -1).to(torch.bfloat16).transpose(0, 1).contiguous()
+    return Int4PackWeight(weight.ggml_type, weight.in_features, weight.out_features, packed, scales_and_zeros)
