@@ -25,6 +25,7 @@ from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.loader import BUNDLED_MODEL, load_model, read_gguf
+from kvtier.models.products import many_rows_product
 from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, dequantized_product, model_weight_bytes,
                                      prompt_dtype, quantize)
 from kvtier.models import quantized
@@ -293,9 +294,6 @@ def test_the_bundled_model_in_its_blocks(device, dtype, steps, tie):
                for mode in ("auto", "none")}
     quantized = engines["auto"].model
     assert quantized.quantized and isinstance(engines["auto"].runner.graphs, steps)
-    # the first-token logits' largest gap, as a share of the largest logit: 1.0-1.2% with float32 prompt products,
-    # 1.0-1.5% in bfloat16 emulated, 2.5% in bfloat16 on a Xeon with AMX (the H100 machine's host)
-    gap = 0.03 if device == "cpu" and prompt_dtype(torch.float32) == torch.bfloat16 else 0.02
     assert model_weight_bytes(quantized) <= 1.2 * tensor_bytes(BUNDLED_MODEL)
     prompts = ["What is the capital of France?", "Write a haiku about the sea.",
                "Explain in two sentences why the sky is blue.", "List three prime numbers and say why they are prime."]
@@ -311,7 +309,12 @@ def test_the_bundled_model_in_its_blocks(device, dtype, steps, tie):
         got, want = outputs["auto"], outputs["none"]
         if i == 0:      # the prompt's next-token logits
             q, f = next_logits(engines["auto"], ids), next_logits(engines["none"], ids)
-            assert (q - f).abs().max() <= gap * f.abs().max()
+            # 1.0-1.2% of the largest logit on the 2-core development machines, float32 or bfloat16 prompt products;
+            # 2.5% on the H100 machine's Xeon (twice, unexplained): the message says with which products
+            gap = float((q - f).abs().max() / f.abs().max())
+            assert gap <= 0.02, (f"{gap:.2%} apart: prompt rows in {prompt_dtype(torch.float32)}, many rows by "
+                                 f"{many_rows_product(torch.float32).__name__}, torch {torch.__version__}, "
+                                 f"{torch.get_num_threads()} threads")
         first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if first is not None:     # a near-tie, which the quantized activations' rounding decides
             top2 = next_logits(engines["none"], ids + want[:first]).topk(2)
