@@ -91,7 +91,7 @@ def steps(report: str, dry: bool, workers: int = WORKERS, suite_seconds: int = 5
             Step("multi-turn TTFT, Llama-3.2-1B shape", ["kvtier.bench.ttft", *cuda, "--shape", "llama-3.2-1b",
                                                          "--lengths", "1800,4096,16384", *out], 60),
             Step("inter-token latency, Llama-3.2-1B shape", ["kvtier.bench.itl", *cuda, "--shape", "llama-3.2-1b",
-                                                             "--streams", "8", "--long-prompt", "16000", *out], 45)]
+                                                             "--streams", "8", "--long-prompt", "16000", *out], 120)]
 
 
 def run_step(step: Step, log: str) -> dict:

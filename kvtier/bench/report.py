@@ -20,11 +20,19 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def engine_machine(eng) -> str:
-    """Where an engine's numbers come from: the CPU, torch, its threads, device, dtype and model."""
+def processors(device: str) -> str:
+    """The GPU, where the device is one, and the CPU: what a benchmark's numbers were measured on."""
     import torch
-    return (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-            f"device {eng.config.device}, {eng.config.dtype}, model {eng.model_name}")
+    gpu = f"{torch.cuda.get_device_name(device)}, " if str(device).startswith("cuda") else ""
+    return gpu + cpu_model()
+
+
+def engine_machine(eng) -> str:
+    """Where an engine's numbers come from: the GPU and CPU, torch, its threads, device, dtype and model."""
+    import torch
+    return (f"{processors(eng.config.device)}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, device {eng.config.device}, {eng.config.dtype}, "
+            f"model {eng.model_name}")
 
 
 def header(section: str, machine: str, command: str) -> list[str]:

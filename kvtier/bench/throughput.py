@@ -23,7 +23,8 @@ import time
 import torch
 
 from kvtier.bench import llama_cpp
-from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish, verdict
+from kvtier.bench.report import (add_output_args, header, int_list, parse_command, processors, publish,
+                                 verdict)
 from kvtier.bench.shapes import add_model_args, resolve_model
 from kvtier.config import DTYPES, QUANTIZE_MODES, Config, default_dtype
 from kvtier.engine.engine import LLMEngine
@@ -321,7 +322,7 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
     weights = (f"weights kept quantized ({eng.weights_mode}, {size:.0f} MB{prompt_rows})"
                if eng.model.quantized else f"{eng.config.dtype} weights")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    machine = (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, transformers "
+    machine = (f"{processors(args.device)}, {os.cpu_count()} cores, torch {torch.__version__}, transformers "
                f"{transformers.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
                f"{eng.config.dtype}, model {eng.model_name}, kvtier with {weights}, decode {decode_path}; the "
                f"process's peak RSS {peak:.1f} GiB (every engine in it)")

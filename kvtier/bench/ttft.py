@@ -32,11 +32,11 @@ import torch
 from kvtier.bench.report import (
     add_device_args,
     add_output_args,
-    cpu_model,
     device_settings,
     header,
     int_list,
     parse_command,
+    processors,
     publish,
     verdict,
 )
@@ -491,8 +491,7 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
                      f"{ratio(row['cold/disk'])} | {bandwidth(row['host_gbs'], mem, row['host_load'])} | "
                      f"{bandwidth(row['disk_gbs'], row['file_read_gbs'], row['disk_load'])} | "
                      f"{', '.join(map(str, row['expected']))} / {', '.join(map(str, row['prompts']))} |")
-    gpu = f"{torch.cuda.get_device_name(args.device)}, " if args.device.startswith("cuda") else ""
-    machine = (f"{gpu}{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {results['threads']} threads, "
+    machine = (f"{processors(args.device)}, {os.cpu_count()} cores, torch {torch.__version__}, {results['threads']} threads, "
                f"model {results['model']} ({results['dtype']}, {results['bytes_per_token']} bytes of KV per token), "
                f"disk tier on {filesystem(results['disk_dir'])}")
     return "\n".join([
