@@ -13,8 +13,8 @@ from openai import OpenAI
 
 pytestmark = pytest.mark.integration
 
-# a prompt of ~1000 tokens in chunks of 32 a step: its first token comes many keep-alive periods after the request,
-# on a GPU too (32 steps of a few milliseconds each)
+# a prompt of ~1000 tokens in chunks of 64 a step: its first token comes many keep-alive periods after the request,
+# on a GPU too (16 eager steps of a few milliseconds each)
 LONG = "Here are my notes. " + " ".join(f"Item {i} is on shelf {i % 7}." for i in range(120)) + \
     " Which shelf holds item 3? Answer briefly."
 MESSAGES = [{"role": "user", "content": LONG}]
@@ -22,8 +22,8 @@ MESSAGES = [{"role": "user", "content": LONG}]
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory):
-    args = ["--kv-pool-tokens", "4096", "--max-model-len", "2048", "--max-batched-tokens", "32", "--no-prefix-cache",
-            "--sse-keepalive", "0.02", "--any-model-name"]
+    args = ["--kv-pool-tokens", "4096", "--max-model-len", "2048", "--max-batched-tokens", "64", "--no-prefix-cache",
+            "--sse-keepalive", "0.01", "--any-model-name"]
     with kvtier_server(args, tmp_path_factory.mktemp("server") / "server.log") as url:
         yield url
 
