@@ -49,8 +49,8 @@ def suite_on_cuda(workers: int, seconds: int) -> Step:
     spread, threads = [], {}
     if workers:
         spread, threads = ["-n", str(workers), "--dist", "loadfile"], {"OMP_NUM_THREADS": str(THREADS_PER_WORKER)}
-    return Step(f"test suite on CUDA, {workers or 'no'} workers", ["pytest", *PYTEST_ON_CUDA, *spread, "tests"], seconds,
-                {"KVTIER_DEVICE": "cuda", **threads})
+    return Step(f"test suite on CUDA, {workers or 'no'} workers", ["pytest", *PYTEST_ON_CUDA, *spread, "tests"],
+                seconds, {"KVTIER_DEVICE": "cuda", **threads})
 
 
 def steps(report: str, dry: bool, workers: int = WORKERS, suite_seconds: int = 540) -> list[Step]:

@@ -491,9 +491,9 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
                      f"{ratio(row['cold/disk'])} | {bandwidth(row['host_gbs'], mem, row['host_load'])} | "
                      f"{bandwidth(row['disk_gbs'], row['file_read_gbs'], row['disk_load'])} | "
                      f"{', '.join(map(str, row['expected']))} / {', '.join(map(str, row['prompts']))} |")
-    machine = (f"{processors(args.device)}, {os.cpu_count()} cores, torch {torch.__version__}, {results['threads']} threads, "
-               f"model {results['model']} ({results['dtype']}, {results['bytes_per_token']} bytes of KV per token), "
-               f"disk tier on {filesystem(results['disk_dir'])}")
+    machine = (f"{processors(args.device)}, {os.cpu_count()} cores, torch {torch.__version__}, "
+               f"{results['threads']} threads, model {results['model']} ({results['dtype']}, "
+               f"{results['bytes_per_token']} bytes of KV per token), disk tier on {filesystem(results['disk_dir'])}")
     return "\n".join([
         *header(SECTION, machine, command),
         *table,
