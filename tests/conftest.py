@@ -95,6 +95,20 @@ def tiny_qwen3_dir(make_tiny_model, qwen3_tokenizer) -> str:
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2), tokenizer=qwen3_tokenizer)
 
 
+def ggml_quantized(qtype, out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random weight whose rows have different scales, quantized by ggml to qtype: its blocks (uint8) and the gguf
+    package's dequantization of them (float32)."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from kvtier.models import ggml
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=gen) * torch.rand(out_features, 1, generator=gen)
+    blocks = ggml.quantize(weight, int(qtype))
+    weights = dequantize(blocks.numpy(), qtype).reshape(out_features, in_features).astype(np.float32)
+    return blocks, torch.from_numpy(weights)
+
+
 def tiny_llama(vocab_size: int, context: int = 2048) -> LlamaConfig:
     """A tiny Llama's config (hidden 64, 2 layers, 4 heads, 2 KV heads, untied head)."""
     return LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

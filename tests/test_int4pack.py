@@ -1,30 +1,20 @@
 """Q4_0 and Q4_1 weights in tinygemm's layout (int4pack.py): the same weights, without requantizing (on CPU), and
 tinygemm's products over them near the dequantized weights' (CUDA: gpu marker)."""
-import numpy as np
 import pytest
 import torch
+from conftest import ggml_quantized
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize
 
 pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
-from kvtier.models import ggml  # noqa: E402
 from kvtier.models.int4pack import Int4PackWeight, int4packed, quants_scales_zeros, takes  # noqa: E402
 from kvtier.models.packed import pack  # noqa: E402
 
 OUT, IN = 256, 1024
 
 
-def blocks_and_weights(qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(int(qtype))
-    weight = torch.randn(OUT, IN, generator=gen) * torch.rand(OUT, 1, generator=gen)
-    weight += 0.1 * torch.randn(OUT, 1, generator=gen)       # rows off centre: Q4_1's minimum matters
-    blocks = ggml.quantize(weight, int(qtype))
-    return blocks, torch.from_numpy(dequantize(blocks.numpy(), qtype).reshape(OUT, IN).astype(np.float32))
-
-
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
 def test_tinygemms_terms_give_back_the_files_weights(qtype):
-    blocks, weights = blocks_and_weights(qtype)
+    blocks, weights = ggml_quantized(qtype, OUT, IN, seed=int(qtype))
     quants, scale, zero = quants_scales_zeros(pack(blocks, int(qtype), IN, torch.device("cpu"), torch.float32))
     assert quants.dtype == torch.uint8 and int(quants.max()) <= 15
     rebuilt = (quants.view(OUT, -1, 32).float() - 8) * scale[..., None] + zero[..., None]
@@ -32,7 +22,7 @@ def test_tinygemms_terms_give_back_the_files_weights(qtype):
 
 
 def test_only_cuda_bfloat16_q4_weights_of_whole_tiles_convert():
-    blocks, _ = blocks_and_weights(Q.Q4_0)
+    blocks, _ = ggml_quantized(Q.Q4_0, OUT, IN)
     on_cpu = pack(blocks, int(Q.Q4_0), IN, torch.device("cpu"), torch.bfloat16)
     assert not takes(on_cpu) and int4packed(on_cpu) is on_cpu
 
@@ -40,7 +30,7 @@ def test_only_cuda_bfloat16_q4_weights_of_whole_tiles_convert():
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
 def test_tinygemms_products_are_the_dequantized_weights_products(qtype):
-    blocks, weights = blocks_and_weights(qtype)
+    blocks, weights = ggml_quantized(qtype, OUT, IN, seed=int(qtype))
     packed = pack(blocks, int(qtype), IN, torch.device("cuda"), torch.bfloat16)
     converted = int4packed(packed)
     assert isinstance(converted, Int4PackWeight) and converted.nbytes <= 1.12 * blocks.numel()

@@ -3,11 +3,10 @@ dequantization, for every packed type. On CPU they run in Triton's interpreter (
 command before Triton is imported); on CUDA compiled."""
 import os
 
-import numpy as np
 import pytest
 import torch
+from conftest import ggml_quantized
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize
 
 pytest.importorskip("triton", reason="Triton is installed by the test command")
 pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
@@ -21,17 +20,9 @@ if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 OUT, IN = 72, 768       # outputs not a multiple of the kernels' tiles; three K-quant super-blocks per row
 
 
-def blocks_and_weights(qtype: Q, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random weight quantized by ggml: its blocks (uint8) and the gguf package's dequantization of them."""
-    gen = torch.Generator().manual_seed(seed)
-    weight = torch.randn(OUT, IN, generator=gen) * torch.rand(OUT, 1, generator=gen)   # rows of different scales
-    blocks = ggml.quantize(weight, int(qtype))
-    return blocks, torch.from_numpy(dequantize(blocks.numpy(), qtype).reshape(OUT, IN).astype(np.float32))
-
-
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
 def test_each_type_dequantizes_to_the_files_weights_and_multiplies_by_them(qtype):
-    blocks, weights = blocks_and_weights(qtype)
+    blocks, weights = ggml_quantized(qtype, OUT, IN)
     packed = pack(blocks, int(qtype), IN, DEVICE, torch.float32)
     # the file's bytes, Q4_K and Q5_K's scales a byte each
     assert packed.nbytes == packed_bytes(int(qtype), blocks.numel()) <= 1.03 * blocks.numel()
@@ -51,7 +42,7 @@ def test_each_type_dequantizes_to_the_files_weights_and_multiplies_by_them(qtype
 def test_half_precision_products_round_as_the_dequantized_weights_do(dtype):
     if DEVICE.type == "cpu" and dtype == torch.bfloat16:
         pytest.skip("Triton's interpreter computes with numpy, which has no bfloat16")
-    blocks, weights = blocks_and_weights(Q.Q4_K)
+    blocks, weights = ggml_quantized(Q.Q4_K, OUT, IN)
     packed = pack(blocks, int(Q.Q4_K), IN, DEVICE, dtype)
     assert packed.rows(torch.arange(OUT)).dtype == dtype
     x = torch.randn(2, IN, generator=torch.Generator().manual_seed(2))

@@ -42,6 +42,7 @@ THREADS_PER_WORKER = 2
 # a test module whose client library is not on the GPU machine is reported, the rest runs; one line per test as it
 # ends (-v), so that a suite cut off at its limit still says which tests failed
 PYTEST_ON_CUDA = ["-v", "--tb=short", "--durations=15", "--continue-on-collection-errors"]
+SUITE_SECONDS = 540     # the suite's limit unless --suite-seconds says otherwise
 
 
 def suite_on_cuda(workers: int, seconds: int) -> Step:
@@ -53,7 +54,7 @@ def suite_on_cuda(workers: int, seconds: int) -> Step:
                 seconds, {"KVTIER_DEVICE": "cuda", **threads})
 
 
-def steps(report: str, dry: bool, workers: int = WORKERS, suite_seconds: int = 540) -> list[Step]:
+def steps(report: str, dry: bool, workers: int = WORKERS, suite_seconds: int = SUITE_SECONDS) -> list[Step]:
     """What the check runs, in order: on CUDA at the sizes that tell, or (dry) on CPU at toy sizes."""
     out = ["--output", report]
     if dry:
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry", action="store_true", help="on CPU at toy sizes: checks that the check works")
     p.add_argument("--workers", type=int, default=WORKERS, help="processes the suite on CUDA spreads over (0: one, "
                                                                "a test at a time; default: %(default)s)")
-    p.add_argument("--suite-seconds", type=int, default=540, help="the suite's time limit, so that a call of 10 "
+    p.add_argument("--suite-seconds", type=int, default=SUITE_SECONDS, help="the suite's time limit, so that a call of 10 "
                                                                     "minutes has room for a benchmark after it "
                                                                     "(default: %(default)s)")
     p.add_argument("--only", default="", help="run only the steps whose names contain one of these texts "

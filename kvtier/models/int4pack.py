@@ -28,7 +28,6 @@ class Int4PackWeight:
     out_features: int
     packed: torch.Tensor              # int32, _convert_weight_to_int4pack's
     scales_and_zeros: torch.Tensor    # bfloat16 [in_features / 32, out_features, 2]
-    dtype: torch.dtype = torch.bfloat16
 
     @property
     def type_name(self) -> str:
