@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network, before transformers reads it
-# the default disk tier lives under the user's cache directory: give the test session its own
+# the default disk tier lives under the user's cache directory: give the test session its own, removed at its end
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="kvtier-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 # KVTIER_DEVICE=cuda runs the whole suite on the GPU (Config's default device), in float32 so that it compares with
 # the same references; elsewhere Triton kernels run in Triton's interpreter, which must be chosen before it is imported
 if os.environ.get("KVTIER_DEVICE", "cpu").startswith("cuda"):

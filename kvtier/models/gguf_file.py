@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAGIC = b"GGUF"
@@ -71,6 +72,7 @@ class GGUFFile:
             if key in fields:
                 raise ValueError(f"{path}: metadata key {key!r} appears twice")
             fields[key] = self._value(self._scalar("<I"))
+        self._metadata_end = self._pos
         self._fits(tensor_count, TENSOR_INFO_BYTES)
         infos = [self._tensor_info() for _ in range(tensor_count)]
         if len({name for name, *_ in infos}) != len(infos):
@@ -82,6 +84,11 @@ class GGUFFile:
         self.tensors = [self._tensor(*info, start) for info in infos]
         # number arrays stayed numpy views until the whole header proved sound
         self.fields = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in fields.items()}
+
+    def metadata_digest(self) -> str:
+        """A hash of the header up to the tensors: the metadata (vocabulary, chat template, hyperparameters), the
+        same for a copy of the file or one whose weights changed."""
+        return xxhash.xxh3_128_hexdigest(self._buf[:self._metadata_end])
 
     def release(self, tensor: GGUFTensor) -> None:
         """Drop the tensor's pages from this process's memory (they fault back in from the file if read again)."""

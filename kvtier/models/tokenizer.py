@@ -21,7 +21,7 @@ from kvtier.models.gguf_file import GGUFFile
 def _load_hf_tokenizer(path: str, mtime_ns: int):
     """Build a transformers tokenizer once per file version. A GGUF vocabulary takes seconds to parse
     (8.7 s for SmolLM2's on a 2-core machine), so the parsed tokenizer is also saved, in transformers'
-    own files, under kvtier's cache directory, by the file's path, size and mtime."""
+    own files, under kvtier's cache directory, by the file's metadata."""
     try:
         if os.path.isdir(path):
             return AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -67,10 +67,9 @@ CONVERSION = 2       # kvtier's repairs of a converted tokenizer (2: byte-level 
 
 
 def _saved_tokenizer_dir(gguf_path: str) -> str:
-    """By the file's path, size and mtime, the transformers version that converted it and kvtier's repairs."""
-    stat = os.stat(gguf_path)
-    version = (f"{os.path.realpath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}:"
-               f"{CONVERSION}")
+    """By the file's metadata (where its vocabulary lies: a copy of the file, or the same file with other weights,
+    finds it), the transformers version that converted it and kvtier's repairs."""
+    version = f"{GGUFFile(gguf_path).metadata_digest()}:{transformers.__version__}:{CONVERSION}"
     return os.path.join(cache_home(), "tokenizers", xxhash.xxh3_64_hexdigest(version.encode()))
 
 
