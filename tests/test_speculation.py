@@ -123,12 +123,12 @@ def test_speculator_proposes_what_pays_for_its_rows():
                                     SamplingParams(temperature=1.2, top_p=0.8)])
 def test_a_verified_rows_token_follows_the_target_distribution(params):
     """The token taken at a sampled row (the draft's if it is the one drawn, else the one drawn: rejection
-    sampling against a point-mass draft) follows the target's distribution: the frequencies of 40,000 seeded draws
+    sampling against a point-mass draft) follows the target's distribution: the frequencies of 20,000 seeded draws
     are within a few standard errors of p."""
     logits = torch.tensor([2.0, 1.5, 0.3, -0.5, 1.0, 0.0, -2.0, 0.8])
     p = probabilities(logits[None], [params])[0]
     gen = torch.Generator().manual_seed(1234)
-    draws = 40_000
+    draws = 20_000
     counts = torch.zeros_like(p)
     for _ in range(draws):
         counts[choose(logits, params, gen)] += 1
