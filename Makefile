@@ -32,9 +32,15 @@ CA_BUNDLE := /etc/ssl/certs/ca-certificates.crt
 
 # the tests also run the Triton kernels (on CPU in Triton's interpreter); CUDA builds of torch bring Triton.
 # KVTIER_DEVICE=cuda make test runs the whole suite on the GPU.
+# The suite's files spread over TEST_WORKERS pytest-xdist processes (one per core, at most 4), each with its share of
+# the cores for torch's and ggml's threads: one process alone left a core of a 2-core machine idle a third of the
+# time (imports, servers starting, agents, Python-bound steps), and threads of two processes on one core spin at
+# each other's barriers. ARGS="-n 0" runs it in this process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+TEST_THREADS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) / $(TEST_WORKERS) )))
 test: $(VENV)/.installed .agents/.installed
 	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton
-	$(PY) -m pytest -q tests $(ARGS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
 
 # On a GPU machine, with its own CUDA torch and no network: the suite on CUDA and the GPU benchmarks, into one
 # report (kvtier/bench/gpu_check.py), run from the checkout without installing it. `make gpu-wheels`, run here with
