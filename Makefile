@@ -36,8 +36,9 @@ CA_BUNDLE := /etc/ssl/certs/ca-certificates.crt
 # the cores for torch's and ggml's threads: one process alone left a core of a 2-core machine idle a third of the
 # time (imports, servers starting, agents, Python-bound steps), and threads of two processes on one core spin at
 # each other's barriers. ARGS="-n 0" runs it in this process.
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
-TEST_THREADS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) / $(TEST_WORKERS) )))
+CORES := $(shell nproc 2>/dev/null || echo 1)
+TEST_WORKERS ?= $(shell echo $$(( $(CORES) < 4 ? $(CORES) : 4 )))
+TEST_THREADS ?= $(shell echo $$(( $(CORES) / $(TEST_WORKERS) )))
 test: $(VENV)/.installed .agents/.installed
 	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton
 	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)

@@ -98,15 +98,18 @@ def tiny_qwen3_dir(make_tiny_model, qwen3_tokenizer) -> str:
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2), tokenizer=qwen3_tokenizer)
 
 
-def ggml_quantized(qtype, out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random weight whose rows have different scales, quantized by ggml to qtype: its blocks (uint8) and the gguf
-    package's dequantization of them (float32)."""
+def ggml_quantized(qtype, out_features: int, in_features: int, seed: int = 0,
+                   off_centre: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random weight whose rows have different scales (and means spread by off_centre: where a block's minimum
+    matters, as Q4_1's), quantized by ggml to qtype: its blocks (uint8) and the gguf package's dequantization of them
+    (float32)."""
     import numpy as np
     from gguf.quants import dequantize
 
     from kvtier.models import ggml
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=gen) * torch.rand(out_features, 1, generator=gen)
+    weight += off_centre * torch.randn(out_features, 1, generator=gen)
     blocks = ggml.quantize(weight, int(qtype))
     weights = dequantize(blocks.numpy(), qtype).reshape(out_features, in_features).astype(np.float32)
     return blocks, torch.from_numpy(weights)

@@ -23,7 +23,7 @@ def fresh_load() -> Tokenizer:
 def test_the_saved_tokenizer_behaves_as_the_parsed_one(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     parsed = fresh_load()
-    saved_dir = tokenizer_module._saved_tokenizer_dir(BUNDLED_MODEL)
+    saved_dir = tokenizer_module._saved_tokenizer_dir(GGUFFile(BUNDLED_MODEL))
     assert os.path.isfile(os.path.join(saved_dir, "tokenizer.json"))
     saved = fresh_load()
     text = "Once upon a time — ünïcode\n\n  spaces 🌍"
@@ -45,11 +45,11 @@ def test_a_copy_or_other_weights_find_the_saved_tokenizer_and_other_metadata_doe
     with open(copy, "r+b") as f:
         f.seek(tensor.data_offset)
         f.write(bytes([f.read(1)[0] ^ 0x11]))
-    assert tokenizer_module._saved_tokenizer_dir(copy) == tokenizer_module._saved_tokenizer_dir(BUNDLED_MODEL)
+    saved_dir = tokenizer_module._saved_tokenizer_dir
+    assert saved_dir(GGUFFile(copy)) == saved_dir(GGUFFile(BUNDLED_MODEL))
     other = GGUFWriter(str(tmp_path / "other.gguf"), "llama")
     other.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
     for write in (other.write_header_to_file, other.write_kv_data_to_file, other.write_tensors_to_file):
         write()
     other.close()
-    assert tokenizer_module._saved_tokenizer_dir(str(tmp_path / "other.gguf")) != \
-        tokenizer_module._saved_tokenizer_dir(BUNDLED_MODEL)
+    assert saved_dir(GGUFFile(str(tmp_path / "other.gguf"))) != saved_dir(GGUFFile(BUNDLED_MODEL))

@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry", action="store_true", help="on CPU at toy sizes: checks that the check works")
     p.add_argument("--workers", type=int, default=WORKERS, help="processes the suite on CUDA spreads over (0: one, "
                                                                "a test at a time; default: %(default)s)")
-    p.add_argument("--suite-seconds", type=int, default=SUITE_SECONDS, help="the suite's time limit, so that a call of 10 "
-                                                                    "minutes has room for a benchmark after it "
-                                                                    "(default: %(default)s)")
+    p.add_argument("--suite-seconds", type=int, default=SUITE_SECONDS,
+                   help="the suite's time limit, so that a call of 10 minutes has room for a benchmark after it "
+                        "(default: %(default)s)")
     p.add_argument("--only", default="", help="run only the steps whose names contain one of these texts "
                                                "(comma-separated)")
     args = p.parse_args(argv)

@@ -25,7 +25,8 @@ def _load_hf_tokenizer(path: str, mtime_ns: int):
     try:
         if os.path.isdir(path):
             return AutoTokenizer.from_pretrained(path, local_files_only=True)
-        saved = _saved_tokenizer_dir(path)
+        header = GGUFFile(path)      # its metadata names the save, and the special tokens of a parse
+        saved = _saved_tokenizer_dir(header)
         if os.path.isfile(os.path.join(saved, "tokenizer.json")):
             try:
                 return AutoTokenizer.from_pretrained(saved, local_files_only=True)
@@ -33,7 +34,7 @@ def _load_hf_tokenizer(path: str, mtime_ns: int):
                 shutil.rmtree(saved, ignore_errors=True)
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                   local_files_only=True)
-        _special_tokens_from_gguf(tokenizer, path)
+        _special_tokens_from_gguf(tokenizer, header)
         _byte_level_tokens(tokenizer)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError... for unusable files
         raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
@@ -41,10 +42,10 @@ def _load_hf_tokenizer(path: str, mtime_ns: int):
     return tokenizer
 
 
-def _special_tokens_from_gguf(tokenizer, path: str) -> None:
+def _special_tokens_from_gguf(tokenizer, header: GGUFFile) -> None:
     """The GGUF file's own metadata names its end and start tokens: transformers' conversion has named others in
     some versions (5.17 took SmolLM2's <|im_start|> for its end-of-sequence token)."""
-    fields = GGUFFile(path).fields
+    fields = header.fields
     for attr, key in (("eos_token", "tokenizer.ggml.eos_token_id"), ("bos_token", "tokenizer.ggml.bos_token_id")):
         if key in fields:
             setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(fields[key])))
@@ -66,10 +67,10 @@ def _byte_level_tokens(tokenizer) -> None:
 CONVERSION = 2       # kvtier's repairs of a converted tokenizer (2: byte-level tokens), so older saves are parsed anew
 
 
-def _saved_tokenizer_dir(gguf_path: str) -> str:
+def _saved_tokenizer_dir(header: GGUFFile) -> str:
     """By the file's metadata (where its vocabulary lies: a copy of the file, or the same file with other weights,
     finds it), the transformers version that converted it and kvtier's repairs."""
-    version = f"{GGUFFile(gguf_path).metadata_digest()}:{transformers.__version__}:{CONVERSION}"
+    version = f"{header.metadata_digest()}:{transformers.__version__}:{CONVERSION}"
     return os.path.join(cache_home(), "tokenizers", xxhash.xxh3_64_hexdigest(version.encode()))
 
 
