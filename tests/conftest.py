@@ -47,6 +47,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """torch's thread count back after each test that set it (an engine's `num_threads`, a benchmark's `--threads`):
+    a later test in the same worker would otherwise run its in-process engine on another count than the servers it
+    starts (they take OMP_NUM_THREADS), and torch's products round by their thread count on some CPUs."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def bundled_tokenizer() -> Tokenizer:
     return Tokenizer.load(BUNDLED_MODEL)

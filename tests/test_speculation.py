@@ -560,12 +560,13 @@ def test_the_bundled_model_under_bounded_residency_verifies_rows_as_it_decodes_t
 
 def served_and_plain(args: list[str], messages: list[dict], log):
     """A greedy answer of at most 60 tokens from `kvtier serve ARGS` through the openai client, the server's /metrics
-    after it, and the engine (the bundled model, no speculation) with its own greedy run of the same messages."""
+    after it, and the engine (the bundled model, no speculation) with its own greedy run of the same messages. The
+    server runs on the engine's thread count: torch's prompt products round by it on some CPUs."""
     import httpx
     from openai import OpenAI
 
     from conftest import kvtier_server, scrape
-    with kvtier_server(args, log) as url:
+    with kvtier_server([*args, "--threads", str(torch.get_num_threads())], log) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         answer = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0)
