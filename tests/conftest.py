@@ -125,6 +125,13 @@ def ggml_quantized(qtype, out_features: int, in_features: int, seed: int = 0,
     return blocks, torch.from_numpy(weights)
 
 
+def fill_random(pool, seed: int) -> None:
+    """The pool's K and V, every slot, seeded random values."""
+    generator = torch.Generator().manual_seed(seed)
+    for cache in pool.caches:
+        cache.copy_(torch.randn(cache.shape, generator=generator))
+
+
 def tiny_llama(vocab_size: int, context: int = 2048) -> LlamaConfig:
     """A tiny Llama's config (hidden 64, 2 layers, 4 heads, 2 KV heads, untied head)."""
     return LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from conftest import run_greedy as run
+from conftest import fill_random, run_greedy as run
 
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
@@ -38,7 +38,7 @@ def test_a_run_saved_and_restored_through_the_mover_is_byte_exact(device, staged
     pool = KVPool(3, 2, 8, BS, 16 * BS, torch.float32, torch.device(device))
     pool.staged_copies = staged
     monkeypatch.setattr("kvtier.kv.pool.STAGE_BYTES", 2 * pool.block_bytes)
-    pool.kv_cache.normal_()
+    fill_random(pool, 0)
     host = HostTier(8 * pool.block_bytes, pool.block_shape, torch.float32, pin_memory=device == "cuda")
     mover = Mover(pool, TierStack([host]))
     keys = chain_keys(list(range(5 * BS)), BS, b"ns")
@@ -59,7 +59,7 @@ def test_staged_payloads_leave_the_device_contiguous(monkeypatch):
     pool = KVPool(3, 2, 8, BS, 16 * BS, torch.float32, torch.device("cpu"))
     pool.staged_copies = True
     monkeypatch.setattr("kvtier.kv.pool.STAGE_BYTES", 2 * pool.block_bytes)
-    pool.kv_cache.normal_()
+    fill_random(pool, 0)
     blocks = [4, 1, 9]
     payloads = list(pool.blocks_out(blocks))
     assert all(p.is_contiguous() for p in payloads)

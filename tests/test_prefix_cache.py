@@ -78,9 +78,9 @@ def test_shared_blocks_are_never_written(engine):
     run(engine, shared + [1, 2])
     blocks = [engine.pool.cached[k] for k in chain_keys(shared, BS, engine.pool.namespace)]
     slots = torch.cat([torch.arange(b * BS, (b + 1) * BS) for b in blocks])
-    before = engine.pool.kv_cache[:, :, slots].clone()
+    before = engine.pool.slots_kv(slots)
     run(engine, shared + prompt(40, salt=6), max_tokens=20)
-    assert torch.equal(engine.pool.kv_cache[:, :, slots], before)
+    assert torch.equal(engine.pool.slots_kv(slots), before)
 
 
 def test_lru_eviction_under_pool_pressure(engine):

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from conftest import fill_random
 from gguf_files import write_gguf
 from kvtier.config import Config, ConfigError, cache_home
 from kvtier.engine.engine import LLMEngine
@@ -69,7 +70,7 @@ def teacher_forced(model: Decoder, ids: list[list[int]], tables: list[list[int]]
     then every next token as a decode step of all sequences at once, through ggml's graph (steps, over `pool`) or
     the decoder op by op. Up to `length`, tokens past the given ids are sampled (seeded) and appended to ids."""
     pool = pool or pool_for(model)
-    device = pool.kv_cache.device
+    device = pool.device
     generator = torch.Generator().manual_seed(0)
     slot = [lambda p, t=t: t[p // BLOCK] * BLOCK + p % BLOCK for t in tables]
     logits = []       # per position p, [sequences, vocab]: what follows position p
@@ -77,7 +78,7 @@ def teacher_forced(model: Decoder, ids: list[list[int]], tables: list[list[int]]
         meta = AttentionMetadata(positions=torch.tensor([0], device=device),
                                  slot_mapping=torch.tensor([s(0)], device=device),
                                  prefills=[PrefillSeq(0, 1, [], table[:1])], decode=None, block_size=BLOCK)
-        logits.append(model.logits(model(torch.tensor(seq[:1], device=device), pool.kv_cache, meta)).cpu())
+        logits.append(model.logits(model(torch.tensor(seq[:1], device=device), pool.caches, meta)).cpu())
     logits = [torch.cat(logits)]
     for p in range(1, (length or len(ids[0])) - 1):
         for seq, step_logits in zip(ids, logits[-1] if p >= len(ids[0]) else ()):
@@ -92,7 +93,7 @@ def teacher_forced(model: Decoder, ids: list[list[int]], tables: list[list[int]]
                                  prefills=[], decode=DecodeGroup(list(range(len(ids))),
                                                                  [slot_runs(t, p + 1, BLOCK) for t in tables]),
                                  block_size=BLOCK, generated_rows=list(range(len(ids))))
-        logits.append(model.logits(model(torch.tensor(tokens, device=device), pool.kv_cache, meta)).cpu())
+        logits.append(model.logits(model(torch.tensor(tokens, device=device), pool.caches, meta)).cpu())
     if length:
         for seq, step_logits in zip(ids, logits[-1]):
             seq.append(torch.multinomial(step_logits.softmax(-1), 1, generator=generator).item())
@@ -207,13 +208,13 @@ def test_a_ggml_decode_step_hands_back_the_feature_layers_outputs(tmp_path):
     slot = list(range(length))
     meta = AttentionMetadata(positions=torch.arange(length - rows), slot_mapping=torch.tensor(slot[:-rows]),
                              prefills=[PrefillSeq(0, length - rows, [], table)], decode=None, block_size=BLOCK)
-    model(torch.tensor(ids[:-rows]), pool.kv_cache, meta)       # the context, as a prompt
+    model(torch.tensor(ids[:-rows]), pool.caches, meta)       # the context, as a prompt
     steps.run(ids[-rows:], slot[-rows:], slot[-rows:], [table], [length], [rows])     # a verify step of 3 rows
     meta = AttentionMetadata(positions=torch.arange(length - rows, length), slot_mapping=torch.tensor(slot[-rows:]),
                              prefills=[], block_size=BLOCK, generated_rows=list(range(rows)), feature_layers=layers,
                              decode=DecodeGroup(list(range(rows)),     # each row over its context up to itself
                                                 [slot_runs(table, length - rows + 1 + j, BLOCK) for j in range(rows)]))
-    model(torch.tensor(ids[-rows:]), pool.kv_cache, meta)
+    model(torch.tensor(ids[-rows:]), pool.caches, meta)
     want = meta.stacked_features()
     assert steps.features.shape == want.shape == (rows, 2 * TINY["hidden_size"])
     assert (steps.features - want).abs().max() <= 0.02 * want.abs().max()
@@ -495,7 +496,7 @@ def test_a_prompts_last_token_computes_the_same_bits_warm_and_cold(monkeypatch, 
         logits, queries = run(batch, capture)
         table = batch.seqs[0].kv.block_table
         slot = table[(len(ids) - 1) // bs] * bs + (len(ids) - 1) % bs
-        seen.append((batch.num_tokens[0], logits[0][-1].clone(), engine.pool.kv_cache[:, :, slot].clone()))
+        seen.append((batch.num_tokens[0], logits[0][-1].clone(), engine.pool.slots_kv(torch.tensor([slot]))))
         return logits, queries
 
     monkeypatch.setattr(engine.runner, "run", recording)
@@ -514,8 +515,8 @@ def test_a_decode_row_scores_the_same_beside_a_longer_context_as_alone():
     logits are bitwise those of its sequence decoded alone (each row attends over its own context rounded up, not
     the batch's longest)."""
     engine = LLMEngine(Config(device="cpu", kv_host_gib=0, kv_disk=False, num_threads=2, kv_pool_tokens=4096))
-    steps, kv, bs = engine.runner.graphs, engine.pool.kv_cache, engine.pool.block_size
-    kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(0)))
+    steps, bs = engine.runner.graphs, engine.pool.block_size
+    fill_random(engine.pool, 0)
     tables = [list(range(0, 13)), list(range(16, 16 + engine.pool.blocks_for(1000)))]
     for short in range(300, 771, 47):
         lens, tokens = [short, 1000], [123 + short, 4567]
@@ -532,8 +533,8 @@ def test_a_verify_steps_rows_each_score_as_their_decode_alone():
     together over the context rounded up with each row's later keys masked, each score bitwise as the decode of that
     row alone, beside another sequence (gathered: its blocks apart) and alone."""
     engine = LLMEngine(Config(device="cpu", kv_host_gib=0, kv_disk=False, num_threads=2, kv_pool_tokens=4096))
-    steps, kv, bs = engine.runner.graphs, engine.pool.kv_cache, engine.pool.block_size
-    kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(1)))
+    steps, bs = engine.runner.graphs, engine.pool.block_size
+    fill_random(engine.pool, 1)
     other = [40 + 2 * b for b in range(engine.pool.blocks_for(200))]        # every other block: gathered
     for n, r in ((9, 2), (64, 5), (65, 9), (300, 4), (771, 9)):
         table = list(range(engine.pool.blocks_for(n)))
@@ -554,7 +555,7 @@ def test_q4_0_projections_decode_interleaved_and_each_verify_row_as_alone(tmp_pa
     parts = [p for m in model.modules() if isinstance(m, QuantizedLinear) for p in m.parts]
     assert len(parts) == 2 * 4 + 1 and all(isinstance(p, RepackedWeight) for p in parts)
     pool = pool_for(model)
-    pool.kv_cache.copy_(torch.randn(pool.kv_cache.shape, generator=torch.Generator().manual_seed(2)))
+    fill_random(pool, 2)
     steps = GgmlDecodeSteps(model, pool, threads=2)
     n, r = 100, 6
     table, positions = list(range(n // BLOCK + 1)), list(range(n - r, n))

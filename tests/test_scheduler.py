@@ -53,9 +53,9 @@ def test_pool_shape_and_its_padding_block_zeroed():
     """The pool is not filled at start-up, but block 0, whose slot 0 pads batched decode contexts, is zeros; one
     block past the last pads graph-captured decode steps and is never handed out."""
     pool = make_pool(3)
-    assert pool.kv_cache.shape == (2, 1, 4 * BS, 1, 2) and pool.pad_slot == 3 * BS
+    assert pool.k_cache.shape == pool.v_cache.shape == (1, 4 * BS, 1, 2) and pool.pad_slot == 3 * BS
     assert sorted(pool.allocate(3)) == [0, 1, 2]
-    assert pool.kv_cache[:, :, :BS].abs().sum() == 0
+    assert pool.slots_kv(torch.arange(BS)).abs().sum() == 0
 
 
 def runs_of(blocks: list[int]) -> int:

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 import torch
-from conftest import until_nothing_runs
+from conftest import fill_random, until_nothing_runs
 
 from kvtier.config import Config, ConfigError
 from kvtier.engine.async_engine import AsyncEngine
@@ -604,8 +604,8 @@ def test_a_verify_steps_rows_score_bitwise_as_decode_steps(start):
     decode step would (ggml's attention sums another way over more keys, even masked ones, and a verify step
     changed the greedy text). (ggml's attention over several query rows at once differed too, from the 5th row on.)"""
     engine = LLMEngine(Config(kv_host_gib=0, kv_disk=False, num_threads=2, kv_pool_tokens=4096))
-    steps, kv, bs = engine.runner.graphs, engine.pool.kv_cache, engine.pool.block_size
-    kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(0)))
+    steps, pool, bs = engine.runner.graphs, engine.pool, engine.pool.block_size
+    fill_random(pool, 0)
     table, rows = list(range(engine.pool.blocks_for(1100))), 9
 
     def run(ids: list[int], first: int, n: int) -> torch.Tensor:
@@ -614,10 +614,10 @@ def test_a_verify_steps_rows_score_bitwise_as_decode_steps(start):
                          [table[:-(-end // bs)]], [end], [n]).clone()
     for ids in ([100 + i for i in range(rows)], [100 + 37 * i for i in range(rows)], [5000] * rows):
         verified = run(ids, start, rows)
-        written = kv[:, :, start:start + rows].clone()
+        written = pool.slots_kv(torch.arange(start, start + rows))
         decoded = torch.cat([run(ids, start + j, 1) for j in range(rows)])
         assert torch.equal(verified, decoded)
-        assert torch.equal(written, kv[:, :, start:start + rows])
+        assert torch.equal(written, pool.slots_kv(torch.arange(start, start + rows)))
 
 
 def test_a_speculator_that_always_verifies_measures_a_decode_step_now_and_then():

@@ -55,7 +55,7 @@ def build_pool(config: Config, mc: ModelConfig, fingerprint: str, device: torch.
     pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size,
                   pool_tokens, config.torch_dtype, device, ns, config.prefix_cache)
     log.info("KV pool%s: %d blocks of %d tokens (%.2f GiB)", "" if role == "exact" else f" ({role})",
-             pool.num_blocks, config.block_size, pool.kv_cache.numel() * pool.kv_cache.element_size() / 2**30)
+             pool.num_blocks, config.block_size, pool.num_blocks * pool.block_bytes / 2**30)
     return pool
 
 
@@ -84,7 +84,7 @@ def kv_manager(config: Config, pool: KVPool, tiers: TierStack, pager: Pager | No
     blocks, rates) beside the disk tier's."""
     directory = disk_dir(config)
     return KVManager(pool, tiers, pager, manifests, directory and os.path.join(directory, "partials"),
-                     directory and rates_path(os.path.join(directory, "rates"), pool.namespace, pool.kv_cache.device))
+                     directory and rates_path(os.path.join(directory, "rates"), pool.namespace, pool.device))
 
 
 def build_kv(config: Config, pool: KVPool, max_model_len: int, share: float, head_dim: int,
@@ -112,7 +112,7 @@ def decode_graphs(config: Config, model: Decoder, pool: KVPool, max_model_len: i
     graphs, which hand them back as well."""
     if config.enforce_eager:
         return None
-    if pool.kv_cache.device.type == "cpu":
+    if pool.device.type == "cpu":
         return GgmlDecodeSteps(model, pool, config.num_threads or TORCH_THREADS, feature_layers) \
             if model.quantized else None
     if not triton_supports(model.config.head_dim, config.block_size):
@@ -142,20 +142,20 @@ def build_tier_stack(config: Config, pool: KVPool, max_model_len: int, share: fl
     tiers = []
     host = None
     if config.kv_host_gib > 0:
-        host = HostTier(int(config.kv_host_gib * share * 2**30), pool.block_shape, pool.kv_cache.dtype,
-                        pin_memory=pool.kv_cache.device.type == "cuda")
+        host = HostTier(int(config.kv_host_gib * share * 2**30), pool.block_shape, pool.dtype,
+                        pin_memory=pool.device.type == "cuda")
         tiers.append(host)
     if directory := disk_dir(config):
         from kvtier.kv.tiers.disk import DiskTier
         tiers.append(DiskTier(directory, int(config.kv_disk_gib * share * 2**30),
-                              pool.namespace, pool.block_shape, pool.kv_cache.dtype))
+                              pool.namespace, pool.block_shape, pool.dtype))
     tiers += extra_tiers(config, pool)
     below_host = len(tiers) - (host is not None)
     # each read buffer holds a whole context's blocks (a longer read goes to fresh memory), carved from the host tier,
     # each at most an eighth of its budget; with the host tier off, the tiers below read into one buffer of their own
     size = min(BUFFER_MAX_BYTES, pool.blocks_for(max_model_len) * pool.block_bytes)
     if host is None:
-        cuda = pool.kv_cache.device.type == "cuda"
+        cuda = pool.device.type == "cuda"
         return TierStack(tiers, Staging(torch.empty(size, dtype=torch.uint8, pin_memory=cuda)) if below_host else None)
     size = min(size, host.budget_bytes // 8 // pool.block_bytes * pool.block_bytes)
     staging = Staging(host.carve(size)) if size and below_host else None

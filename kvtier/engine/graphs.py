@@ -47,7 +47,7 @@ class DecodeGraphs:
     def __init__(self, model: Decoder, pool: KVPool, max_num_seqs: int, max_model_len: int, capture: bool = True,
                  num_multiprocessors: int | None = None, rows_per_seq: int = 1,
                  feature_layers: tuple[int, ...] = ()):
-        self.model, self.kv_cache, self.block_size = model, pool.kv_cache, pool.block_size
+        self.model, self.caches, self.block_size = model, pool.caches, pool.block_size
         self.pad_slot = pool.pad_slot
         most_rows = max(max_num_seqs, min(max_num_seqs * rows_per_seq, MAX_ROWS))
         self.buckets = sorted({b for b in BUCKETS if b < most_rows} | {most_rows})
@@ -57,11 +57,11 @@ class DecodeGraphs:
         self.width = min(pool.blocks_for(max_model_len), pool.num_blocks)   # the longest block table
         longest = self.width * self.block_size
         self.lengths = [n for n in (PART_TOKENS << i for i in range(32)) if n < longest] + [longest]
-        sms = multiprocessors(pool.kv_cache.device) if num_multiprocessors is None else num_multiprocessors
-        self.most_parts = max_parts(pool.kv_cache.shape[3], sms)
+        sms = multiprocessors(pool.device) if num_multiprocessors is None else num_multiprocessors
+        self.most_parts = max_parts(pool.k_cache.shape[2], sms)
         # length bucket → the kernel's grid of parts per context
         self.splits = {n: parts(n, self.most_parts) for n in self.lengths}
-        device = pool.kv_cache.device
+        device = pool.device
         # [token ids | positions | slots | context lengths] of `most` rows each, then block tables [most, width]
         size = 4 * most + most * self.width
         self.staging = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
@@ -127,7 +127,7 @@ class DecodeGraphs:
         meta = AttentionMetadata(positions=self.positions[:b], slot_mapping=self.slots[:b], prefills=[],
                                  decode=decode, block_size=self.block_size, generated_rows=list(range(b)))
         meta.feature_layers = self.feature_layers
-        return self.model.logits(self.model(self.token_ids[:b], self.kv_cache, meta)), meta.stacked_features()
+        return self.model.logits(self.model(self.token_ids[:b], self.caches, meta)), meta.stacked_features()
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

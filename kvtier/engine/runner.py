@@ -189,7 +189,7 @@ class ModelRunner:
         self.restore_threads()
         token_ids, meta, out_rows = self.prepare(batch, capture)
         meta.feature_layers = self.feature_layers
-        hidden = self.model(token_ids, self.pool.kv_cache, meta)
+        hidden = self.model(token_ids, self.pool.caches, meta)
         features = meta.stacked_features()
         if features is not None:
             self.features = list(features.split(batch.num_tokens))

@@ -162,7 +162,7 @@ class Pager:
 
     def restore(self, state, manifest: Manifest) -> None:
         """Take up a saved sequence's pager state (its block table is the manager's to build)."""
-        res, device = state.residency, self.pool.kv_cache.device
+        res, device = state.residency, self.pool.device
         res.summaries = BlockSummaries()
         res.summaries.extend({name: manifest.tensors[name].to(device) for name in SUMMARIES})
         res.stamps = list(manifest.stamps)
@@ -212,7 +212,7 @@ class Pager:
             return
         for i in range(len(res.summaries), len(state.block_keys)):
             physical = state.block_table[i]
-            res.summaries.add(self.pool.kv_cache[0, :, physical * bs:(physical + 1) * bs])
+            res.summaries.add(self.pool.k_cache[:, physical * bs:(physical + 1) * bs])
             res.stamps.append(self._next_tick())
         self._note_peak(state)
 

@@ -66,7 +66,8 @@ def cuda_pool_budget(free: int, total: int, held: int, reserve: int, utilization
 
 
 class KVPool:
-    """K/V storage `[2, num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim]` plus a free list.
+    """K/V storage `[2, num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim]` plus a free list; the
+    model reads and writes it through `k_cache` and `v_cache`, the tiers through the block copies.
 
     Slot s of a layer holds one token's K (index 0) or V (index 1); block b owns slots
     b*block_size .. (b+1)*block_size - 1.
@@ -88,12 +89,14 @@ class KVPool:
         # on first use cost a step 10-100 ms (a warm turn's copy of a partial block: 102 of its 555 ms).
         # One more block past the last is never handed out: the padding rows of a graph-captured decode step write
         # and read their K/V there (pad_slot).
-        self.kv_cache = torch.empty(2, num_layers, (self.num_blocks + 1) * block_size, num_kv_heads, head_dim,
-                                    dtype=dtype, device=device)
-        (self.kv_cache if self.kv_cache.device.type == "cpu" else self.kv_cache[:, :, :block_size]).zero_()
+        self._kv = torch.empty(2, num_layers, (self.num_blocks + 1) * block_size, num_kv_heads, head_dim,
+                               dtype=dtype, device=device)
+        (self._kv if self._kv.device.type == "cpu" else self._kv[:, :, :block_size]).zero_()
+        # each layer's K and V [num_layers, num_slots, num_kv_heads, head_dim], for the model's attention
+        self.k_cache, self.v_cache = self._kv[0], self._kv[1]
         self.pad_slot = self.num_blocks * block_size
         # transfers to and from the tiers go through a contiguous device buffer on CUDA (see blocks_out)
-        self.staged_copies = self.kv_cache.device.type == "cuda"
+        self.staged_copies = self._kv.device.type == "cuda"
         self.namespace = namespace
         self.prefix_cache = prefix_cache
         self.ref_counts = [0] * self.num_blocks
@@ -105,6 +108,28 @@ class KVPool:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_cache.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_cache.device
+
+    @property
+    def num_slots(self) -> int:
+        """Slots of each layer's K (and V), the padding block's included."""
+        return self.k_cache.shape[1]
+
+    @property
+    def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache), as the model's forward takes them."""
+        return self.k_cache, self.v_cache
+
+    def slots_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        """A copy of the K/V at these slots, [2, num_layers, len(slots), num_kv_heads, head_dim]."""
+        return torch.stack([self.k_cache[:, slots], self.v_cache[:, slots]])
 
     @property
     def num_free_blocks(self) -> int:
@@ -167,7 +192,7 @@ class KVPool:
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """CPU copies of the blocks' payloads, one gather on the device and one copy: [n, 2, num_layers,
         block_size, num_kv_heads, head_dim]."""
-        index = torch.tensor(blocks, dtype=torch.long, device=self.kv_cache.device)
+        index = torch.tensor(blocks, dtype=torch.long, device=self._kv.device)
         return self._blocked().index_select(2, index).movedim(2, 0).to("cpu", copy=True).contiguous()
 
     def read_block(self, block: int) -> torch.Tensor:
@@ -177,7 +202,7 @@ class KVPool:
     def block_view(self, block: int) -> torch.Tensor:
         """The block's slots in the cache, [2, num_layers, block_size, num_kv_heads, head_dim], for copies."""
         bs = self.block_size
-        return self.kv_cache[:, :, block * bs:(block + 1) * bs]
+        return self._kv[:, :, block * bs:(block + 1) * bs]
 
     def blocks_out(self, blocks: list[int]) -> Iterator[torch.Tensor]:
         """The blocks' payloads, in order, to copy to a tier. A block's slots are 2 x num_layers strided pieces
@@ -188,7 +213,7 @@ class KVPool:
             yield from (self.block_view(b) for b in blocks)
             return
         for part in self._stage_parts(len(blocks)):
-            index = torch.tensor(blocks[part], dtype=torch.long).to(self.kv_cache.device, non_blocking=True)
+            index = torch.tensor(blocks[part], dtype=torch.long).to(self._kv.device, non_blocking=True)
             yield from self._blocked().movedim(2, 0)[index]      # one gather, each block contiguous
 
     def blocks_in(self, blocks: list[int], payloads: list[torch.Tensor]) -> None:
@@ -201,11 +226,11 @@ class KVPool:
             return
         for part in self._stage_parts(len(blocks)):
             group = blocks[part]
-            staged = torch.empty((len(group), *self.block_shape), dtype=self.kv_cache.dtype,
-                                 device=self.kv_cache.device)
+            staged = torch.empty((len(group), *self.block_shape), dtype=self._kv.dtype,
+                                 device=self._kv.device)
             for row, payload in zip(staged, payloads[part]):
                 row.copy_(payload, non_blocking=True)
-            index = torch.tensor(group, dtype=torch.long).to(self.kv_cache.device, non_blocking=True)
+            index = torch.tensor(group, dtype=torch.long).to(self._kv.device, non_blocking=True)
             self._blocked().index_copy_(2, index, staged.movedim(0, 2))
 
     def _stage_parts(self, count: int) -> Iterator[slice]:
@@ -218,16 +243,16 @@ class KVPool:
 
     def _blocked(self) -> torch.Tensor:
         """The cache viewed as [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
-        two, layers, _, heads, dim = self.kv_cache.shape
-        return self.kv_cache[:, :, :self.pad_slot].view(two, layers, self.num_blocks, self.block_size, heads, dim)
+        two, layers, _, heads, dim = self._kv.shape
+        return self._kv[:, :, :self.pad_slot].view(two, layers, self.num_blocks, self.block_size, heads, dim)
 
     @property
     def block_bytes(self) -> int:
-        return self.kv_cache[:, :, :self.block_size].numel() * self.kv_cache.element_size()
+        return self._kv[:, :, :self.block_size].numel() * self._kv.element_size()
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        two, layers, _, heads, dim = self.kv_cache.shape
+        two, layers, _, heads, dim = self._kv.shape
         return (two, layers, self.block_size, heads, dim)
 
     def match_prefix(self, keys: list[bytes]) -> list[int]:

@@ -176,9 +176,9 @@ class Backbone(nn.Module):
 
 
 class Decoder(nn.Module):
-    """forward(token_ids [T], kv_cache, meta) → hidden [T, hidden]; logits(hidden) → [N, vocab] float32.
+    """forward(token_ids [T], caches, meta) → hidden [T, hidden]; logits(hidden) → [N, vocab] float32.
 
-    kv_cache: [2, num_layers, num_slots, num_kv_heads, head_dim] (the pool's storage).
+    caches: the pool's (k_cache, v_cache), [num_layers, num_slots, num_kv_heads, head_dim] each.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -254,7 +254,8 @@ class Decoder(nn.Module):
         """Whether any projection keeps quantized blocks (fixed at load; the runner asks every step)."""
         return any(isinstance(m, QuantizedLinear) for m in self.modules())
 
-    def forward(self, token_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> torch.Tensor:
         decode_rows = torch.zeros(len(token_ids), dtype=torch.bool)
         decode_rows[meta.generated_rows] = True
         alone = None
@@ -266,7 +267,7 @@ class Decoder(nn.Module):
             rope = self.rope(meta.positions, x.dtype)
             for i, layer in enumerate(self.model.layers):
                 meta.layer = i
-                x = layer(x, rope, kv_cache[0, i], kv_cache[1, i], meta)
+                x = layer(x, rope, caches[0][i], caches[1][i], meta)
                 if i in meta.feature_layers:
                     meta.features[i] = x
             x = self.model.norm(x)

@@ -51,16 +51,16 @@ class GgmlDecodeSteps:
 
     def __init__(self, model: Decoder, pool: KVPool, threads: int, feature_layers: tuple[int, ...] = ()):
         cfg = self.config = model.config
-        if pool.kv_cache.dtype != torch.float32:
+        if pool.dtype != torch.float32:
             raise ValueError("ggml decode steps need a float32 KV pool")
-        self.block_size, self.num_slots = pool.block_size, pool.kv_cache.shape[2]
+        self.block_size, self.num_slots = pool.block_size, pool.num_slots
         self.row = cfg.num_kv_heads * cfg.head_dim            # one slot's K (or V) floats across heads
         self.weights = ggml.Context(threads, max_tensors=32 * cfg.num_layers + 16)
         self.embed = self._embedding(model.model.embed_tokens)
         self.layers = [self._layer(layer) for layer in model.model.layers]
         self.norm = self._float(model.model.norm.weight)
         self.lm_head = self._linear(model.lm_head)
-        self.caches = [[self.weights.place(pool.kv_cache[kind, i], ne=(self.row, self.num_slots)) for kind in (0, 1)]
+        self.caches = [[self.weights.place(cache[i], ne=(self.row, self.num_slots)) for cache in pool.caches]
                        for i in range(cfg.num_layers)]
         base = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
         # ggml divides each base frequency by a factor: every scaling kvtier knows, as one factor per frequency

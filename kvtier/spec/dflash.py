@@ -161,8 +161,8 @@ class DFlashDrafter(ShadowDrafter):
                                  device=features.device)
             with torch.inference_mode():
                 for i, (k, v) in enumerate(self.model.context_kv(features[first - start:last - start], positions)):
-                    self.pool.kv_cache[0, i].index_copy_(0, slots, k.to(self.pool.kv_cache.dtype))
-                    self.pool.kv_cache[1, i].index_copy_(0, slots, v.to(self.pool.kv_cache.dtype))
+                    self.pool.k_cache[i].index_copy_(0, slots, k.to(self.pool.dtype))
+                    self.pool.v_cache[i].index_copy_(0, slots, v.to(self.pool.dtype))
             shadow.num_computed_tokens = first = last
             self.kv.commit(shadow.kv, last, None, False, False)
 
@@ -193,10 +193,10 @@ class DFlashDrafter(ShadowDrafter):
             return []
         # its context where it is resident (under bounded residency a window: keys carry their positions' RoPE)
         slots = torch.cat([torch.arange(a, b) for a, b in slot_runs(shadow.kv.block_table, n, bs)])
-        slots = slots.to(self.pool.kv_cache.device)
-        context = [(self.pool.kv_cache[0, i][slots], self.pool.kv_cache[1, i][slots])
+        slots = slots.to(self.pool.device)
+        context = [(self.pool.k_cache[i][slots], self.pool.v_cache[i][slots])
                    for i in range(len(self.model.layers))]
-        device = self.pool.kv_cache.device
+        device = self.pool.device
         ids = torch.tensor([seq.token_ids[-1]] + [self.mask_token_id] * (size - 1), device=device)
         embedded = self.target.model.embed_tokens(ids)
         hidden = self.model.block(embedded, torch.arange(n, n + size, device=device), context)

@@ -93,7 +93,7 @@ class TransferEvents:
 class Mover:
     def __init__(self, pool: KVPool, stack: TierStack, manifests: ManifestStore | None = None):
         self.pool, self.stack, self.manifests = pool, stack, manifests
-        self.copier = copier_for(pool.kv_cache.device)
+        self.copier = copier_for(pool.device)
         self._saves: queue.Queue = queue.Queue()
         self._loads: queue.Queue = queue.Queue()
         self._pages: queue.Queue = queue.Queue()
@@ -103,7 +103,7 @@ class Mover:
         self._saving: Counter[bytes] = Counter()
         self._saving_changed = threading.Condition()
         self._gather_read = None     # the mark after the forward that last read the gather buffer
-        device = pool.kv_cache.device
+        device = pool.device
         self._threads = [threading.Thread(target=on_device(device, loop), name=name, daemon=True) for loop, name in
                          ((self._save_loop, "kvtier-saver"), (self._load_loop, "kvtier-loader"),
                           (self._page_loop, "kvtier-pager"))]
@@ -201,7 +201,7 @@ class Mover:
             raise RuntimeError(f"a paged-out block of {len(keys)} is not in the host tier")
         try:
             two, layers, block, heads, dim = self.pool.block_shape
-            shape, dtype = (two, layers, block * len(keys), heads, dim), self.pool.kv_cache.dtype
+            shape, dtype = (two, layers, block * len(keys), heads, dim), self.pool.dtype
             out = torch.empty(shape, dtype=dtype) if buffer is None else buffer.view(dtype).view(shape)
             for j, payload in enumerate(payloads):
                 out[:, :, j * block:(j + 1) * block].copy_(payload)
@@ -455,7 +455,7 @@ class Mover:
         summaries = BlockSummaries()
         for key in keys:
             summaries.add(payloads[key][0])
-        device = self.pool.kv_cache.device
+        device = self.pool.device
         tensors = {name: getattr(summaries, name).to(device) for name in SUMMARIES}
         tensors["scores"] = torch.zeros(len(keys))
         return Manifest(keys, resident, list(range(len(keys))), 0, [], tensors)
