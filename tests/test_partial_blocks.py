@@ -72,18 +72,24 @@ def test_a_prompt_diverging_inside_the_last_full_block_reuses_what_it_shares(tin
 
 
 def test_the_published_partial_block_never_changes(tiny_model_dir, tmp_path):
+    """Two turns continue it, each writing its own tokens after the shared ones: what its key names stays bitwise
+    the same, wherever it lies (the first turn takes the block where it follows the prefix, its copy published
+    instead: that turn's context stays in consecutive blocks)."""
     eng = make_engine(tiny_model_dir, tmp_path, **TIERS["device"])
     first = prompt(150, salt=3)
     answer = run(eng, first, max_tokens=6).tokens
     computed = (first + answer)[:155]
-    key = block_key(chain_keys(computed, BS, eng.pool.namespace)[-1], computed[144:], eng.pool.namespace)
-    block = eng.pool.cached[key]
-    before = eng.pool.read_block(block)
-    for salt in (11, 12):       # two turns continue it, each writing its own tokens after the shared ones
-        assert run(eng, first + answer + prompt(30, salt=salt)).cached == 155
+    full = chain_keys(computed, BS, eng.pool.namespace)
+    key = block_key(full[-1], computed[144:], eng.pool.namespace)
+    before = eng.pool.read_block(eng.pool.cached[key])
+    for salt in (11, 12):
+        turn = first + answer + prompt(30, salt=salt)
+        assert run(eng, turn).cached == 155
+        tenth = chain_keys(turn, BS, eng.pool.namespace)[9]        # the block after the 9 shared full ones
+        assert salt == 12 or eng.pool.cached[tenth] == eng.pool.cached[full[-1]] + 1
     # bitwise: the slots after the 11 written tokens hold whatever the pool's memory held, NaN patterns included
-    after = eng.pool.read_block(block)
-    assert eng.pool.cached[key] == block and torch.equal(after.view(torch.uint8), before.view(torch.uint8))
+    after = eng.pool.read_block(eng.pool.cached[key])
+    assert torch.equal(after.view(torch.uint8), before.view(torch.uint8))
 
 
 def test_a_damaged_partial_entry_is_a_miss(tiny_model_dir, tmp_path, cold_engine):

@@ -141,9 +141,12 @@ class KVManager:
         self.mover.load(LoadJob(state.request_id, plan.keys, blocks[plan.front:plan.front + len(plan.keys)],
                                 plan.manifest_key, plan.resident, partial_tokens=plan.partial_tokens))
 
-    def _partial_on_device(self, state: KVState, keys: list[bytes]) -> tuple[int, int] | None:
-        """Copy-on-write of a cached partial block continuing these full blocks: (a fresh block holding its
-        copy, the tokens it gives), or None."""
+    def _partial_on_device(self, state: KVState, keys: list[bytes], after: int | None) -> tuple[int, int] | None:
+        """Copy-on-write of a cached partial block continuing these full blocks (the last in block `after`): (a block
+        holding it, the tokens it gives), or None. Where the partial block follows `after` in the pool and no one
+        else holds it (a conversation's next turn, no save of it in flight), the copy is published in its stead and
+        the sequence takes the block: its context stays in consecutive slots, which ggml's decode steps read in
+        place (gathered, a 7.7K-token context cost a step ~40 ms more)."""
         hit = self.planner.partial_after(state, keys)
         if hit is None:
             return None
@@ -154,6 +157,10 @@ class KVManager:
         copy = self.pool.allocate(1) if self.pool.can_allocate(1) else None
         if copy:
             self.pool.copy_block(found[0], copy[0])
+        if copy and after is not None and found[0] == after + 1 and self.pool.ref_counts[found[0]] == 1:
+            found, copy = copy, found
+            self.pool.unseal(copy[0])
+            self.pool.seal(found[0], key)
         self.pool.free(found)
         return (copy[0], n) if copy else None
 
@@ -169,7 +176,8 @@ class KVManager:
             cached = self._device_prefix(self.prompt_keys(state)[:self.planner.shared_limit])
             keys, start = state.prompt_keys[:len(cached)], len(cached) * self.block_size
         # a loaded table already has a block reserved where the copy would go: its load brought any partial
-        copied = None if state.residency or state.block_table else self._partial_on_device(state, keys)
+        copied = None if state.residency or state.block_table else \
+            self._partial_on_device(state, keys, _last_block(cached))
         if copied is not None:
             cached.append(copied[0])
             start += copied[1]

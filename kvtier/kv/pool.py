@@ -277,6 +277,10 @@ class KVPool:
             self.cached[key] = block
             self.keys[block] = key
 
+    def unseal(self, block: int) -> None:
+        """Drop a held block's key (another block publishes it now)."""
+        self._forget(block)
+
     def _forget(self, block: int) -> None:
         key = self.keys[block]
         if key is not None:
