@@ -63,7 +63,26 @@ def test_staged_payloads_leave_the_device_contiguous(monkeypatch):
     blocks = [4, 1, 9]
     payloads = list(pool.blocks_out(blocks))
     assert all(p.is_contiguous() for p in payloads)
-    assert all(torch.equal(p, pool.block_view(b)) for p, b in zip(payloads, blocks))
+    assert all(torch.equal(p, pool.read_block(b)) for p, b in zip(payloads, blocks))
+
+
+def test_a_pool_keeping_v_transposed_moves_the_same_payloads():
+    """ggml's CPU pool (each layer's V transposed) hands the tiers the payloads a pool keeping K and V alike hands
+    for the same K/V, takes them back into its own layout, and copies blocks within itself."""
+    plain, transposed = (KVPool(3, 2, 8, BS, 16 * BS, torch.float32, torch.device("cpu"), values_transposed=t)
+                         for t in (False, True))
+    fill_random(plain, 0)
+    for mine, theirs in zip(transposed.caches, plain.caches):      # the transposed pool has slots past the blocks'
+        mine[:, :theirs.shape[1]].copy_(theirs)
+    assert transposed.v_cache[0].permute(1, 2, 0).is_contiguous()
+    assert transposed.block_shape == plain.block_shape and transposed.block_bytes == plain.block_bytes
+    blocks = [4, 1, 9]
+    assert torch.equal(transposed.read_blocks(blocks), plain.read_blocks(blocks))
+    assert all(torch.equal(a, b) for a, b in zip(transposed.blocks_out(blocks), plain.blocks_out(blocks)))
+    payloads = list(plain.read_blocks([2, 3]))
+    transposed.blocks_in([7, 8], payloads)
+    transposed.copy_block(7, 11)
+    assert torch.equal(transposed.read_blocks([7, 8, 11]), torch.stack([*payloads, payloads[0]]))
 
 
 def stall(engine: LLMEngine, seconds: float) -> None:

@@ -59,8 +59,10 @@ def decoder(path: str, quantized: bool, packed: bool = False, device: str = "cpu
 
 
 def pool_for(model: Decoder, tokens: int = 1024, device: str = "cpu") -> KVPool:
+    """A pool for the model's decode steps: ggml's on CPU (V transposed), the decoder's on CUDA."""
     c = model.config
-    return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, tokens, torch.float32, torch.device(device))
+    return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, tokens, torch.float32, torch.device(device),
+                  values_transposed=device == "cpu")
 
 
 @torch.inference_mode()
@@ -546,6 +548,25 @@ def test_a_verify_steps_rows_each_score_as_their_decode_alone():
         for j, p in enumerate(positions):
             alone = steps.run([tokens[j]], [p], [slots[j]], [table[:p // bs + 1]], [p + 1], [1])
             assert torch.equal(verify[1 + j], alone[0]), (n, r, j)
+
+
+@pytest.mark.integration
+def test_a_context_in_several_runs_of_blocks_scores_as_in_one():
+    """ggml's decode steps over random K/V: a context whose blocks lie in runs apart (copied side by side for the
+    step) gives the logits, bitwise, of the same K/V in consecutive blocks (read in place), a verify step's too."""
+    engine = LLMEngine(Config(device="cpu", kv_host_gib=0, kv_disk=False, num_threads=2, kv_pool_tokens=4096))
+    steps, pool, bs = engine.runner.graphs, engine.pool, engine.pool.block_size
+    fill_random(pool, 3)
+    n = 700
+    one_run = list(range(pool.blocks_for(n)))
+    runs = [20 + b if b < 4 else 30 + b if b < 8 else 40 + b for b in one_run]     # three runs
+    for source, target in zip(one_run, runs):
+        pool.copy_block(source, target)
+    for r in (1, 5):
+        tokens, positions = [(31 * j) % 40000 + 100 for j in range(r)], list(range(n - r, n))
+        logits = [steps.run(tokens, positions, [table[p // bs] * bs + p % bs for p in positions], [table], [n],
+                            [r]).clone() for table in (one_run, runs)]
+        assert torch.equal(*logits), r
 
 
 def test_q4_0_projections_decode_interleaved_and_each_verify_row_as_alone(tmp_path):

@@ -48,12 +48,13 @@ def tier_share(drafter: ModelConfig, target: ModelConfig) -> float:
 
 
 def build_pool(config: Config, mc: ModelConfig, fingerprint: str, device: torch.device, pool_tokens: int,
-               role: str = "exact") -> KVPool:
+               role: str = "exact", values_transposed: bool = False) -> KVPool:
     """A model's device pool of pool_tokens tokens. role enters the namespace: the target's exact attention, or a
-    drafter's blocks, which never share a key with it."""
+    drafter's blocks, which never share a key with it. values_transposed: for ggml's decode steps (`decodes_in_ggml`);
+    the blocks' payloads, and so their keys, are the same either way."""
     ns = namespace(fingerprint, config.dtype, config.block_size, KVPool.LAYOUT, role)
     pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size,
-                  pool_tokens, config.torch_dtype, device, ns, config.prefix_cache)
+                  pool_tokens, config.torch_dtype, device, ns, config.prefix_cache, values_transposed)
     log.info("KV pool%s: %d blocks of %d tokens (%.2f GiB)", "" if role == "exact" else f" ({role})",
              pool.num_blocks, config.block_size, pool.num_blocks * pool.block_bytes / 2**30)
     return pool
@@ -105,16 +106,20 @@ def digest_cache(config: Config) -> str | None:
     return os.path.join(os.path.expanduser(config.kv_disk_dir), FINGERPRINTS) if config.kv_disk else None
 
 
+def decodes_in_ggml(config: Config, model: Decoder, device: torch.device) -> bool:
+    """Whether the model's decode steps run as ggml graphs: on CPU, with quantized weights, unless eager."""
+    return device.type == "cpu" and model.quantized and not config.enforce_eager
+
+
 def decode_graphs(config: Config, model: Decoder, pool: KVPool, max_model_len: int,
                   feature_layers: tuple[int, ...] = ()) -> DecodeGraphs | GgmlDecodeSteps | None:
     """Decode steps captured as CUDA graphs, where the device and the Triton decode kernel allow them, handing back
     the outputs of feature_layers too (a DFlash drafter's); on CPU with quantized weights, decode steps as ggml
     graphs, which hand them back as well."""
-    if config.enforce_eager:
+    if decodes_in_ggml(config, model, pool.device):
+        return GgmlDecodeSteps(model, pool, config.num_threads or TORCH_THREADS, feature_layers)
+    if config.enforce_eager or pool.device.type == "cpu":
         return None
-    if pool.device.type == "cpu":
-        return GgmlDecodeSteps(model, pool, config.num_threads or TORCH_THREADS, feature_layers) \
-            if model.quantized else None
     if not triton_supports(model.config.head_dim, config.block_size):
         log.warning("decode runs eagerly: the Triton decode kernel cannot tile head size %d and block size %d "
                     "(or Triton is missing)", model.config.head_dim, config.block_size)

@@ -12,7 +12,7 @@ from kvtier.config import Config
 from kvtier.devices import bind_thread
 from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.assembly import (build_pager, build_pool, build_tier_stack, decode_graphs, digest_cache,
-                                    kv_manager, manifest_store, pool_tokens, tier_share)
+                                    decodes_in_ggml, kv_manager, manifest_store, pool_tokens, tier_share)
 from kvtier.engine.outputs import RequestOutput, RequestRejected
 from kvtier.engine.runner import TORCH_THREADS, ModelRunner
 from kvtier.engine.grammar import GrammarCompiler, GrammarError
@@ -68,7 +68,8 @@ class LLMEngine:
             dflash_weight_bytes(drafter_path) if dflash else 0
         tokens = pool_tokens(config, [mc] + ([drafter_config] if drafter_config else []), self.device,
                              model_weight_bytes(self.model), reserve)
-        self.pool = build_pool(config, mc, loaded.fingerprint, self.device, tokens)
+        self.pool = build_pool(config, mc, loaded.fingerprint, self.device, tokens,
+                               values_transposed=decodes_in_ggml(config, self.model, self.device))
         # the drafter's part of the tiers' budgets
         share = tier_share(drafter_config, mc) if drafter_config else 0.0
         self.tiers = build_tier_stack(config, self.pool, self.max_model_len, 1 - share)

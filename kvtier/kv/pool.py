@@ -23,6 +23,8 @@ import torch
 CPU_POOL_SHARE = 0.10    # of available host RAM when --kv-pool-tokens is not given
 CUDA_POOL_SHARE = 0.80   # of free device memory after the weights are loaded
 STAGE_BYTES = 64 << 20   # the most a transfer stages on the device at once (blocks_out, blocks_in)
+TAIL_KEYS = 64           # a transposed pool's slots past its padding block, at least: ggml reads up to 63 past a
+                         # context's end
 
 
 class PoolExhausted(RuntimeError):
@@ -67,7 +69,9 @@ def cuda_pool_budget(free: int, total: int, held: int, reserve: int, utilization
 
 class KVPool:
     """K/V storage `[2, num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim]` plus a free list; the
-    model reads and writes it through `k_cache` and `v_cache`, the tiers through the block copies.
+    model reads and writes it through `k_cache` and `v_cache`, the tiers through the block copies. A CPU pool for
+    ggml's decode steps keeps each layer's V transposed (`values_transposed`: [num_kv_heads, head_dim, slots], which
+    `v_cache` views as the others), plus TAIL_KEYS slots or more that no block owns; its blocks' payloads are the same.
 
     Slot s of a layer holds one token's K (index 0) or V (index 1); block b owns slots
     b*block_size .. (b+1)*block_size - 1.
@@ -77,7 +81,7 @@ class KVPool:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  num_tokens: int, dtype: torch.dtype, device: torch.device,
-                 namespace: bytes = b"", prefix_cache: bool = True):
+                 namespace: bytes = b"", prefix_cache: bool = True, values_transposed: bool = False):
         self.block_size = block_size
         self.num_blocks = num_tokens // block_size
         if self.num_blocks < 1:
@@ -89,14 +93,22 @@ class KVPool:
         # on first use cost a step 10-100 ms (a warm turn's copy of a partial block: 102 of its 555 ms).
         # One more block past the last is never handed out: the padding rows of a graph-captured decode step write
         # and read their K/V there (pad_slot).
-        self._kv = torch.empty(2, num_layers, (self.num_blocks + 1) * block_size, num_kv_heads, head_dim,
-                               dtype=dtype, device=device)
-        (self._kv if self._kv.device.type == "cpu" else self._kv[:, :, :block_size]).zero_()
-        # each layer's K and V [num_layers, num_slots, num_kv_heads, head_dim], for the model's attention
-        self.k_cache, self.v_cache = self._kv[0], self._kv[1]
+        # each layer's K and V, [num_layers, num_slots, num_kv_heads, head_dim] each, for the model's attention
+        slots = (self.num_blocks + 1) * block_size
+        self.values_transposed = values_transposed
+        if values_transposed:     # on CPU only: its K and V apart, no one tensor (_kv) holds both
+            slots += -(-TAIL_KEYS // block_size) * block_size
+            storage = torch.zeros(2, num_layers, slots * num_kv_heads * head_dim, dtype=dtype)
+            self._kv = None
+            self.k_cache = storage[0].view(num_layers, slots, num_kv_heads, head_dim)
+            self.v_cache = storage[1].view(num_layers, num_kv_heads, head_dim, slots).permute(0, 3, 1, 2)
+        else:
+            self._kv = torch.empty(2, num_layers, slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+            (self._kv if self._kv.device.type == "cpu" else self._kv[:, :, :block_size]).zero_()
+            self.k_cache, self.v_cache = self._kv[0], self._kv[1]
         self.pad_slot = self.num_blocks * block_size
         # transfers to and from the tiers go through a contiguous device buffer on CUDA (see blocks_out)
-        self.staged_copies = self._kv.device.type == "cuda"
+        self.staged_copies = self.device.type == "cuda"
         self.namespace = namespace
         self.prefix_cache = prefix_cache
         self.ref_counts = [0] * self.num_blocks
@@ -192,15 +204,25 @@ class KVPool:
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """CPU copies of the blocks' payloads, one gather on the device and one copy: [n, 2, num_layers,
         block_size, num_kv_heads, head_dim]."""
-        index = torch.tensor(blocks, dtype=torch.long, device=self._kv.device)
+        if self._kv is None:
+            return torch.stack([self._payload(b) for b in blocks])
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         return self._blocked().index_select(2, index).movedim(2, 0).to("cpu", copy=True).contiguous()
 
     def read_block(self, block: int) -> torch.Tensor:
         """A CPU copy of the block's payload, shaped [2, num_layers, block_size, num_kv_heads, head_dim]."""
         return self.read_blocks([block])[0]
 
-    def block_view(self, block: int) -> torch.Tensor:
-        """The block's slots in the cache, [2, num_layers, block_size, num_kv_heads, head_dim], for copies."""
+    def _block_parts(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's slots in the K and the V cache, [num_layers, block_size, num_kv_heads, head_dim] each."""
+        bs = self.block_size
+        return self.k_cache[:, block * bs:(block + 1) * bs], self.v_cache[:, block * bs:(block + 1) * bs]
+
+    def _payload(self, block: int) -> torch.Tensor:
+        """The block's payload [2, num_layers, block_size, num_kv_heads, head_dim]: a view of its slots where one
+        tensor holds K and V alike, else a copy."""
+        if self._kv is None:
+            return torch.stack(self._block_parts(block))
         bs = self.block_size
         return self._kv[:, :, block * bs:(block + 1) * bs]
 
@@ -210,10 +232,10 @@ class KVPool:
         contiguous, so each copy to host memory is one DMA at full rate, where a strided one goes through a
         temporary and a kernel. On CPU, views of the blocks themselves: a gather would be one more copy."""
         if not self.staged_copies:
-            yield from (self.block_view(b) for b in blocks)
+            yield from (self._payload(b) for b in blocks)
             return
         for part in self._stage_parts(len(blocks)):
-            index = torch.tensor(blocks[part], dtype=torch.long).to(self._kv.device, non_blocking=True)
+            index = torch.tensor(blocks[part], dtype=torch.long).to(self.device, non_blocking=True)
             yield from self._blocked().movedim(2, 0)[index]      # one gather, each block contiguous
 
     def blocks_in(self, blocks: list[int], payloads: list[torch.Tensor]) -> None:
@@ -222,15 +244,15 @@ class KVPool:
         place; on CPU each is copied straight into its block."""
         if not self.staged_copies:
             for block, payload in zip(blocks, payloads):
-                self.block_view(block).copy_(payload)
+                for part, half in zip(self._block_parts(block), payload):
+                    part.copy_(half)
             return
         for part in self._stage_parts(len(blocks)):
             group = blocks[part]
-            staged = torch.empty((len(group), *self.block_shape), dtype=self._kv.dtype,
-                                 device=self._kv.device)
+            staged = torch.empty((len(group), *self.block_shape), dtype=self.dtype, device=self.device)
             for row, payload in zip(staged, payloads[part]):
                 row.copy_(payload, non_blocking=True)
-            index = torch.tensor(group, dtype=torch.long).to(self._kv.device, non_blocking=True)
+            index = torch.tensor(group, dtype=torch.long).to(self.device, non_blocking=True)
             self._blocked().index_copy_(2, index, staged.movedim(0, 2))
 
     def _stage_parts(self, count: int) -> Iterator[slice]:
@@ -239,7 +261,8 @@ class KVPool:
         return (slice(i, i + step) for i in range(0, count, step))
 
     def copy_block(self, src: int, dst: int) -> None:
-        self.block_view(dst).copy_(self.block_view(src))
+        for to, part in zip(self._block_parts(dst), self._block_parts(src)):
+            to.copy_(part)
 
     def _blocked(self) -> torch.Tensor:
         """The cache viewed as [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -248,12 +271,12 @@ class KVPool:
 
     @property
     def block_bytes(self) -> int:
-        return self._kv[:, :, :self.block_size].numel() * self._kv.element_size()
+        return 2 * self.k_cache[:, :self.block_size].numel() * self.k_cache.element_size()
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        two, layers, _, heads, dim = self._kv.shape
-        return (two, layers, self.block_size, heads, dim)
+        layers, _, heads, dim = self.k_cache.shape
+        return (2, layers, self.block_size, heads, dim)
 
     def match_prefix(self, keys: list[bytes]) -> list[int]:
         """The blocks of the longest run of leading keys cached here, referenced for the caller."""

@@ -278,9 +278,9 @@ def _context_segments(runs: list[tuple[int, int]], k_cache: torch.Tensor, v_cach
 
 def _joined_pieces(pieces: list[tuple[int, int]], k_cache: torch.Tensor, v_cache: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    if len(pieces) == 1:
+    if len(pieces) == 1:     # flash attention reads V's rows in place: a transposed V (ggml's pools) is copied
         (a, b), = pieces
-        return k_cache[a:b], v_cache[a:b]
+        return k_cache[a:b], v_cache[a:b].contiguous()
     return tuple(torch.cat([cache[a:b] for a, b in pieces]) for cache in (k_cache, v_cache))
 
 

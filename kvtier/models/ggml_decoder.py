@@ -4,20 +4,26 @@ Run op by op through torch, a decode step of a small model spends as long dispat
 multiplying by its weights. Here the whole step (embedding, per layer the norms, projections over the GGUF blocks,
 RoPE, the K/V write into kvtier's pool, attention, the MLP; the final norm and the LM head) is one ggml graph run on
 ggml's threadpool, as llama.cpp runs it. The graph reads the weights and the pool where torch keeps them, and is
-built once per shape (rows per sequence, each sequence's context length rounded up to CONTEXT_STEP, where each context
-starts), the last KEPT_GRAPHS kept: a step writes its token ids, positions, K/V slots and attention masks into the
-graph's inputs, and sets the sizes of each sequence's attention tensors to its context rounded up to KEY_STEP keys
-(`ggml.Lengths`: the graph, planned for the longest, computes over the lengths of the step).
+built once per shape (rows per sequence, each sequence's context length rounded up to CONTEXT_STEP, where its runs of
+consecutive blocks lie), the last KEPT_GRAPHS kept: a step writes its token ids, positions, K/V slots and attention
+masks into the graph's inputs, and sets the sizes of each sequence's attention tensors to its context rounded up to
+KEY_STEP keys (`ggml.Lengths`: the graph, planned for the longest, computes over the lengths of the step).
+
+The pool keeps V transposed (KVPool's `values_transposed`: each layer's V as [kv_heads, head_dim, slots]), as
+llama.cpp keeps it, so that V's weighted sum is a product over contiguous keys (ggml_mul_mat): at 7.7K tokens of
+context ggml's out_prod over V's rows took 1.5x as long, its chains of dependent multiply-adds slower than reading V.
+A step writes each new token's V into its column, one value at a time (ggml_set_rows over single values).
 
 A sequence feeds one token, or a verify step's several (its last token and a draft). Its rows attend together: one
-product of its keys with all its queries, one softmax, one out_prod summing V's rows weighted, each row's keys past
-its own position masked, so a verify step reads its context once, not once per row. Each row still scores bitwise
-as it would decode alone (tested), which greedy output under speculation and under load depends on: a score is one
-dot product whichever rows stand beside it, and over whole vectors of keys (KEY_STEP) a masked key adds an exact
-zero to the softmax's sum and to V's weighted sum (over a count of keys not a multiple of the vector width, the
-softmax sums its last keys one at a time, another order). Each sequence attends on its own. A context in consecutive
-pool slots (the pool grows a sequence into the blocks after its own) is read where it lies; the others are gathered
-(ggml_get_rows).
+product of its keys with all its queries, one softmax, one product of V with the weights, each row's keys past its
+own position masked, so a verify step reads its context once, not once per row. Each row still scores bitwise as
+it would decode alone (tested), which greedy output under speculation and under load depends on: a score is one dot
+product whichever rows stand beside it, and over whole steps of keys (KEY_STEP: ggml's SIMD loop over 64 floats on
+AVX-512, 32 on AVX2) a masked key adds an exact zero to the softmax's sum and to each output's dot product over the
+keys (over a count of keys not a multiple of the step, ggml sums the last keys one at a time, another order). Each
+sequence attends on its own. A context in consecutive pool slots (the pool grows a sequence into the blocks after
+its own) is read where it lies; the others are gathered (ggml_get_rows: K a slot's row at a time, V a block's
+values of one head dimension at a time), so that a context computes the same bits wherever its blocks lie.
 
 A DFlash drafter reads the outputs of some of the model's layers (`feature_layers`): a step hands them back beside
 the logits, as `features` [rows, features] (each layer's output side by side, the last layer's normed), as the CUDA
@@ -39,7 +45,7 @@ from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear
 
 
 CONTEXT_STEP = 256      # context lengths a graph serves, rounded up: one graph holds 256 decode steps
-KEY_STEP = 16           # keys a sequence's rows attend over, rounded up: AVX-512's vector of floats
+KEY_STEP = 64           # keys a sequence's rows attend over, rounded up: ggml's SIMD step of floats (module doc)
 KEPT_GRAPHS = 8         # graphs of the last shapes kept: verify steps of a few lengths take turns with decode steps
 
 
@@ -51,16 +57,21 @@ class GgmlDecodeSteps:
 
     def __init__(self, model: Decoder, pool: KVPool, threads: int, feature_layers: tuple[int, ...] = ()):
         cfg = self.config = model.config
-        if pool.dtype != torch.float32:
-            raise ValueError("ggml decode steps need a float32 KV pool")
+        if pool.dtype != torch.float32 or not pool.values_transposed:
+            raise ValueError("ggml decode steps need a float32 KV pool that keeps V transposed")
         self.block_size, self.num_slots = pool.block_size, pool.num_slots
         self.row = cfg.num_kv_heads * cfg.head_dim            # one slot's K (or V) floats across heads
+        # where a slot's V values lie in its layer's transposed V (apart by a row of slots), and a block's
+        self.value_offsets = np.arange(self.row) * self.num_slots
+        self.block_rows = np.arange(self.row) * (self.num_slots // self.block_size)
         self.weights = ggml.Context(threads, max_tensors=32 * cfg.num_layers + 16)
         self.embed = self._embedding(model.model.embed_tokens)
         self.layers = [self._layer(layer) for layer in model.model.layers]
         self.norm = self._float(model.model.norm.weight)
         self.lm_head = self._linear(model.lm_head)
-        self.caches = [[self.weights.place(cache[i], ne=(self.row, self.num_slots)) for cache in pool.caches]
+        # per layer its K [slots, row] and its V transposed [row, slots] (in ggml's order of sizes, innermost first)
+        self.caches = [(self.weights.place(pool.k_cache[i], ne=(self.row, self.num_slots)),
+                        self.weights.place(pool.v_cache[i].permute(1, 2, 0), ne=(self.num_slots, self.row)))
                        for i in range(cfg.num_layers)]
         base = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
         # ggml divides each base frequency by a factor: every scaling kvtier knows, as one factor per frequency
@@ -77,11 +88,10 @@ class GgmlDecodeSteps:
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
             lens: list[int], rows: list[int]) -> torch.Tensor:
         """token_ids, positions, slots: per row; tables, lens (its context after the step), rows: per sequence."""
-        bs = self.block_size
         lens = np.asarray(lens)
-        spans = tuple((-(-lens // CONTEXT_STEP) * CONTEXT_STEP).tolist())
-        starts = tuple(self._start(table, span) for table, span in zip(tables, spans))
-        key = (tuple(rows), spans, starts)
+        spans = (-(-lens // CONTEXT_STEP) * CONTEXT_STEP).tolist()
+        layouts = tuple(self._layout(table, span) for table, span in zip(tables, spans))
+        key = (tuple(rows), layouts)
         step = self.built.get(key)
         if step is None:
             if len(self.built) == KEPT_GRAPHS:
@@ -91,16 +101,13 @@ class GgmlDecodeSteps:
         step.ids.numpy()[:] = token_ids
         step.positions.numpy()[:] = positions
         step.slots.numpy()[:] = slots
-        step.lengths.set(-(-lens // KEY_STEP) * KEY_STEP)
+        step.value_slots.numpy()[:] = (np.asarray(slots)[:, None] + self.value_offsets).ravel()
+        keys = -(-lens // KEY_STEP) * KEY_STEP
+        step.lengths.set(keys)
         # row j of a sequence's r sees its context up to its own position
         step.mask_rows([n - (r - 1 - j) for n, r in zip(lens, rows) for j in range(r)])
-        if step.gather is not None:
-            gather, offset = step.gather.numpy(), 0
-            for i in (i for i, start in enumerate(starts) if start is None):
-                ctx_slots = (np.asarray(tables[i])[:, None] * bs + np.arange(bs)).ravel()[:lens[i]]
-                span = spans[i]
-                gather[offset:offset + lens[i]], gather[offset + lens[i]:offset + span] = ctx_slots, ctx_slots[0]
-                offset += span
+        if step.gathered:
+            self._gather(step, tables, lens)
         step.graph.compute()
         self.steps += 1
         self.queries = step.queries
@@ -108,11 +115,31 @@ class GgmlDecodeSteps:
             self.features = torch.cat(list(step.features), -1)
         return step.logits
 
-    def _start(self, table: list[int], span: int) -> int | None:
-        """Where a context in consecutive blocks starts, read in place up to `span` slots; None: gathered."""
+    def _layout(self, table: list[int], span: int) -> tuple[int | None, int]:
+        """A context as its graph is built for it: (the slot where it starts if its blocks are consecutive, read in
+        place, else None: gathered; the keys it attends over at most: its span, less what would read past the
+        pool)."""
         start = table[0] * self.block_size
-        consecutive = table == list(range(table[0], table[0] + len(table)))     # a list's compare: no numpy per step
-        return start if consecutive and start + span <= self.num_slots else None
+        if table == list(range(table[0], table[0] + len(table))):     # a list's compare: no numpy per step
+            return start, min(span, (self.num_slots - start) // KEY_STEP * KEY_STEP)
+        return None, span
+
+    def _gather(self, step: _Step, tables: list[list[int]], lens: np.ndarray) -> None:
+        """The gathered contexts' K slots and V block rows into the step's gather inputs, each padded to its keys
+        with its first (masked out)."""
+        bs = self.block_size
+        k_index, v_index = step.k_gather.numpy(), step.v_gather.numpy()
+        k_at = v_at = 0
+        for i, (start, keys) in enumerate(step.layouts):
+            if start is not None:
+                continue
+            table, n = np.asarray(tables[i]), lens[i]
+            slots = (table[:, None] * bs + np.arange(bs)).ravel()[:n]
+            k_index[k_at:k_at + n], k_index[k_at + n:k_at + keys] = slots, slots[0]
+            blocks = np.full(-(-keys // bs), table[0])
+            blocks[:len(table)] = table
+            v_index[v_at:v_at + blocks.size * self.row] = (self.block_rows[:, None] + blocks).ravel()
+            k_at, v_at = k_at + keys, v_at + blocks.size * self.row
 
     def _linear(self, module: nn.Module) -> tuple[list[int], int | None]:
         """A projection's ggml weights (its parts, stacked along the output) and bias."""
@@ -152,32 +179,35 @@ def _close(weights: ggml.Context, state: dict) -> None:
 
 
 class _Step:
-    """The graph of a decode step of sequences of `rows` rows each, each over `spans` keys (its context rounded up),
-    with its inputs and output in torch tensors. starts: per sequence, where its consecutive context starts
-    (None: gathered)."""
+    """The graph of a decode step of sequences of `rows` rows each, each laid out as `layouts` gives
+    (GgmlDecodeSteps._layout), with its inputs and output in torch tensors."""
 
-    def __init__(self, steps: GgmlDecodeSteps, rows: tuple[int, ...], spans: tuple[int, ...],
-                 starts: tuple[int | None, ...]):
+    def __init__(self, steps: GgmlDecodeSteps, rows: tuple[int, ...], layouts: tuple[tuple, ...]):
         cfg, self.steps = steps.config, steps
         batch = sum(rows)
-        size = cfg.num_layers * (64 + 12 * batch) + 32     # tensors per layer: ~40, and ~11 per sequence's attention
+        size = cfg.num_layers * (64 + 12 * batch) + 32     # tensors per layer: ~40, and ~12 per sequence's attention
         ctx = self.ctx = ggml.Context(steps.weights.lib.threads, max_tensors=size, max_nodes=size)
         self.ids = torch.zeros(batch, dtype=torch.int32)
         self.positions = torch.zeros(batch, dtype=torch.int32)
         self.slots = torch.zeros(batch, dtype=torch.int64)
-        gathered = sum(span for span, start in zip(spans, starts) if start is None)
-        self.gather = torch.zeros(gathered, dtype=torch.int32) if gathered else None
+        self.value_slots = torch.zeros(batch * steps.row, dtype=torch.int64)    # each new V value's place
         self.logits = torch.empty(batch, cfg.vocab_size)
         self.features = torch.empty(len(steps.feature_layers), batch, cfg.hidden_size)
         self.queries = torch.empty(cfg.num_layers, batch, cfg.num_heads, cfg.head_dim)
-        self.batch, self.rows, self.spans, self.starts = batch, rows, spans, starts
-        self.inputs = {"pos": ctx.place(self.positions), "slots": ctx.place(self.slots)}
+        self.batch, self.rows, self.layouts = batch, rows, layouts
+        self.inputs = {"pos": ctx.place(self.positions), "slots": ctx.place(self.slots),
+                       "value_slots": ctx.place(self.value_slots)}
+        # the gathered contexts': K's slots (keys each), V's rows of a block's values (row per block each)
+        keys = [keys for start, keys in layouts if start is None]
+        self.gathered = bool(keys)
+        if self.gathered:
+            self.k_gather = torch.zeros(sum(keys), dtype=torch.int32)
+            self.v_gather = torch.zeros(sum(-(-n // steps.block_size) for n in keys) * steps.row, dtype=torch.int32)
+            self.inputs |= {"k_gather": ctx.place(self.k_gather), "v_gather": ctx.place(self.v_gather)}
         self.lengths = ggml.Lengths(ctx)        # each sequence's keys: its context rounded up, set each step
-        # per sequence [rows, span]: 0 for each row's own keys, -inf past them (to its sequence's rounded-up length)
-        self.masks = [torch.empty(r, span) for r, span in zip(rows, spans)]
+        # per sequence [rows, keys]: 0 for each row's own keys, -inf past them (to its sequence's rounded-up length)
+        self.masks = [torch.empty(r, keys) for r, (_, keys) in zip(rows, layouts)]
         self.inputs["masks"] = [ctx.place(mask) for mask in self.masks]
-        if self.gather is not None:
-            self.inputs["gather"] = ctx.place(self.gather)
         x = ctx.op("get_rows", steps.embed, ctx.place(self.ids))
         last = cfg.num_layers - 1
         for i, weights in enumerate(steps.layers):
@@ -229,7 +259,10 @@ class _Step:
                        cfg.max_position_embeddings, cfg.rope_theta, 1.0, 0.0, 1.0, 32.0, 1.0) for t in (q, k))
         q = ctx.place(queries, tensor=q)
         k_all = ctx.op("set_rows", k_cache, ctx.op("reshape_2d", k, steps.row, b), self.inputs["slots"])
-        v_all = ctx.op("set_rows", v_cache, v, self.inputs["slots"])
+        # V's values one at a time into their columns: rows of one value each
+        values = ctx.op("reshape_2d", ctx.op("cont", v), 1, steps.row * b)
+        v_all = ctx.op("reshape_2d", ctx.op("set_rows", ctx.op("reshape_2d", v_cache, 1, steps.row * steps.num_slots),
+                                            values, self.inputs["value_slots"]), steps.num_slots, steps.row)
         (o,) = self._project(self._attention(q, k_all, v_all), w["o"], [cfg.hidden_size])
         x = ctx.op("add", x, o)
         h = ctx.op("mul", ctx.op("rms_norm", x, cfg.rms_norm_eps), w["post_norm"])
@@ -247,36 +280,39 @@ class _Step:
 
     def _attention(self, q: int, k_all: int, v_all: int) -> int:
         """[heads * head_dim, batch]: each sequence's queries (q: [head_dim, heads, batch]) over its context in the
-        pool after this step's write, read in place where it lies in consecutive slots, else gathered."""
-        cfg, ctx, row = self.steps.config, self.ctx, self.steps.row
+        pool after this step's write (K [row, slots], transposed V [slots, row]), read in place where it lies in
+        consecutive slots, else gathered."""
+        cfg, ctx, row, bs = self.steps.config, self.ctx, self.steps.row, self.steps.block_size
         d, heads, kv_heads = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        pool, gathered = (k_all, v_all), None
-        if self.gather is not None:      # [row, the gathered sequences' spans]
-            gathered = tuple(ctx.op("get_rows", t, self.inputs["gather"]) for t in pool)
-        outs, g, first = [], 0, 0
-        for s, (start, r, n) in enumerate(zip(self.starts, self.rows, self.spans)):
+        if self.gathered:      # K's rows [row, keys], V's per block [block_size, row x blocks], side by side
+            k_gathered = ctx.op("get_rows", k_all, self.inputs["k_gather"])
+            v_blocks = ctx.op("reshape_2d", v_all, bs, self.steps.num_slots // bs * row)
+            v_gathered = ctx.op("get_rows", v_blocks, self.inputs["v_gather"])
+        outs, first, k_at, v_at = [], 0, 0, 0
+        for s, (r, (start, n)) in enumerate(zip(self.rows, self.layouts)):
+            # built for its most keys, computed over its length rounded up (module doc): [d, n, kv_heads] and
+            # [n, d, kv_heads], V's rows `stride` apart
             if start is not None:
-                source, offset = pool, start            # in slots of the source
+                k_source, k_offset, v_source, v_offset, stride = k_all, start, v_all, start, self.steps.num_slots
             else:
-                source, offset, g = gathered, g, g + n
-            # built for its span, computed over its length rounded up (module doc)
-            keys, values = (ctx.op("view_4d", t, d, n, kv_heads, 1, row * 4, d * 4, row * 4 * n, offset * row * 4)
-                            for t in source)
+                stride = -(-n // bs) * bs
+                k_source, k_offset, v_source, v_offset = k_gathered, k_at, v_gathered, v_at
+                k_at, v_at = k_at + n, v_at + stride * row
+            keys = ctx.op("view_3d", k_source, d, n, kv_heads, row * 4, d * 4, k_offset * row * 4)
+            values = ctx.op("view_3d", v_source, n, d, kv_heads, stride * 4, d * stride * 4, v_offset * 4)
             own = ctx.op("view_3d", q, d, heads, r, d * 4, d * heads * 4, first * d * heads * 4)     # [d, heads, r]
             queries = ctx.op("permute", own, 0, 2, 1, 3)                                           # [d, r, heads]
             if r > 1:      # contiguous, as one row's is, so the product takes the path a decode's takes
                 queries = ctx.op("cont", queries)
-            # softmax(K·q) then V's rows weighted and summed (out_prod): ggml's flash attention computes two
-            # exponentials per key one at a time, 1.3x as long at 2-4K tokens of context; each K/V head serves
-            # its group of query heads (both ops broadcast)
+            # softmax(K·q), then V's product with the weights: ggml's flash attention computes two exponentials
+            # per key one at a time, 1.3x as long at 2-4K tokens of context; each K/V head serves its group of
+            # query heads (both products broadcast)
             scores = ctx.op("mul_mat", keys, queries)                                              # [n, r, heads]
             mask = self.inputs["masks"][s]
             probs = ctx.op("soft_max_ext", scores, mask, d ** -0.5, 0.0)
-            weights = ctx.op("permute", probs, 1, 0, 2, 3)                                         # [r, n, heads]
-            for tensor, dim in ((keys, 1), (values, 1), (mask, 0), (scores, 0), (probs, 0)):
+            for tensor, dim in ((keys, 1), (values, 0), (mask, 0), (scores, 0), (probs, 0)):
                 self.lengths.follow(tensor, dim, s, strided=tensor in (keys, values, mask))
-            self.lengths.follow(weights, 1, s, strides=(0, 2, 3))
-            out = ctx.op("out_prod", values, weights)                                              # [d, r, heads]
+            out = ctx.op("mul_mat", values, probs)                                                 # [d, r, heads]
             # [d, heads, r]: one row's as it lies, several rows' copied
             outs.append(ctx.op("reshape_3d", out, d, heads, 1) if r == 1 else
                         ctx.op("cont", ctx.op("permute", out, 0, 2, 1, 3)))

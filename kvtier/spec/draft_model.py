@@ -27,7 +27,7 @@ import time
 import torch
 
 from kvtier.config import Config
-from kvtier.engine.assembly import build_kv, build_pool, decode_graphs, digest_cache
+from kvtier.engine.assembly import build_kv, build_pool, decode_graphs, decodes_in_ggml, digest_cache
 from kvtier.engine.runner import TORCH_THREADS, ModelRunner
 from kvtier.engine.scheduler import ScheduledBatch
 from kvtier.engine.sequence import Sequence, SequenceStatus
@@ -74,7 +74,8 @@ class DraftModel(ShadowDrafter):
         """share: of the host and disk budgets; pool_tokens: as many as the target's pool holds, so that every
         sequence the target runs fits; vocab_size: the target's (a draft's padded rows are never proposed)."""
         self.model = Decoder.from_weights(loaded.config, loaded.weights, config.torch_dtype, device)
-        self.pool = build_pool(config, loaded.config, loaded.fingerprint, device, pool_tokens, "draft")
+        self.pool = build_pool(config, loaded.config, loaded.fingerprint, device, pool_tokens, "draft",
+                               decodes_in_ggml(config, self.model, device))
         self.kv = build_kv(config, self.pool, max_model_len, share, loaded.config.head_dim, loaded.fingerprint,
                            prompt_chunks=True)
         self.runner = ModelRunner(self.model, self.kv, device, decode_graphs(config, self.model, self.pool,
