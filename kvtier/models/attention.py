@@ -30,6 +30,10 @@ CONTEXT_SEGMENT = 8192
 # heads of 64: one sequence of 130-1000 tokens 46-180 us apart against 98-471 gathered; at 600 tokens apart wins at
 # every batch (8 sequences: 1.6 ms against 7.2); at 130-300 tokens 4-8 sequences gathered are up to 1.5x faster
 CPU_DECODE_APART = 512
+# On CPU, query rows (heads folded into their K/V head's) up to this many attend over a transposed V as it lies, more
+# over a copy (_segment_parts_cpu): at 7.6K tokens of context 3 rows took 4.8 ms a layer against 9.5, 24 as long
+# as a copy and the flash kernel, 192 2.7x as long
+TRANSPOSED_ROWS = 24
 
 
 @dataclass
@@ -278,9 +282,9 @@ def _context_segments(runs: list[tuple[int, int]], k_cache: torch.Tensor, v_cach
 
 def _joined_pieces(pieces: list[tuple[int, int]], k_cache: torch.Tensor, v_cache: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    if len(pieces) == 1:     # flash attention reads V's rows in place: a transposed V (ggml's pools) is copied
+    if len(pieces) == 1:
         (a, b), = pieces
-        return k_cache[a:b], v_cache[a:b].contiguous()
+        return k_cache[a:b], v_cache[a:b]
     return tuple(torch.cat([cache[a:b] for a, b in pieces]) for cache in (k_cache, v_cache))
 
 
@@ -308,15 +312,32 @@ def _segment_parts_cpu(q, kv_heads: int, segments: list[tuple[torch.Tensor, torc
                        scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(output, log-sum-exp) of q [1, heads, n, D] over each K/V segment [len, kv_heads, D], unmasked, with the
     flash kernel. The query heads sharing a K/V head are folded into its rows, so the K/V is read where it lies,
-    never copied per query head."""
+    never copied per query head. A transposed V (ggml's CPU pools: its slots contiguous) the flash kernel cannot
+    read (it reads V's rows in place, and gave wrong numbers): up to TRANSPOSED_ROWS folded rows (a prompt's last
+    token, a short turn) attend by two products that read it as it lies, more copy it first (2-5 ms a layer at 7.6K
+    tokens, small beside their attention)."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     heads, n, dim = q.shape[1:]
     folded = q.reshape(1, kv_heads, heads // kv_heads * n, dim)
     parts = []
     for ks, vs in segments:
-        o, lse = flash(folded, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), scale=scale)
+        if vs.stride(-1) != 1 and folded.shape[2] <= TRANSPOSED_ROWS:
+            o, lse = _attention_over_transposed(folded[0], ks, vs, scale)
+        else:
+            o, lse = flash(folded, ks.transpose(0, 1).unsqueeze(0), vs.contiguous().transpose(0, 1).unsqueeze(0),
+                           scale=scale)
         parts.append((o.reshape(1, heads, n, dim), lse.reshape(1, heads, n)))
     return parts
+
+
+def _attention_over_transposed(folded: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, scale: float
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [kv_heads, rows, D], log-sum-exp [kv_heads, rows]) of folded queries [kv_heads, rows, D] over K and
+    a transposed V ([len, kv_heads, D] each): products that take both as they lie (V's slots as a transposed
+    matrix's rows)."""
+    scores = torch.matmul(folded, ks.permute(1, 2, 0)) * scale        # [kv_heads, rows, len]
+    lse = torch.logsumexp(scores, -1)
+    return torch.matmul((scores - lse.unsqueeze(-1)).exp(), vs.transpose(0, 1)), lse
 
 
 def _merged(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
