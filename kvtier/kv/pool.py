@@ -204,7 +204,7 @@ class KVPool:
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """CPU copies of the blocks' payloads, one gather on the device and one copy: [n, 2, num_layers,
         block_size, num_kv_heads, head_dim]."""
-        if self._kv is None:
+        if self.values_transposed:
             return torch.stack([self._payload(b) for b in blocks])
         index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         return self._blocked().index_select(2, index).movedim(2, 0).to("cpu", copy=True).contiguous()
@@ -221,7 +221,7 @@ class KVPool:
     def _payload(self, block: int) -> torch.Tensor:
         """The block's payload [2, num_layers, block_size, num_kv_heads, head_dim]: a view of its slots where one
         tensor holds K and V alike, else a copy."""
-        if self._kv is None:
+        if self.values_transposed:
             return torch.stack(self._block_parts(block))
         bs = self.block_size
         return self._kv[:, :, block * bs:(block + 1) * bs]

@@ -4,8 +4,8 @@ Run op by op through torch, a decode step of a small model spends as long dispat
 multiplying by its weights. Here the whole step (embedding, per layer the norms, projections over the GGUF blocks,
 RoPE, the K/V write into kvtier's pool, attention, the MLP; the final norm and the LM head) is one ggml graph run on
 ggml's threadpool, as llama.cpp runs it. The graph reads the weights and the pool where torch keeps them, and is
-built once per shape (rows per sequence, each sequence's context length rounded up to CONTEXT_STEP, where its runs of
-consecutive blocks lie), the last KEPT_GRAPHS kept: a step writes its token ids, positions, K/V slots and attention
+built once per shape (rows per sequence, each sequence's context length rounded up to CONTEXT_STEP, where each context
+starts), the last KEPT_GRAPHS kept: a step writes its token ids, positions, K/V slots and attention
 masks into the graph's inputs, and sets the sizes of each sequence's attention tensors to its context rounded up to
 KEY_STEP keys (`ggml.Lengths`: the graph, planned for the longest, computes over the lengths of the step).
 
@@ -124,6 +124,10 @@ class GgmlDecodeSteps:
             return start, min(span, (self.num_slots - start) // KEY_STEP * KEY_STEP)
         return None, span
 
+    def blocks_for(self, keys: int) -> int:
+        """Blocks a gathered context's V takes for `keys` keys."""
+        return -(-keys // self.block_size)
+
     def _gather(self, step: _Step, tables: list[list[int]], lens: np.ndarray) -> None:
         """The gathered contexts' K slots and V block rows into the step's gather inputs, each padded to its keys
         with its first (masked out)."""
@@ -136,7 +140,7 @@ class GgmlDecodeSteps:
             table, n = np.asarray(tables[i]), lens[i]
             slots = (table[:, None] * bs + np.arange(bs)).ravel()[:n]
             k_index[k_at:k_at + n], k_index[k_at + n:k_at + keys] = slots, slots[0]
-            blocks = np.full(-(-keys // bs), table[0])
+            blocks = np.full(self.blocks_for(keys), table[0])
             blocks[:len(table)] = table
             v_index[v_at:v_at + blocks.size * self.row] = (self.block_rows[:, None] + blocks).ravel()
             k_at, v_at = k_at + keys, v_at + blocks.size * self.row
@@ -202,7 +206,7 @@ class _Step:
         self.gathered = bool(keys)
         if self.gathered:
             self.k_gather = torch.zeros(sum(keys), dtype=torch.int32)
-            self.v_gather = torch.zeros(sum(-(-n // steps.block_size) for n in keys) * steps.row, dtype=torch.int32)
+            self.v_gather = torch.zeros(sum(map(steps.blocks_for, keys)) * steps.row, dtype=torch.int32)
             self.inputs |= {"k_gather": ctx.place(self.k_gather), "v_gather": ctx.place(self.v_gather)}
         self.lengths = ggml.Lengths(ctx)        # each sequence's keys: its context rounded up, set each step
         # per sequence [rows, keys]: 0 for each row's own keys, -inf past them (to its sequence's rounded-up length)
@@ -295,7 +299,7 @@ class _Step:
             if start is not None:
                 k_source, k_offset, v_source, v_offset, stride = k_all, start, v_all, start, self.steps.num_slots
             else:
-                stride = -(-n // bs) * bs
+                stride = self.steps.blocks_for(n) * bs
                 k_source, k_offset, v_source, v_offset = k_gathered, k_at, v_gathered, v_at
                 k_at, v_at = k_at + n, v_at + stride * row
             keys = ctx.op("view_3d", k_source, d, n, kv_heads, row * 4, d * 4, k_offset * row * 4)
