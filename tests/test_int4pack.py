@@ -1,15 +1,44 @@
-"""Q4_0 and Q4_1 weights in tinygemm's layout (int4pack.py): the same weights, without requantizing (on CPU), and
-tinygemm's products over them near the dequantized weights' (CUDA: gpu marker)."""
+"""Q4_0 and Q4_1 weights in tinygemm's layout (int4pack.py): the same weights, without requantizing (on CPU); rows
+dequantized from the layout (Triton's interpreter on CPU), the layout as aten's conversion writes it, and tinygemm's
+products near the dequantized weights' (CUDA: gpu marker)."""
+import os
+
 import pytest
 import torch
 from conftest import ggml_quantized
 from gguf import GGMLQuantizationType as Q
 
 pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
-from kvtier.models.int4pack import Int4PackWeight, int4packed, quants_scales_zeros, takes  # noqa: E402
+from kvtier.models.int4pack import (INNER_K_TILES, Int4PackWeight, int4packed, quants_scales_zeros,  # noqa: E402
+                                    takes)
 from kvtier.models.packed import pack  # noqa: E402
 
 OUT, IN = 256, 1024
+ON_CUDA_OR_INTERPRETED = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                            reason="on CPU the kernel runs only in Triton's interpreter")
+
+
+def tinygemm_layout(quants: torch.Tensor) -> torch.Tensor:
+    """Quants (uint8 [N, K], 0-15) in the int32 words aten's CUDA conversion writes (triton_int4pack.py's docstring):
+    word (n_tile, k_outer, t = 4r + c, i), nibble 4 * low + 2 * second + half: weight 2 * (c + 4 * half) + low of
+    k-tile 2i + second, row 8 * n_tile + r."""
+    n, k = quants.shape
+    q = quants.long().view(n // 8, 8, k // (16 * INNER_K_TILES), INNER_K_TILES // 2, 2, 2, 4, 2)
+    # (n_tile, r, k_outer, i, second, half, c, low) -> (n_tile, k_outer, r, c, i, low, second, half)
+    nibbles = q.permute(0, 2, 1, 6, 3, 7, 4, 5).reshape(n // 8, k // (16 * INNER_K_TILES), 32, INNER_K_TILES // 2, 8)
+    words = (nibbles << (4 * torch.arange(8))).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def converted(qtype, device: str) -> tuple[Int4PackWeight, torch.Tensor]:
+    """A random weight of qtype in tinygemm's layout on device (the layout written by tinygemm_layout), and the
+    weight that layout holds, from its rounded scales and zeros (float32)."""
+    blocks, _ = ggml_quantized(qtype, OUT, IN, seed=int(qtype), off_centre=0.1)
+    quants, scale, zero = quants_scales_zeros(pack(blocks, int(qtype), IN, torch.device("cpu"), torch.float32))
+    scales_and_zeros = torch.stack([scale, zero], -1).to(torch.bfloat16).transpose(0, 1).contiguous()
+    weight = Int4PackWeight(int(qtype), IN, OUT, tinygemm_layout(quants).to(device), scales_and_zeros.to(device))
+    scale, zero = (scales_and_zeros.float().transpose(0, 1)[..., j].repeat_interleave(32, 1) for j in (0, 1))
+    return weight, (quants.float() - 8) * scale + zero
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
@@ -25,6 +54,28 @@ def test_only_cuda_bfloat16_q4_weights_of_whole_tiles_convert():
     blocks, _ = ggml_quantized(Q.Q4_0, OUT, IN, seed=int(Q.Q4_0), off_centre=0.1)
     on_cpu = pack(blocks, int(Q.Q4_0), IN, torch.device("cpu"), torch.bfloat16)
     assert not takes(on_cpu) and int4packed(on_cpu) is on_cpu
+
+
+@ON_CUDA_OR_INTERPRETED
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+def test_rows_dequantized_from_tinygemms_layout_are_its_weights(qtype):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    weight, want = converted(qtype, device)
+    ids = torch.tensor([0, 7, 8, 9, 130, 255])
+    got, every_row = weight.rows(ids).cpu(), weight.rows(torch.arange(OUT)).cpu()
+    # rounded to bfloat16: to nearest on CUDA, towards zero in Triton's interpreter
+    assert got.dtype == torch.bfloat16 and torch.equal(got, every_row[ids])
+    assert ((every_row.float() - want).abs() <= 2**-7 * want.abs()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+def test_atens_conversion_writes_the_layout_the_rows_are_read_from(qtype):
+    blocks, _ = ggml_quantized(qtype, OUT, IN, seed=int(qtype), off_centre=0.1)
+    quants, _, _ = quants_scales_zeros(pack(blocks, int(qtype), IN, torch.device("cpu"), torch.float32))
+    written = torch.ops.aten._convert_weight_to_int4pack((quants[:, ::2] << 4 | quants[:, 1::2]).cuda(),
+                                                         INNER_K_TILES)
+    assert torch.equal(written.cpu(), tinygemm_layout(quants))
 
 
 @pytest.mark.gpu

@@ -1,12 +1,14 @@
 """Q4_0 and Q4_1 projections on CUDA in torch's own int4 layout, multiplied by its tinygemm kernel
-(`torch.ops.aten._weight_int4pack_mm`): every row, decode and prompt alike.
+(`torch.ops.aten._weight_int4pack_mm`) for decode rows; prompt rows go to cuBLAS over rows dequantized from the same
+layout (triton_int4pack.py), as for packed.py's weights (tinygemm's tiles serve a few rows: on the H100, prefill of
+the Llama-3.1-8B shape through it ran at 0.06x its speed in bfloat16).
 
 On an H100 (`kvtier bench kernels`, 2026-11-27) tinygemm read a 4096x14336 int4 weight at 1199 GB/s for one row and
 a 4096x4096 one at 596 GB/s, where kvtier's Triton kernel over packed.py's layout read Q4_0 at 128-139 GB/s: decode
 of the Llama-3.1-8B shape in Q4_0 ran at 0.27x its speed in bfloat16. tinygemm's weight is (q - 8) * scale + zero per
 group of 32 weights along K, scale and zero in bfloat16, so both types convert without requantizing: Q4_0's
 d * (q - 8) is scale d, zero 0; Q4_1's d * q + m is scale d, zero m + 8d (the float16 scales rounded to bfloat16:
-2^-9 of a scale). The layout holds no dequantized rows: an embedding keeps packed.py's.
+2^-9 of a scale). An embedding keeps packed.py's layout.
 """
 from __future__ import annotations
 
@@ -36,6 +38,13 @@ class Int4PackWeight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros))
+
+    def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ids, dequantized in bfloat16 (into out when given)."""
+        from kvtier.models import triton_int4pack
+        if out is None:
+            out = torch.empty(ids.numel(), self.in_features, dtype=torch.bfloat16, device=self.packed.device)
+        return triton_int4pack.dequantize(self.packed, self.scales_and_zeros, GROUP, ids, out)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm(x.contiguous(), self.packed, GROUP, self.scales_and_zeros)

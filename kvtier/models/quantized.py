@@ -148,7 +148,7 @@ def prompt_dtype(dtype: torch.dtype, device_type: str = "cpu") -> torch.dtype:
     return dequantized_dtype() if device_type == "cpu" and dtype == torch.float32 else dtype
 
 
-def dequantized_product(weight: QuantizedWeight | PackedWeight, x: torch.Tensor,
+def dequantized_product(weight: QuantizedWeight | PackedWeight | Int4PackWeight, x: torch.Tensor,
                         dtype: torch.dtype | None = None, alone: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in_features] @ weight.T, returned in x's dtype, the weight dequantized DEQUANTIZED_BYTES at a time
     (an LM head of 128K rows would take 2 GB at once). dtype: what the product multiplies in, by default
@@ -224,9 +224,7 @@ class QuantizedLinear(nn.Module):
         return _joined([p.product(x) for p in self.parts])
 
     def _dequantized_product(self, x: torch.Tensor, alone: torch.Tensor | None) -> torch.Tensor:
-        # tinygemm's layout keeps no dequantized rows: its own product takes prompt rows too
-        return _joined([p.product(x) if isinstance(p, Int4PackWeight) else dequantized_product(p, x, alone=alone)
-                        for p in self.parts])
+        return _joined([dequantized_product(p, x, alone=alone) for p in self.parts])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
