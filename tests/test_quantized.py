@@ -26,7 +26,7 @@ from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.loader import BUNDLED_MODEL, load_model, read_gguf
-from kvtier.models.products import many_rows_product
+from kvtier.models.products import Linear, many_rows_product
 from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, dequantized_product, model_weight_bytes,
                                      prompt_dtype, quantize)
 from kvtier.models import quantized
@@ -163,7 +163,7 @@ def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, ov
                     reason="on CPU Triton's interpreter runs the CUDA kernels")
 def test_the_cuda_kernels_score_as_the_dequantized_weights(tmp_path, monkeypatch):
     """What CUDA runs (Triton's kernels over packed blocks), on CUDA or in Triton's interpreter: a decoder of mixed
-    types, one of them (Q5_0) without a kernel, against the float32 path over the same weights dequantized (prompt
+    types, one of them (Q5_0) without a kernel and an untied LM head, against the float32 path over the same weights dequantized (prompt
     rows in float32, as CUDA multiplies them in the activations' dtype)."""
     monkeypatch.setattr("kvtier.models.quantized.dequantized_dtype", lambda: torch.float32)
     types = {"q_proj": Q.Q5_0, "o_proj": Q.Q4_0, "gate_proj": Q.Q4_1, "up_proj": Q.Q4_1, "down_proj": Q.Q6_K,
@@ -175,7 +175,8 @@ def test_the_cuda_kernels_score_as_the_dequantized_weights(tmp_path, monkeypatch
     kinds = {name: [p.type_name for p in m.parts] for name, m in packed.named_modules()
              if isinstance(m, QuantizedLinear) and name.startswith(("model.layers.0.", "lm_head"))}
     assert kinds == {"model.layers.0.self_attn.o_proj": ["Q4_0"], "model.layers.0.mlp.gate_up_proj": ["Q4_1"],
-                     "model.layers.0.mlp.down_proj": ["Q6_K"], "lm_head": ["Q5_K"]}
+                     "model.layers.0.mlp.down_proj": ["Q6_K"]}
+    assert type(packed.lm_head) is Linear       # an untied Q5_K head: dequantized, as cuBLAS reads it faster
     assert isinstance(packed.model.embed_tokens, QuantizedEmbedding)
     # few tokens: in the interpreter a prompt row's dequantizing kernels take ~14 s, a decode step's products ~4 s
     text, table = [TEXT[:3]], [[0]]

@@ -18,7 +18,7 @@ from torch import nn
 from kvtier.models.attention import AttentionMetadata, paged_attention
 from kvtier.models.config import ModelConfig
 from kvtier.models.products import Linear
-from kvtier.models.int4pack import int4packed
+from kvtier.models.int4pack import Int4PackWeight, int4packed
 from kvtier.models.packed import pack, packable
 from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding
 from kvtier.models.repacked import repacked
@@ -197,7 +197,8 @@ class Decoder(nn.Module):
         weights replace their modules with quantized ones: ggml's blocks on CPU (float32 activations; Q4_0
         projections interleaved as ggml's faster kernels want them: repacked.py), packed for Triton's kernels
         elsewhere (packed=True takes those on CPU too, in Triton's interpreter: how the tests check them). There, a
-        block type no kernel multiplies is dequantized to dtype.
+        block type no kernel multiplies is dequantized to dtype, and so is an untied LM head that tinygemm does not
+        take (int4pack.py).
 
         Takes the tensors out of `weights` as it goes (left empty, unless a ValueError stops it): a weight's loaded
         copy is dropped once its fused, repacked or packed copy is made, so loading holds about one copy of the
@@ -231,6 +232,13 @@ class Decoder(nn.Module):
                 parts = [pack(p.blocks, p.ggml_type, p.in_features, device, dtype) for p in parts]
                 if name != "model.embed_tokens":
                     parts = [int4packed(p) for p in parts]     # Q4_0 / Q4_1 for tinygemm, where it takes them
+                if name == "lm_head" and not all(isinstance(p, Int4PackWeight) for p in parts):
+                    # an untied head outside tinygemm multiplies in dtype: on an H100 the Triton kernels read
+                    # Q8_0 at 220-245 GB/s, cuBLAS bfloat16 at 1.2-2.2 TB/s (a Llama 3 head: 2.5 ms a token
+                    # against 0.5), for 1-2 more bytes per weight of one matrix
+                    rows = [p.rows(torch.arange(p.out_features, device=device)) for p in parts]
+                    model.lm_head.weight = nn.Parameter(torch.cat(rows), requires_grad=False)
+                    continue
             elif name != "model.embed_tokens":      # an embedding takes rows, never products
                 parts = [repacked(p) for p in parts]
             bias = weights.pop(f"{name}.bias", None)
