@@ -286,12 +286,14 @@ def test_quantized_weights_are_refused_where_no_kernel_runs_them():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("device, dtype, steps, tie", [("cpu", "float32", GgmlDecodeSteps, 0.3),
-                                                       pytest.param("cuda", "bfloat16", DecodeGraphs, 0.5,
-                                                                    marks=pytest.mark.gpu)], ids=["cpu", "cuda"])
-def test_the_bundled_model_in_its_blocks(device, dtype, steps, tie):
-    """The bundled Q4_1 file (ggml's kernels on CPU, decode steps as ggml graphs; kvtier's Triton kernels on CUDA,
-    decode steps as CUDA graphs): in about its own memory, first-token logits near the same weights dequantized, and
+@pytest.mark.parametrize("device, dtype, steps, tie, gap_allowed", [
+    ("cpu", "float32", GgmlDecodeSteps, 0.3, 0.02),
+    # both engines in bfloat16, and tinygemm's layout holds Q4_1's scales and zeros in bfloat16: 2.2% on the H100
+    # (3.2% while tinygemm took the prompt rows too)
+    pytest.param("cuda", "bfloat16", DecodeGraphs, 0.5, 0.03, marks=pytest.mark.gpu)], ids=["cpu", "cuda"])
+def test_the_bundled_model_in_its_blocks(device, dtype, steps, tie, gap_allowed):
+    """The bundled Q4_1 file (ggml's kernels on CPU, decode steps as ggml graphs; tinygemm's and kvtier's Triton
+    kernels on CUDA, decode steps as CUDA graphs): in about its own memory, first-token logits near the same weights dequantized, and
     greedy output the same wherever the dequantized path's top two tokens are not near-tied."""
     engines = {mode: LLMEngine(Config(device=device, dtype=dtype, quantize=mode, kv_pool_tokens=4096,
                                       kv_disk=False, kv_host_gib=0))
@@ -313,13 +315,13 @@ def test_the_bundled_model_in_its_blocks(device, dtype, steps, tie):
         got, want = outputs["auto"], outputs["none"]
         if i == 0:      # the prompt's next-token logits
             q, f = next_logits(engines["auto"], ids), next_logits(engines["none"], ids)
-            # 1.0-1.2% of the largest logit on the 2-core development machines, float32 or bfloat16 prompt products;
-            # 2.5% on the H100 machine's Xeon (twice, unexplained): the message says with which products
+            # on CPU 1.0-1.2% of the largest logit on the 2-core development machines, float32 or bfloat16 prompt
+            # products; 2.4-2.5% on the H100 machine's Xeon (three times, unexplained): the message says with which
             gap = float((q - f).abs().max() / f.abs().max())
             products = (f"prompt rows in {prompt_dtype(torch.float32)}, many rows by "
                         f"{many_rows_product(torch.float32).__name__}, {torch.get_num_threads()} threads"
                         if device == "cpu" else "prompt rows by cuBLAS over dequantized rows")
-            assert gap <= 0.02, f"{gap:.2%} apart: {products}, torch {torch.__version__}"
+            assert gap <= gap_allowed, f"{gap:.2%} apart: {products}, torch {torch.__version__}"
         first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if first is not None:     # a near-tie, which the quantized activations' rounding decides
             top2 = next_logits(engines["none"], ids + want[:first]).topk(2)
