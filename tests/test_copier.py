@@ -58,8 +58,8 @@ def watched_engine(tiny_model_dir, tmp_path, pool_blocks=48) -> tuple[LLMEngine,
     violations = []
     allocate = engine.pool.allocate
 
-    def checked_allocate(n, after=None):
-        blocks = allocate(n, after=after)
+    def checked_allocate(n, after=None, wants=0):
+        blocks = allocate(n, after=after, wants=wants)
         reading, writing = copier.in_flight()
         if set(blocks) & (reading | writing):
             violations.append(f"allocated {sorted(set(blocks) & (reading | writing))} while a copy uses them")
@@ -113,7 +113,7 @@ def test_no_block_is_reused_or_touched_by_compute_while_a_copy_uses_it(tiny_mode
 def test_the_check_catches_a_block_freed_before_its_copy_lands(tiny_model_dir, tmp_path):
     """The same check against an engine with a bug planted: the hold a save takes on its blocks is dropped at
     hand-over, not when the copy is reported. Caught: a block goes to another sequence while it is copied out."""
-    engine, copier, violations = watched_engine(tiny_model_dir, tmp_path, pool_blocks=16)   # blocks are reused
+    engine, copier, violations = watched_engine(tiny_model_dir, tmp_path, pool_blocks=8)   # blocks are reused
     copier.hold_s = 0.2
     kv = engine.kv
     save, poll = kv.mover.save, kv.mover.poll

@@ -74,6 +74,20 @@ def test_sequences_growing_side_by_side_keep_their_blocks_in_long_runs():
     assert max(map(runs_of, tables)) <= 3 and sum(map(runs_of, tables)) <= 7     # in order: 13 runs each
 
 
+def test_a_long_prompt_in_chunks_lies_in_one_run_of_a_tight_pool():
+    """ggml's decode steps read a context in consecutive slots in place and gather any other: a prompt of 90% of
+    the pool, admitted a chunk at a time, starts where all of its blocks fit (the middle of the empty pool would
+    leave it half the room it needs)."""
+    pool = make_pool(40)
+    sched = make_scheduler(pool, max_batched_tokens=8, max_num_seqs=1)
+    seq = make_seq(0, 36 * BS)
+    sched.add(seq)
+    for _ in range(36 * BS // 8 + 2):       # the prompt in chunks of 8 tokens, then two decode steps
+        run_step(sched)
+    assert seq.num_computed_tokens == 36 * BS + 2 and len(seq.kv.block_table) == 37
+    assert runs_of(seq.kv.block_table) == 1
+
+
 def test_empty_blocks_are_taken_before_cached_ones_are_evicted():
     pool = make_pool(4)
     blocks = pool.allocate(4)

@@ -318,9 +318,9 @@ def test_a_draft_preempts_no_one_and_evicts_no_cached_block(monkeypatch, tiny_mo
         finally:
             drafting.pop()
 
-    def spy(num_blocks, after=None):      # a block for a draft comes from the empty ones
+    def spy(num_blocks, after=None, wants=0):      # a block for a draft comes from the empty ones
         evicted.append(bool(drafting) and num_blocks > small.pool.num_empty_blocks)
-        return allocate(num_blocks, after)
+        return allocate(num_blocks, after, wants)
     monkeypatch.setattr(small.kv, "reserve_draft", spy_draft)
     monkeypatch.setattr(small.pool, "allocate", spy)
     for ids, p in zip(prompts, params):

@@ -129,7 +129,8 @@ class KVManager:
     def _begin_load(self, state: KVState, plan: LoadPlan, on_device: list[int]) -> None:
         """Reserve the plan's blocks (after those the device holds), write the state, start the copy. The
         blocks stay the request's until the load lands: an abort or a miss frees them then."""
-        blocks = self.pool.allocate(plan.num_blocks, after=_last_block(on_device))
+        blocks = self.pool.allocate(plan.num_blocks, after=_last_block(on_device),
+                                    wants=self.pool.blocks_for(len(state.token_ids)) - len(on_device))
         state.block_table = on_device + blocks
         state.block_keys = self.prompt_keys(state)[:len(on_device)]
         state.load_from = (len(on_device) + plan.front) * self.block_size
@@ -189,7 +190,8 @@ class KVManager:
         if not self.pool.can_allocate(need):
             self.pool.free(cached)
             return None
-        state.block_table = held + self.pool.allocate(need, after=_last_block(held))
+        state.block_table = held + self.pool.allocate(need, after=_last_block(held),
+                                                      wants=self.pool.blocks_for(len(state.token_ids)) - len(held))
         state.block_keys = keys
         if not state.compute_first:      # one computing first takes its landed blocks up at load_from
             state.restored = 0

@@ -7,9 +7,10 @@ whose prefix has the same keys reuses it instead of recomputing it.
 Allocation keeps each sequence's blocks in long runs of consecutive slots where it can: the CPU
 attention reads a run of slots in one call, so a context scattered over many runs costs a call
 (or a gather) per run. A sequence grows into the empty block after its last one; one that cannot
-(a new sequence, or its neighbour took that block) starts in the middle of the longest run of
-empty blocks, so sequences growing side by side get room apart. Empty blocks go before cached
-ones are evicted.
+(a new sequence, or its neighbour took that block) starts in the longest run of empty blocks,
+with the blocks it is expected to want (a prompt's) in the middle of the run where they fit, so
+that sequences growing side by side get room apart and a long prompt in a tight pool still lies
+in one run. Empty blocks go before cached ones are evicted.
 """
 from __future__ import annotations
 
@@ -162,14 +163,15 @@ class KVPool:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
-    def allocate(self, num_blocks: int, after: int | None = None) -> list[int]:
-        """Fresh blocks, continuing the run that ends at block `after` where the blocks after it are empty; cached
-        blocks are evicted (least recently freed first) only when no block is empty."""
+    def allocate(self, num_blocks: int, after: int | None = None, wants: int = 0) -> list[int]:
+        """Fresh blocks, continuing the run that ends at block `after` where the blocks after it are empty, else
+        starting a run with room for `wants` blocks (the sequence's expected growth, these included) where there
+        is; cached blocks are evicted (least recently freed first) only when no block is empty."""
         if num_blocks > len(self._free):
             raise PoolExhausted(f"asked for {num_blocks} blocks, {len(self._free)} free")
         blocks = []
         for _ in range(num_blocks):
-            block = self._next_block(blocks[-1] if blocks else after)
+            block = self._next_block(blocks[-1] if blocks else after, max(wants, num_blocks))
             del self._free[block]
             self._empty[block] = False
             self._forget(block)
@@ -177,7 +179,7 @@ class KVPool:
             blocks.append(block)
         return blocks
 
-    def _next_block(self, after: int | None) -> int:
+    def _next_block(self, after: int | None, wants: int) -> int:
         if after is not None and after + 1 < self.num_blocks and self._empty[after + 1]:
             return after + 1
         if not self._empty.any():
@@ -185,7 +187,8 @@ class KVPool:
         edges = np.diff(self._empty.astype(np.int8), prepend=0, append=0)     # +1 where a run starts, -1 past its end
         starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
         longest = int(np.argmax(ends - starts))
-        return int(starts[longest] + ends[longest]) // 2
+        # the wanted blocks centred in the run; from its start where they do not fit
+        return int(starts[longest]) + max(0, int(ends[longest] - starts[longest]) - wants + 1) // 2
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block. Tail blocks are queued for eviction before head
