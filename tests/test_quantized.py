@@ -163,8 +163,8 @@ def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, ov
                     reason="on CPU Triton's interpreter runs the CUDA kernels")
 def test_the_cuda_kernels_score_as_the_dequantized_weights(tmp_path, monkeypatch):
     """What CUDA runs (Triton's kernels over packed blocks), on CUDA or in Triton's interpreter: a decoder of mixed
-    types, one of them (Q5_0) without a kernel and an untied LM head, against the float32 path over the same weights dequantized (prompt
-    rows in float32, as CUDA multiplies them in the activations' dtype)."""
+    types, one of them (Q5_0) without a kernel, and an untied LM head, against the float32 path over the same weights
+    dequantized (prompt rows in float32, as CUDA multiplies them in the activations' dtype)."""
     monkeypatch.setattr("kvtier.models.quantized.dequantized_dtype", lambda: torch.float32)
     types = {"q_proj": Q.Q5_0, "o_proj": Q.Q4_0, "gate_proj": Q.Q4_1, "up_proj": Q.Q4_1, "down_proj": Q.Q6_K,
              "embed_tokens": Q.Q8_0, "lm_head": Q.Q5_K}
@@ -173,7 +173,7 @@ def test_the_cuda_kernels_score_as_the_dequantized_weights(tmp_path, monkeypatch
                                                                                        device=DEVICE)
     assert isinstance(packed.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)     # Q5_0 beside Q4_K: dequantized
     kinds = {name: [p.type_name for p in m.parts] for name, m in packed.named_modules()
-             if isinstance(m, QuantizedLinear) and name.startswith(("model.layers.0.", "lm_head"))}
+             if isinstance(m, QuantizedLinear) and name.startswith("model.layers.0.")}
     assert kinds == {"model.layers.0.self_attn.o_proj": ["Q4_0"], "model.layers.0.mlp.gate_up_proj": ["Q4_1"],
                      "model.layers.0.mlp.down_proj": ["Q6_K"]}
     assert type(packed.lm_head) is Linear       # an untied Q5_K head: dequantized, as cuBLAS reads it faster
@@ -293,8 +293,8 @@ def test_quantized_weights_are_refused_where_no_kernel_runs_them():
     pytest.param("cuda", "bfloat16", DecodeGraphs, 0.5, 0.03, marks=pytest.mark.gpu)], ids=["cpu", "cuda"])
 def test_the_bundled_model_in_its_blocks(device, dtype, steps, tie, gap_allowed):
     """The bundled Q4_1 file (ggml's kernels on CPU, decode steps as ggml graphs; tinygemm's and kvtier's Triton
-    kernels on CUDA, decode steps as CUDA graphs): in about its own memory, first-token logits near the same weights dequantized, and
-    greedy output the same wherever the dequantized path's top two tokens are not near-tied."""
+    kernels on CUDA, decode steps as CUDA graphs): in about its own memory, first-token logits near the same weights
+    dequantized, and greedy output the same wherever the dequantized path's top two tokens are not near-tied."""
     engines = {mode: LLMEngine(Config(device=device, dtype=dtype, quantize=mode, kv_pool_tokens=4096,
                                       kv_disk=False, kv_host_gib=0))
                for mode in ("auto", "none")}

@@ -76,8 +76,8 @@ def test_sequences_growing_side_by_side_keep_their_blocks_in_long_runs():
 
 def test_a_long_prompt_in_chunks_lies_in_one_run_of_a_tight_pool():
     """ggml's decode steps read a context in consecutive slots in place and gather any other: a prompt of 90% of
-    the pool, admitted a chunk at a time, starts where all of its blocks fit (the middle of the empty pool would
-    leave it half the room it needs)."""
+    the pool, admitted a chunk at a time, starts where all of its blocks and its answer's fit (the middle of the
+    empty pool would leave it half the room it needs)."""
     pool = make_pool(40)
     sched = make_scheduler(pool, max_batched_tokens=8, max_num_seqs=1)
     seq = make_seq(0, 36 * BS)

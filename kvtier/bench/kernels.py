@@ -9,7 +9,8 @@ and 8 rows:
   it, which speculation's verify steps and batches must not see;
 - on CUDA (--device cuda), rows in bfloat16: cuBLAS over bfloat16 weights, kvtier's Triton kernels over packed GGUF
   blocks (every packed type), the same blocks dequantized for cuBLAS (what prompt rows of the other types take),
-  and Q4_0 / Q4_1 in torch's int4 layout for its tinygemm kernel (`_weight_int4pack_mm`: what kvtier runs for them).
+  and Q4_0 / Q4_1 in torch's int4 layout for its tinygemm kernel (`_weight_int4pack_mm`: what kvtier runs for their
+  decode rows; their prompt rows take rows dequantized from that layout for cuBLAS).
 
 Each candidate cycles through enough copies of its weight that they do not stay in the caches, as a model's layers
 do not: the time is a product's as served, reading its weight from memory.
@@ -112,7 +113,7 @@ def cuda_candidates(weights: list[torch.Tensor], device: torch.device, dtype: to
             ids = torch.arange(weights[0].shape[0], device=device)
             found["dequantize Q4_0 + dense"] = ([lambda x, p=p: F.linear(x, p.rows(ids)) for p in packed],
                                                 packed[0].nbytes)
-        # what kvtier runs for Q4_0 and Q4_1 where tinygemm takes them (int4pack.py): every row
+        # what kvtier runs for Q4_0 and Q4_1 decode rows where tinygemm takes them (int4pack.py)
         tinygemm = [int4packed(p) for p in packed]
         if isinstance(tinygemm[0], Int4PackWeight):
             found[f"kvtier tinygemm {kind.name}"] = ([lambda x, p=p: p.product(x) for p in tinygemm],

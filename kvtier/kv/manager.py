@@ -130,7 +130,7 @@ class KVManager:
         """Reserve the plan's blocks (after those the device holds), write the state, start the copy. The
         blocks stay the request's until the load lands: an abort or a miss frees them then."""
         blocks = self.pool.allocate(plan.num_blocks, after=_last_block(on_device),
-                                    wants=self.pool.blocks_for(len(state.token_ids)) - len(on_device))
+                                    wants=self.pool.blocks_for(state.max_tokens) - len(on_device))
         state.block_table = on_device + blocks
         state.block_keys = self.prompt_keys(state)[:len(on_device)]
         state.load_from = (len(on_device) + plan.front) * self.block_size
@@ -190,8 +190,10 @@ class KVManager:
         if not self.pool.can_allocate(need):
             self.pool.free(cached)
             return None
-        state.block_table = held + self.pool.allocate(need, after=_last_block(held),
-                                                      wants=self.pool.blocks_for(len(state.token_ids)) - len(held))
+        # room for the whole sequence where the pool has it (a bounded one's context is gathered anyway: sink,
+        # selected blocks, tail)
+        wants = 0 if state.residency else self.pool.blocks_for(state.max_tokens) - len(held)
+        state.block_table = held + self.pool.allocate(need, after=_last_block(held), wants=wants)
         state.block_keys = keys
         if not state.compute_first:      # one computing first takes its landed blocks up at load_from
             state.restored = 0

@@ -8,9 +8,9 @@ Allocation keeps each sequence's blocks in long runs of consecutive slots where 
 attention reads a run of slots in one call, so a context scattered over many runs costs a call
 (or a gather) per run. A sequence grows into the empty block after its last one; one that cannot
 (a new sequence, or its neighbour took that block) starts in the longest run of empty blocks,
-with the blocks it is expected to want (a prompt's) in the middle of the run where they fit, so
-that sequences growing side by side get room apart and a long prompt in a tight pool still lies
-in one run. Empty blocks go before cached ones are evicted.
+with the blocks it may come to want (its prompt's and its answer's) in the middle of the run
+where they fit, from the run's start where not, so that sequences growing side by side get room
+apart and a long prompt in a tight pool still lies in one run. Empty blocks go before cached ones are evicted.
 """
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ class KVPool:
             raise PoolExhausted(f"asked for {num_blocks} blocks, {len(self._free)} free")
         blocks = []
         for _ in range(num_blocks):
-            block = self._next_block(blocks[-1] if blocks else after, max(wants, num_blocks))
+            block = self._next_block(blocks[-1] if blocks else after, max(wants, num_blocks) - len(blocks))
             del self._free[block]
             self._empty[block] = False
             self._forget(block)

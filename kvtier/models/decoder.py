@@ -235,9 +235,12 @@ class Decoder(nn.Module):
                 if name == "lm_head" and not all(isinstance(p, Int4PackWeight) for p in parts):
                     # an untied head outside tinygemm multiplies in dtype: on an H100 the Triton kernels read
                     # Q8_0 at 220-245 GB/s, cuBLAS bfloat16 at 1.2-2.2 TB/s (a Llama 3 head: 2.5 ms a token
-                    # against 0.5), for 1-2 more bytes per weight of one matrix
-                    rows = [p.rows(torch.arange(p.out_features, device=device)) for p in parts]
-                    model.lm_head.weight = nn.Parameter(torch.cat(rows), requires_grad=False)
+                    # against 0.5), for about one more byte per weight of one matrix
+                    head = torch.empty(sum(p.out_features for p in parts), parts[0].in_features, dtype=dtype,
+                                       device=device)
+                    for p, rows in zip(parts, head.split([p.out_features for p in parts])):
+                        p.rows(torch.arange(p.out_features, device=device), rows)
+                    model.lm_head.weight = nn.Parameter(head, requires_grad=False)
                     continue
             elif name != "model.embed_tokens":      # an embedding takes rows, never products
                 parts = [repacked(p) for p in parts]
