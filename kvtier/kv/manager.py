@@ -129,8 +129,7 @@ class KVManager:
     def _begin_load(self, state: KVState, plan: LoadPlan, on_device: list[int]) -> None:
         """Reserve the plan's blocks (after those the device holds), write the state, start the copy. The
         blocks stay the request's until the load lands: an abort or a miss frees them then."""
-        blocks = self.pool.allocate(plan.num_blocks, after=_last_block(on_device),
-                                    wants=self.pool.blocks_for(state.max_tokens) - len(on_device))
+        blocks = self.pool.allocate(plan.num_blocks, after=_last_block(on_device), wants=self._wants(state, on_device))
         state.block_table = on_device + blocks
         state.block_keys = self.prompt_keys(state)[:len(on_device)]
         state.load_from = (len(on_device) + plan.front) * self.block_size
@@ -141,6 +140,11 @@ class KVManager:
         self.loading[state.request_id] = state
         self.mover.load(LoadJob(state.request_id, plan.keys, blocks[plan.front:plan.front + len(plan.keys)],
                                 plan.manifest_key, plan.resident, partial_tokens=plan.partial_tokens))
+
+    def _wants(self, state: KVState, held: list[int]) -> int:
+        """Blocks a sequence holding `held` may still want: room for all of it where the pool has it (none for a
+        bounded one, whose context is gathered anyway: sink, selected blocks, tail)."""
+        return 0 if state.residency else self.pool.blocks_for(state.max_tokens) - len(held)
 
     def _partial_on_device(self, state: KVState, keys: list[bytes], after: int | None) -> tuple[int, int] | None:
         """Copy-on-write of a cached partial block continuing these full blocks (the last in block `after`): (a block
@@ -190,10 +194,7 @@ class KVManager:
         if not self.pool.can_allocate(need):
             self.pool.free(cached)
             return None
-        # room for the whole sequence where the pool has it (a bounded one's context is gathered anyway: sink,
-        # selected blocks, tail)
-        wants = 0 if state.residency else self.pool.blocks_for(state.max_tokens) - len(held)
-        state.block_table = held + self.pool.allocate(need, after=_last_block(held), wants=wants)
+        state.block_table = held + self.pool.allocate(need, after=_last_block(held), wants=self._wants(state, held))
         state.block_keys = keys
         if not state.compute_first:      # one computing first takes its landed blocks up at load_from
             state.restored = 0

@@ -18,7 +18,7 @@ from torch import nn
 from kvtier.models.attention import AttentionMetadata, paged_attention
 from kvtier.models.config import ModelConfig
 from kvtier.models.products import Linear
-from kvtier.models.int4pack import Int4PackWeight, int4packed
+from kvtier.models.int4pack import TINYGEMM_TYPES, int4packed
 from kvtier.models.packed import pack, packable
 from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding
 from kvtier.models.repacked import repacked
@@ -157,10 +157,17 @@ def _stacked(values: list) -> torch.Tensor | list[QuantizedWeight]:
 
 def _kernel_ready(name: str, weight, dtype: torch.dtype):
     """A weight as the packed kernels take it: blocks of a type they multiply as they are, other blocks
-    dequantized."""
-    if not isinstance(weight, QuantizedWeight) or packable(weight.ggml_type):
+    dequantized; so is an untied LM head outside tinygemm's types: on an H100 the Triton kernels read Q8_0 at
+    220-245 GB/s, cuBLAS bfloat16 at 1.2-2.2 TB/s (a Llama 3 head: 2.5 ms a token against 0.5), for about one more
+    byte per weight of one matrix."""
+    if not isinstance(weight, QuantizedWeight):
         return weight
-    log.info("%s: no GPU kernel multiplies %s blocks; dequantized to %s", name, weight.type_name, dtype)
+    if name == "lm_head.weight" and weight.ggml_type not in TINYGEMM_TYPES:
+        log.info("%s: %s blocks dequantized to %s, which cuBLAS reads faster", name, weight.type_name, dtype)
+    elif packable(weight.ggml_type):
+        return weight
+    else:
+        log.info("%s: no GPU kernel multiplies %s blocks; dequantized to %s", name, weight.type_name, dtype)
     return weight.dequantized().to(dtype)
 
 
@@ -197,8 +204,8 @@ class Decoder(nn.Module):
         weights replace their modules with quantized ones: ggml's blocks on CPU (float32 activations; Q4_0
         projections interleaved as ggml's faster kernels want them: repacked.py), packed for Triton's kernels
         elsewhere (packed=True takes those on CPU too, in Triton's interpreter: how the tests check them). There, a
-        block type no kernel multiplies is dequantized to dtype, and so is an untied LM head that tinygemm does not
-        take (int4pack.py).
+        block type no kernel multiplies is dequantized to dtype, and so is an untied LM head outside tinygemm's types
+        (`_kernel_ready`).
 
         Takes the tensors out of `weights` as it goes (left empty, unless a ValueError stops it): a weight's loaded
         copy is dropped once its fused, repacked or packed copy is made, so loading holds about one copy of the
@@ -232,16 +239,6 @@ class Decoder(nn.Module):
                 parts = [pack(p.blocks, p.ggml_type, p.in_features, device, dtype) for p in parts]
                 if name != "model.embed_tokens":
                     parts = [int4packed(p) for p in parts]     # Q4_0 / Q4_1 for tinygemm, where it takes them
-                if name == "lm_head" and not all(isinstance(p, Int4PackWeight) for p in parts):
-                    # an untied head outside tinygemm multiplies in dtype: on an H100 the Triton kernels read
-                    # Q8_0 at 220-245 GB/s, cuBLAS bfloat16 at 1.2-2.2 TB/s (a Llama 3 head: 2.5 ms a token
-                    # against 0.5), for about one more byte per weight of one matrix
-                    head = torch.empty(sum(p.out_features for p in parts), parts[0].in_features, dtype=dtype,
-                                       device=device)
-                    for p, rows in zip(parts, head.split([p.out_features for p in parts])):
-                        p.rows(torch.arange(p.out_features, device=device), rows)
-                    model.lm_head.weight = nn.Parameter(head, requires_grad=False)
-                    continue
             elif name != "model.embed_tokens":      # an embedding takes rows, never products
                 parts = [repacked(p) for p in parts]
             bias = weights.pop(f"{name}.bias", None)

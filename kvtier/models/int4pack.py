@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as T
 from kvtier.models.packed import GROUP, PackedWeight
 
 INNER_K_TILES = 8      # tinygemm's K tiles per pack: K must be a multiple of 16 of them
+TINYGEMM_TYPES = (T.Q4_0, T.Q4_1)     # the block types that convert to its layout without requantizing
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Int4PackWeight:
 def takes(weight: PackedWeight) -> bool:
     """Whether tinygemm multiplies this weight: Q4_0 or Q4_1 on CUDA in bfloat16, of shapes its tiles divide."""
     return (weight.q.device.type == "cuda" and weight.dtype == torch.bfloat16
-            and T(weight.ggml_type) in (T.Q4_0, T.Q4_1) and weight.in_features % (INNER_K_TILES * 16) == 0
+            and T(weight.ggml_type) in TINYGEMM_TYPES and weight.in_features % (INNER_K_TILES * 16) == 0
             and weight.out_features % 8 == 0)
 
 
