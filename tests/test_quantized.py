@@ -276,6 +276,22 @@ def test_quantize_int8_and_int4_at_load(tiny_model_dir):
     assert sizes["int4"] < sizes["int8"] < sizes["none"] / 2
 
 
+def test_a_gpus_untied_head_is_never_rounded_to_blocks(tiny_model_dir, monkeypatch, tmp_path):
+    """Where the packed kernels run, an untied LM head is multiplied in dtype: quantized at load, it would be
+    rounded to Q8_0 and dequantized again. Its blocks are made for ggml's CPU kernels only."""
+    from safetensors import safe_open
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with safe_open(os.path.join(tiny_model_dir, "model.safetensors"), framework="pt") as f:
+        head = f.get_tensor("lm_head.weight")
+    on_gpu = load_model(tiny_model_dir, torch.bfloat16, quantize="int4", float_head=True)
+    assert torch.equal(on_gpu.weights["lm_head.weight"], head.to(torch.bfloat16))
+    assert on_gpu.weights["model.layers.0.self_attn.q_proj.weight"].type_name == "Q4_0"
+    model = Decoder.from_weights(on_gpu.config, on_gpu.weights, torch.bfloat16, torch.device("cpu"), packed=True)
+    assert torch.equal(model.lm_head.weight, head.to(torch.bfloat16))
+    on_cpu = load_model(tiny_model_dir, quantize="int4")      # the blocks cached by the first load lack the head
+    assert on_cpu.weights["lm_head.weight"].type_name == "Q8_0"
+
+
 def test_quantized_weights_are_refused_where_no_kernel_runs_them():
     with pytest.raises(ConfigError, match="CPU in float32"):
         Config(device="cpu", quantize="int4", dtype="bfloat16")

@@ -25,7 +25,7 @@ from kvtier.engine.verify import choose
 from kvtier.kv.keys import salt_root
 from kvtier.kv.pager import CAPTURE_ROWS, PinRefused
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
-from kvtier.models.decoder import Decoder
+from kvtier.models.decoder import Decoder, packs_weights
 from kvtier.models.loader import hf_config, load_model, resolve_model_path
 from kvtier.models.quantized import model_weight_bytes
 from kvtier.spec.dflash import DFlashDrafter, dflash_weight_bytes
@@ -45,7 +45,7 @@ class LLMEngine:
         digests = digest_cache(config)
         path = resolve_model_path(config.model)
         self.weights_mode = config.weights_mode(path)     # what load_model did with the weights (--quantize)
-        loaded = load_model(path, config.torch_dtype, digests, self.weights_mode)
+        loaded = load_model(path, config.torch_dtype, digests, self.weights_mode, packs_weights(self.device))
         self.model_config = loaded.config
         self.model_name = loaded.name
         self.fingerprint = loaded.fingerprint

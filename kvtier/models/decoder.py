@@ -155,6 +155,11 @@ def _stacked(values: list) -> torch.Tensor | list[QuantizedWeight]:
     return torch.cat([v.dequantized() if isinstance(v, QuantizedWeight) else v for v in values])
 
 
+def packs_weights(device: torch.device) -> bool:
+    """Whether the decoder packs quantized weights for Triton's kernels on this device (ggml's blocks on CPU)."""
+    return device.type != "cpu"
+
+
 def _kernel_ready(name: str, weight, dtype: torch.dtype):
     """A weight as the packed kernels take it: blocks of a type they multiply as they are, other blocks
     dequantized; so is an untied LM head outside tinygemm's types: on an H100 the Triton kernels read Q8_0 at
@@ -210,7 +215,7 @@ class Decoder(nn.Module):
         Takes the tensors out of `weights` as it goes (left empty, unless a ValueError stops it): a weight's loaded
         copy is dropped once its fused, repacked or packed copy is made, so loading holds about one copy of the
         weights, not three."""
-        packed = device.type != "cpu" if packed is None else packed
+        packed = packs_weights(device) if packed is None else packed
         if packed:
             for k, v in weights.items():
                 weights[k] = _kernel_ready(k, v, dtype)

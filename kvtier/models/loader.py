@@ -72,15 +72,15 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, digest_cache: str | None = None,
-               quantize: str = "none") -> LoadedModel:
+               quantize: str = "none", float_head: bool = False) -> LoadedModel:
     """digest_cache: a JSON file remembering weight files' digests (see digest.py). quantize: "none" (every weight
     in dtype), "gguf" (a GGUF file's quantized tensors kept as they are), or "int8"/"int4" (every projection
-    quantized at load, quantized.QUANTIZE_TYPES)."""
+    quantized at load, quantized.QUANTIZE_TYPES). float_head: an untied LM head stays in dtype under int8/int4."""
     if os.path.isdir(path):
-        config, weights, fingerprint = read_hf_dir(path, dtype, digest_cache, quantize)
+        config, weights, fingerprint = read_hf_dir(path, dtype, digest_cache, quantize, float_head)
         name = os.path.basename(os.path.abspath(path))
     elif os.path.isfile(path):
-        config, weights, fingerprint = read_gguf(path, dtype, digest_cache, quantize)
+        config, weights, fingerprint = read_gguf(path, dtype, digest_cache, quantize, float_head)
         name = os.path.splitext(os.path.basename(path))[0]
     else:
         raise ValueError(f"no model at {path}: expected a Hugging Face directory or a .gguf file")
@@ -128,13 +128,13 @@ def check_shapes(shapes: dict[str, tuple[int, ...]], config: ModelConfig, path: 
         raise ValueError(f"{path}: the weights do not fit the {config.architecture} config ({'; '.join(problems)})")
 
 
-def _quantizer(weights_fingerprint: str, dtype: torch.dtype, quantize: str) -> LoadQuantizer:
+def _quantizer(weights_fingerprint: str, dtype: torch.dtype, quantize: str, float_head: bool) -> LoadQuantizer:
     """How a reader keeps each float tensor: in dtype, or under --quantize int8|int4 quantized as it is read (the
     blocks kept for the next start, by the weights' fingerprint)."""
     if quantize not in QUANTIZE_TYPES:
         return LoadQuantizer(None, dtype)
     cache = os.path.join(cache_home(), "quantized", f"{weights_fingerprint}-{quantize}.safetensors")
-    return LoadQuantizer(quantize, dtype, cache)
+    return LoadQuantizer(quantize, dtype, cache, float_head)
 
 
 def fingerprint(config: ModelConfig, files: list[str], digest_cache: str | None) -> str:
@@ -150,7 +150,7 @@ def fingerprint(config: ModelConfig, files: list[str], digest_cache: str | None)
 # ---- Hugging Face directory ----
 
 def read_hf_dir(path: str, dtype: torch.dtype, digest_cache: str | None = None,
-                quantize: str = "none") -> tuple[ModelConfig, dict, str]:
+                quantize: str = "none", float_head: bool = False) -> tuple[ModelConfig, dict, str]:
     """quantize: int8|int4 quantizes each projection as it is read (LoadQuantizer), else every tensor in dtype."""
     config = hf_config(path)
     shapes, files = {}, _safetensors_files(path)
@@ -162,7 +162,7 @@ def read_hf_dir(path: str, dtype: torch.dtype, digest_cache: str | None = None,
         shapes.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
     check_shapes(shapes, config, path)
     weights, weights_fingerprint = {}, fingerprint(config, files, digest_cache)
-    quantizer = _quantizer(weights_fingerprint, dtype, quantize)
+    quantizer = _quantizer(weights_fingerprint, dtype, quantize, float_head)
     with tqdm(total=len(shapes), desc=f"Loading {os.path.basename(os.path.abspath(path))}", unit="tensor") as bar:
         for file in files:
             with safe_open(file, framework="pt") as f:
@@ -263,7 +263,7 @@ def _ids(value) -> tuple[int, ...]:
 # ---- GGUF file ----
 
 def read_gguf(path: str, dtype: torch.dtype, digest_cache: str | None = None,
-              quantize: str = "none") -> tuple[ModelConfig, dict, str]:
+              quantize: str = "none", float_head: bool = False) -> tuple[ModelConfig, dict, str]:
     """quantize: gguf keeps quantized tensors as QuantizedWeight, in the file's blocks; int8|int4 dequantizes each
     and quantizes it again as it is read (LoadQuantizer); none dequantizes every tensor to dtype."""
     gguf = _open_gguf(path)
@@ -287,7 +287,7 @@ def read_gguf(path: str, dtype: torch.dtype, digest_cache: str | None = None,
     shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}
     check_shapes(shapes, config, path)
     weights, weights_fingerprint = {}, fingerprint(config, [path], digest_cache)
-    quantizer = _quantizer(weights_fingerprint, dtype, quantize)
+    quantizer = _quantizer(weights_fingerprint, dtype, quantize, float_head)
     for name, t in tqdm(tensors.items(), desc=f"Loading {os.path.basename(path)}", unit="tensor"):
         if quantize == "gguf" and t.tensor_type not in FLOAT_TYPES:
             w = from_gguf_bytes(t.data, t.tensor_type, shapes[name][0])

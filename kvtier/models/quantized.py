@@ -255,17 +255,19 @@ class LoadQuantizer:
     projection in mode's block type, the embedding and LM head in Q8_0; a matrix whose rows are not whole blocks of
     32 stays float, in dtype. The blocks come from the checkpoint's own values, whatever dtype. cache: a file that
     keeps the blocks for the next start (named by the weights' fingerprint, so it never serves other weights); a
-    damaged one is made again."""
+    damaged one is made again. float_head: an untied LM head stays in dtype (a GPU's packed kernels take it so, and
+    blocks made of it would only be dequantized again, rounded twice)."""
 
-    def __init__(self, mode: str | None, dtype: torch.dtype, cache: str | None = None):
+    def __init__(self, mode: str | None, dtype: torch.dtype, cache: str | None = None, float_head: bool = False):
         self.kind, self.dtype, self.cache = mode and QUANTIZE_TYPES[mode], dtype, cache
+        self.float_head = float_head
         self.cached = _read_blocks(cache) if cache else None
         self.made: dict[str, QuantizedWeight] = {}
 
     def take(self, name: str, shape: tuple[int, ...], read) -> torch.Tensor | QuantizedWeight:
         """The weight `name` of `shape` as kept: its cached blocks (then `read`, which returns the float tensor, is
         never called: a second start reads no float weight it quantizes), or read and quantized, or read in dtype."""
-        if self.kind is None or len(shape) != 2 or shape[1] % 32:
+        if self.kind is None or len(shape) != 2 or shape[1] % 32 or (self.float_head and name == "lm_head.weight"):
             return read().to(self.dtype)
         if self.cached and name in self.cached:
             made = self.cached[name]

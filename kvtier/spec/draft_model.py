@@ -32,7 +32,7 @@ from kvtier.engine.runner import TORCH_THREADS, ModelRunner
 from kvtier.engine.scheduler import ScheduledBatch
 from kvtier.engine.sequence import Sequence, SequenceStatus
 from kvtier.kv.state import NOT_RESIDENT
-from kvtier.models.decoder import Decoder
+from kvtier.models.decoder import Decoder, packs_weights
 from kvtier.models.loader import LoadedModel, load_model
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.packed import packable, packed_bytes
@@ -46,7 +46,8 @@ def load_draft(config: Config, target: LoadedModel, max_model_len: int) -> Loade
     """The draft model's weights, checked against the target's tokenizer (a draft proposes token ids) and context (it
     decodes wherever the target does)."""
     path = os.path.expanduser(config.draft_model)
-    loaded = load_model(path, config.torch_dtype, digest_cache(config), config.weights_mode(path))
+    loaded = load_model(path, config.torch_dtype, digest_cache(config), config.weights_mode(path),
+                        packs_weights(torch.device(config.device)))
     if loaded.tokenizer.hf.get_vocab() != target.tokenizer.hf.get_vocab():
         raise ValueError(f"the draft model {config.draft_model} has another tokenizer than the model it drafts for: "
                          "its proposals would be other tokens")
