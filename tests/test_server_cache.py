@@ -39,6 +39,17 @@ def test_cached_tokens_grow_and_survive_restart(tmp_path):
         reply = chat(url, last_prompt)
     # the first server computed and saved this very prompt: all of it but the last token comes back, the part
     # after its last full block from the partial block it left
-    assert reply.usage.prompt_tokens_details.cached_tokens == reply.usage.prompt_tokens - 1
+    assert reply.usage.prompt_tokens_details.cached_tokens == reply.usage.prompt_tokens - 1, diagnosis(tmp_path)
     assert reply.choices[0].message.content == last_answer        # warm equals cold
     assert "from disk" in (tmp_path / "second.log").read_text()
+
+
+def diagnosis(tmp_path) -> str:
+    """What the servers logged (but HTTP lines) and which partial blocks' entries the disk tier holds: this test
+    failed once in a loaded suite (the partial block not found after the restart) and never alone."""
+    logs = {name: [line for line in (tmp_path / name).read_text().splitlines() if " kvtier" in line]
+            for name in ("first.log", "second.log")}
+    partials = sorted(p.name for p in (tmp_path / "kv").rglob("*.kvp"))
+    blocks = sorted(p.name for p in (tmp_path / "kv").rglob("*.kvb"))
+    return f"logs: {logs}\npartial entries: {partials}\nblock files: {blocks}"
+
