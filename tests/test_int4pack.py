@@ -68,6 +68,40 @@ def test_rows_dequantized_from_tinygemms_layout_are_its_weights(qtype):
     assert ((every_row.float() - want).abs() <= 2**-7 * want.abs()).all()
 
 
+@ON_CUDA_OR_INTERPRETED
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+def test_the_split_k_product_multiplies_the_layouts_weights(qtype):
+    """triton_int4pack.product, K split into 1, 2 or 8 parts, against the weights the layout holds (float32 rows in
+    the interpreter; bfloat16 on CUDA, as served)."""
+    from kvtier.models.triton_int4pack import product, splits_for
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    weight, want_weight = converted(qtype, device)
+    x = torch.randn(19, IN, generator=torch.Generator().manual_seed(5)).to(dtype)
+    want = x.double() @ want_weight.double().T
+    tolerance = 0.02 if dtype == torch.bfloat16 else 1e-5
+    for splits in (1, 2, 8):
+        got = product(weight.packed, weight.scales_and_zeros, 32, x.to(device), splits).double().cpu()
+        assert got.shape == (19, OUT) and (got - want).abs().max() <= tolerance * want.abs().max(), splits
+    assert splits_for(OUT, IN, programs=4) == 1 and splits_for(OUT, IN, programs=16) == 2
+    assert splits_for(OUT, IN, programs=10**6) == IN // 128      # at most one k_outer a split
+    with pytest.raises(ValueError, match="multiple"):
+        product(weight.packed, weight.scales_and_zeros, 32, x.to(device), 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+def test_the_split_k_product_rounds_a_row_alike_in_any_batch(qtype):
+    """A decode row and the same row among a verify step's or a batch's: the same bits, as speculation's greedy
+    identity needs of whatever multiplies decode rows."""
+    from kvtier.models.triton_int4pack import product
+    weight, _ = converted(qtype, "cuda")
+    x = torch.randn(40, IN, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
+    alone = torch.cat([product(weight.packed, weight.scales_and_zeros, 32, x[i:i + 1], 4) for i in range(40)])
+    assert torch.equal(product(weight.packed, weight.scales_and_zeros, 32, x, 4), alone)
+    assert torch.equal(product(weight.packed, weight.scales_and_zeros, 32, x[3:8], 4), alone[3:8])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
 def test_atens_conversion_writes_the_layout_the_rows_are_read_from(qtype):

@@ -10,7 +10,8 @@ and 8 rows:
 - on CUDA (--device cuda), rows in bfloat16: cuBLAS over bfloat16 weights, kvtier's Triton kernels over packed GGUF
   blocks (every packed type), the same blocks dequantized for cuBLAS (what prompt rows of the other types take),
   and Q4_0 / Q4_1 in torch's int4 layout for its tinygemm kernel (`_weight_int4pack_mm`: what kvtier runs for their
-  decode rows; their prompt rows take rows dequantized from that layout for cuBLAS).
+  decode rows; their prompt rows take rows dequantized from that layout for cuBLAS, also measured), and kvtier's
+  split-K Triton product over that layout (triton_int4pack.product), a candidate for those decode rows.
 
 Each candidate cycles through enough copies of its weight that they do not stay in the caches, as a model's layers
 do not: the time is a product's as served, reading its weight from memory.
@@ -29,9 +30,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish
-from kvtier.models import ggml
+from kvtier.models import ggml, triton_int4pack
 from kvtier.models.int4pack import Int4PackWeight, int4packed
-from kvtier.models.packed import PACKED_TYPES, pack
+from kvtier.models.packed import GROUP, PACKED_TYPES, pack
 from kvtier.models.quantized import QuantizedWeight, dequantized_product
 
 SECTION = "## CPU matrix products for quantized weights"
@@ -42,6 +43,7 @@ K_QUANTS = ("q4_k", "q6_k")      # blocks of 256 columns
 REPACKED = ("q4_0", "q4_k")      # ggml's CPU_REPACK layouts for AVX2 (q4_1, q8_0, q6_k have none there)
 DEQUANTIZED = ("q4_1", "q4_k")   # the bundled model's type and the K-quant files' most common one, as prompt rows
 CYCLE_BYTES = 512 << 20          # float32 bytes the copies of a weight span, far past any cache
+SPLIT_K_WAVES = 4                # the split-K candidate's programs for one tile of rows, per multiprocessor
 
 
 def timed(calls: list, device: torch.device, repeats: int = 3) -> float:
@@ -113,12 +115,23 @@ def cuda_candidates(weights: list[torch.Tensor], device: torch.device, dtype: to
             ids = torch.arange(weights[0].shape[0], device=device)
             found["dequantize Q4_0 + dense"] = ([lambda x, p=p: F.linear(x, p.rows(ids)) for p in packed],
                                                 packed[0].nbytes)
-        # what kvtier runs for Q4_0 and Q4_1 decode rows where tinygemm takes them (int4pack.py)
+        # what kvtier runs for Q4_0 and Q4_1 decode rows where tinygemm takes them (int4pack.py); beside it, a
+        # candidate for those rows over the same layout (triton_int4pack.product), and what their prompt rows take
         tinygemm = [int4packed(p) for p in packed]
         if isinstance(tinygemm[0], Int4PackWeight):
-            found[f"kvtier tinygemm {kind.name}"] = ([lambda x, p=p: p.product(x) for p in tinygemm],
-                                                     tinygemm[0].nbytes)
+            nbytes, ids = tinygemm[0].nbytes, torch.arange(weights[0].shape[0], device=device)
+            found[f"kvtier tinygemm {kind.name}"] = ([lambda x, p=p: p.product(x) for p in tinygemm], nbytes)
+            splits = triton_int4pack.splits_for(*weights[0].shape, SPLIT_K_WAVES * _multiprocessors(device))
+            found[f"split-K Triton {kind.name} (tinygemm's layout)"] = (
+                [lambda x, p=p: triton_int4pack.product(p.packed, p.scales_and_zeros, GROUP, x, splits)
+                 for p in tinygemm], nbytes)
+            found[f"dequantize {kind.name} from tinygemm's layout + dense"] = (
+                [lambda x, p=p: F.linear(x, p.rows(ids)) for p in tinygemm], nbytes)
     return found
+
+
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def measure(args: argparse.Namespace) -> list[dict]:

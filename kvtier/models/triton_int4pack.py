@@ -1,6 +1,8 @@
-"""Rows of a weight in tinygemm's int4 layout (int4pack.py), dequantized in Triton: what cuBLAS multiplies prompt rows
+"""A weight in tinygemm's int4 layout (int4pack.py), in Triton: rows dequantized, what cuBLAS multiplies prompt rows
 by, since tinygemm's own product is built for a few rows (on an H100, prefill of the Llama-3.1-8B shape through it ran
-at 0.06x bfloat16's speed).
+at 0.06x bfloat16's speed); and `product`, a candidate for decode rows beside tinygemm (`kvtier bench kernels`):
+tinygemm read a 4096x4096 weight at 596 GB/s for one row on an H100, about a fifth of the card's bandwidth, and
+`product` splits K over more programs, each rounding a row alike whatever rows stand beside it.
 
 The layout is `torch.ops.aten._convert_weight_to_int4pack`'s on CUDA (aten's int4mm.cu,
 matrix_to_m16n8k16_Bint4_layout): int32 words [N / 8, K / (16 * inner_k_tiles), 32, inner_k_tiles / 2]. Word
@@ -55,3 +57,80 @@ def dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
                                  INNER_K_TILES=packed.shape[-1] * 2, GROUP=group, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                                  enable_fp_fusion=False)
     return out
+
+
+# product's tiles: NT tiles of 8 rows of the weight, a k_outer (16 * INNER_K_TILES = 128 weights along K) per step,
+# BLOCK_M activation rows (tensor cores multiply 16 at least)
+NT, BLOCK_M, K_OUTER = 4, 16, 128
+
+
+@triton.jit
+def _product_kernel(x_ptr, packed_ptr, scales_zeros_ptr, partial_ptr, M, N, K, s_xm, k_outer_per_split,
+                    NT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows x [M, K] by the weight's rows of NT n-tiles, over one split of K, into partial [splits, M, N] (float32).
+    A k_outer's words are laid out [n-tile, 8 rows r, 4 columns c, 4 i] (t = 4r + c), 8 nibbles each (j = 4 low +
+    2 second + half): weight k = 32i + 16 second + 8 half + 2c + low of row 8 n-tile + r, of group 4 k_outer + i. The
+    weight is dequantized in this order and x gathered in it, so no tile is permuted."""
+    nt = tl.program_id(0) * NT + tl.arange(0, NT)
+    split = tl.program_id(1)
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r, c, i, j = tl.arange(0, 8), tl.arange(0, 4), tl.arange(0, 4), tl.arange(0, 8)
+    word = (4 * r[:, None, None] + c[None, :, None]) * 4 + i[None, None, :]                       # [8, 4, 4]
+    low, second, half = j // 4, j // 2 % 2, j % 2
+    k_in = (32 * i[None, :, None] + 16 * second[None, None, :] + 8 * half[None, None, :]
+            + 2 * c[:, None, None] + low[None, None, :])                                           # [4 c, 4 i, 8 j]
+    k_in = tl.reshape(k_in, [128])
+    n = nt[:, None] * 8 + r[None, :]                                                               # [NT, 8]
+    num_k_outer = K // 128
+    acc = tl.zeros([BLOCK_M, NT * 8], dtype=tl.float32)
+    for step in range(k_outer_per_split):
+        ko = split * k_outer_per_split + step
+        words = tl.load(packed_ptr + ((nt[:, None, None, None] * num_k_outer + ko) * 128 + word[None]))
+        q = words[:, :, :, :, None] >> (4 * j)[None, None, None, None, :] & 15                     # [NT, 8, 4, 4, 8]
+        group = ((ko * 4 + i)[None, None, :] * N + n[:, :, None]) * 2                             # [NT, 8, 4 i]
+        scale = tl.load(scales_zeros_ptr + group).to(tl.float32)[:, :, None, :, None]
+        zero = tl.load(scales_zeros_ptr + group + 1).to(tl.float32)[:, :, None, :, None]
+        w = tl.reshape(((q.to(tl.float32) - 8) * scale + zero).to(x_ptr.dtype.element_ty), [NT * 8, 128])
+        xs = tl.load(x_ptr + m[:, None] * s_xm + (ko * 128 + k_in)[None, :], mask=(m < M)[:, None], other=0)
+        acc = tl.dot(xs, tl.trans(w), acc)
+    out = partial_ptr + (split * M + m[:, None]).to(tl.int64) * N + tl.reshape(n, [NT * 8])[None, :]
+    tl.store(out, acc, mask=(m < M)[:, None])
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, out_ptr, size, splits, BLOCK: tl.constexpr):
+    """out = the splits' partial products summed in order, so that a row rounds alike whatever its batch."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(splits):
+        total += tl.load(partial_ptr + s * size + offs, mask=offs < size, other=0)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=offs < size)
+
+
+def splits_for(n: int, k: int, programs: int) -> int:
+    """How many parts K is split into: the fewest (a power of two dividing K's k_outers) that give `programs`
+    programs for one tile of rows. A function of the weight's shape alone, never of the rows'."""
+    k_outers, splits = k // K_OUTER, 1
+    while n // (NT * 8) * splits < programs and k_outers % (splits * 2) == 0:
+        splits *= 2
+    return splits
+
+
+def product(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int, x: torch.Tensor,
+            splits: int) -> torch.Tensor:
+    """x [M, K] by the weight (packed, scales_and_zeros [K / group, N, 2]; group 32, N a multiple of NT * 8) → [M, N]
+    in x's dtype, K split into `splits` parts (splits_for)."""
+    num_groups, n, _ = scales_and_zeros.shape
+    m, k = x.shape
+    if group != 32 or num_groups * group != k or n % (NT * 8) or k % (K_OUTER * splits):
+        raise ValueError(f"product takes groups of 32 and N a multiple of {NT * 8}, K of {K_OUTER * splits}")
+    x = x.contiguous()
+    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    grid = (n // (NT * 8), splits, triton.cdiv(m, BLOCK_M))
+    _product_kernel[grid](x, packed, scales_and_zeros, partial, m, n, k, x.stride(0), k // (K_OUTER * splits),
+                          NT=NT, BLOCK_M=BLOCK_M, enable_fp_fusion=False)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    size = m * n
+    _sum_splits_kernel[(triton.cdiv(size, 1024),)](partial, out, size, splits, BLOCK=1024)
+    return out
+
