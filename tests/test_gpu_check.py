@@ -28,6 +28,8 @@ def test_the_dry_run_writes_one_report_with_every_step(tmp_path):
     for section in ("## GPU check", "## Throughput", "## Multi-turn TTFT", "## Inter-token latency"):
         assert text.count(section) == 1, section
     assert text.index("## GPU check") < text.index("## Throughput")
+    profile = (tmp_path / "profile-tiny-decode.txt").read_text()     # the throughput step's, beside the report
+    assert "decode b=1" in profile and "Self CPU" in profile
 
 
 def test_only_runs_the_steps_it_names_into_a_section_of_their_own(tmp_path):

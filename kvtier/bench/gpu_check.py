@@ -8,7 +8,8 @@ minutes each cover them, in the order the open issues need them: `--only 'test s
 share the GPU; `--workers 0` runs it a test at a time, which takes longer than one call), `--only '8B,speculative'`,
 then `--only '1B,products,Mistral'` and `--only 'TTFT,latency'`. One that fails or runs out of time is reported and
 the next one runs. The benchmarks write their sections into the report, as they do into docs/BENCHMARKS.md; every
-step's whole output goes to the log beside it (gpu-check.log). --dry runs the same steps on CPU at toy sizes (one test
+step's whole output goes to the log beside it (gpu-check.log), and the 8B step's profile of its int4 decode at batch 1
+(torch's profiler: kernels by self time) to profile-8b-int4-decode.txt there. --dry runs the same steps on CPU at toy sizes (one test
 file only collected, the benchmarks on a tiny shape), so that CI keeps the check working.
 """
 from __future__ import annotations
@@ -62,7 +63,7 @@ def steps(report: str, dry: bool, workers: int = WORKERS, suite_seconds: int = S
         return [Step("test suite (one file collected)", ["pytest", "-q", "--collect-only", "tests/test_pacer.py"], 300),
                 Step("throughput, tiny shape", ["kvtier.bench.throughput", *bench, "--prefill-lengths", "128",
                                                 "--decode-batch", "1,4", "--decode-tokens", "8", "--repeats", "1",
-                                                *out], 300),
+                                                *out, "--profile", beside(report, "profile-tiny-decode.txt")], 300),
                 Step("multi-turn TTFT, tiny shape", ["kvtier.bench.ttft", *bench, "--lengths", "256",
                                                      "--repeats", "1", "--probe-mib", "8", *out], 300),
                 Step("inter-token latency, tiny shape", ["kvtier.bench.itl", *bench, "--streams", "2",
@@ -76,7 +77,8 @@ def steps(report: str, dry: bool, workers: int = WORKERS, suite_seconds: int = S
             # 16 GB load in the step's time)
             Step("throughput, Llama-3.1-8B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.1-8b",
                                                     "--quantize", "int4", "--no-transformers", "--prefill-lengths",
-                                                    "2048,8192", "--decode-batch", "1,16", *out], 240),
+                                                    "2048,8192", "--decode-batch", "1,16", *out, "--profile",
+                                                    beside(report, "profile-8b-int4-decode.txt")], 240),
             Step("speculative decoding, Llama-3.2-1B shape", ["kvtier.bench.spec", *cuda, "--shape", "llama-3.2-1b",
                                                               "--conversations", "2", *out], 180),
             Step("throughput, Llama-3.2-1B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.2-1b",
@@ -93,6 +95,11 @@ def steps(report: str, dry: bool, workers: int = WORKERS, suite_seconds: int = S
                                                          "--lengths", "1800,4096,16384", *out], 60),
             Step("inter-token latency, Llama-3.2-1B shape", ["kvtier.bench.itl", *cuda, "--shape", "llama-3.2-1b",
                                                              "--streams", "8", "--long-prompt", "16000", *out], 120)]
+
+
+def beside(report: str, name: str) -> str:
+    """A file in the report's folder (a step's profile, say)."""
+    return os.path.join(os.path.dirname(report), name)
 
 
 def run_step(step: Step, log: str) -> dict:

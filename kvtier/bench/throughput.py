@@ -385,6 +385,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true", help="kvtier's decode without CUDA graphs (CUDA)")
     p.add_argument("--hf-compile", action="store_true",
                    help="also measure transformers' decode with a static cache and torch.compile (CUDA)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="after the measurements, profile kvtier's decode at the smallest --decode-batch with torch's "
+                        "profiler and write its ops and kernels by self time to FILE")
     add_output_args(p)
     args = p.parse_args(argv)
     if args.hf_compile and args.no_transformers:
@@ -426,6 +429,25 @@ def main(argv: list[str] | None = None) -> None:
     results |= measure(args, eng, contestants(eng, float_eng, hf, llama, device), hf, device)
     section = render(results, args, eng, command)
     publish(section, args)
+    if args.profile:
+        profile_decode(eng, args, device)
+
+
+def profile_decode(eng: LLMEngine, args: argparse.Namespace, device: torch.device) -> None:
+    """kvtier's decode at the smallest batch under torch's profiler (CUDA kernels too, inside graphs), its ops and
+    kernels by self time into args.profile: where a step's time goes beside the floor."""
+    from torch.profiler import ProfilerActivity, profile
+    batch = min(args.decode_batch)
+    prompts = random_prompts(torch.Generator().manual_seed(1), batch, args.decode_context, eng.model_config.vocab_size)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        rate = kvtier_decode(eng, prompts, args.decode_tokens, "profiled")
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=40)
+    with open(args.profile, "w") as f:
+        f.write(f"kvtier {eng.model_name}, decode b={batch}, {args.decode_tokens} tokens after "
+                f"{args.decode_context}: {rate:.1f} tok/s under the profiler\n\n{table}\n")
+    print(f"profile of decode b={batch} written to {args.profile}", flush=True)
 
 
 if __name__ == "__main__":
