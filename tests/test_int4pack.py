@@ -85,6 +85,7 @@ def test_the_split_k_product_multiplies_the_layouts_weights(qtype):
         assert got.shape == (19, OUT) and (got - want).abs().max() <= tolerance * want.abs().max(), splits
     assert splits_for(OUT, IN, programs=4) == 1 and splits_for(OUT, IN, programs=16) == 2
     assert splits_for(OUT, IN, programs=10**6) == IN // 128      # at most one k_outer a split
+    assert splits_for(16, 64, programs=8) == 1                    # no whole tile: a count, not an endless loop
     with pytest.raises(ValueError, match="multiple"):
         product(weight.packed, weight.scales_and_zeros, 32, x.to(device), 16)
 

@@ -290,6 +290,9 @@ def test_a_gpus_untied_head_is_never_rounded_to_blocks(tiny_model_dir, monkeypat
     assert torch.equal(model.lm_head.weight, head.to(torch.bfloat16))
     on_cpu = load_model(tiny_model_dir, quantize="int4")      # the blocks cached by the first load lack the head
     assert on_cpu.weights["lm_head.weight"].type_name == "Q8_0"
+    monkeypatch.setattr("kvtier.models.quantized.quantize", lambda *a: pytest.fail("quantized again"))
+    again = load_model(tiny_model_dir, quantize="int4")       # which that load added to them
+    assert torch.equal(again.weights["lm_head.weight"].blocks, on_cpu.weights["lm_head.weight"].blocks)
 
 
 def test_quantized_weights_are_refused_where_no_kernel_runs_them():

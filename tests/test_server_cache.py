@@ -55,4 +55,3 @@ def diagnosis(tmp_path) -> str:
     partials = sorted(p.name for p in (tmp_path / "kv").rglob("*.kvp"))
     blocks = sorted(p.name for p in (tmp_path / "kv").rglob("*.kvb"))
     return f"logs: {logs}\npartial entries: {partials}\nblock files: {blocks}"
-

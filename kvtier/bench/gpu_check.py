@@ -8,9 +8,9 @@ minutes each cover them, in the order the open issues need them: `--only 'test s
 share the GPU; `--workers 0` runs it a test at a time, which takes longer than one call), `--only '8B,speculative'`,
 then `--only '1B,products,Mistral'` and `--only 'TTFT,latency'`. One that fails or runs out of time is reported and
 the next one runs. The benchmarks write their sections into the report, as they do into docs/BENCHMARKS.md; every
-step's whole output goes to the log beside it (gpu-check.log), and the 8B step's profile of its int4 decode at batch 1
-(torch's profiler: kernels by self time) to profile-8b-int4-decode.txt there. --dry runs the same steps on CPU at toy sizes (one test
-file only collected, the benchmarks on a tiny shape), so that CI keeps the check working.
+step's whole output goes to the log beside it (gpu-check.log), and the 8B step's profile of its int4 decode at
+batch 1 (torch's profiler: kernels by self time) to profile-8b-int4-decode.txt there. --dry runs the same steps on
+CPU at toy sizes (one test file only collected, the benchmarks on a tiny shape), so that CI keeps the check working.
 """
 from __future__ import annotations
 

@@ -34,6 +34,7 @@ from kvtier.models import ggml, triton_int4pack
 from kvtier.models.int4pack import Int4PackWeight, int4packed
 from kvtier.models.packed import GROUP, PACKED_TYPES, pack
 from kvtier.models.quantized import QuantizedWeight, dequantized_product
+from kvtier.models.triton_attention import multiprocessors
 
 SECTION = "## CPU matrix products for quantized weights"
 CUDA_SECTION = "## CUDA matrix products for quantized weights"
@@ -121,17 +122,14 @@ def cuda_candidates(weights: list[torch.Tensor], device: torch.device, dtype: to
         if isinstance(tinygemm[0], Int4PackWeight):
             nbytes, ids = tinygemm[0].nbytes, torch.arange(weights[0].shape[0], device=device)
             found[f"kvtier tinygemm {kind.name}"] = ([lambda x, p=p: p.product(x) for p in tinygemm], nbytes)
-            splits = triton_int4pack.splits_for(*weights[0].shape, SPLIT_K_WAVES * _multiprocessors(device))
-            found[f"split-K Triton {kind.name} (tinygemm's layout)"] = (
-                [lambda x, p=p: triton_int4pack.product(p.packed, p.scales_and_zeros, GROUP, x, splits)
-                 for p in tinygemm], nbytes)
+            if triton_int4pack.takes(*weights[0].shape):
+                splits = triton_int4pack.splits_for(*weights[0].shape, SPLIT_K_WAVES * multiprocessors(device))
+                found[f"split-K Triton {kind.name} (tinygemm's layout)"] = (
+                    [lambda x, p=p: triton_int4pack.product(p.packed, p.scales_and_zeros, GROUP, x, splits)
+                     for p in tinygemm], nbytes)
             found[f"dequantize {kind.name} from tinygemm's layout + dense"] = (
                 [lambda x, p=p: F.linear(x, p.rows(ids)) for p in tinygemm], nbytes)
     return found
-
-
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def measure(args: argparse.Namespace) -> list[dict]:

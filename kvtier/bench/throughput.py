@@ -16,6 +16,7 @@ torch.compile.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import time
@@ -72,19 +73,23 @@ def kvtier_prefill(eng: LLMEngine, prompt: list[int], request_id: str) -> float:
     return time.perf_counter() - start
 
 
-def kvtier_decode(eng: LLMEngine, prompts: list[list[int]], num_tokens: int, tag: str) -> float:
-    """Tokens/s from the moment every request has its first token until all have finished."""
+def kvtier_decode(eng: LLMEngine, prompts: list[list[int]], num_tokens: int, tag: str,
+                  while_timed=contextlib.nullcontext) -> float:
+    """Tokens/s from the moment every request has its first token until all have finished (inside while_timed(): a
+    profiler, say, which then sees decode steps only)."""
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         eng.add_request(f"{tag}-{i}", prompt, params)
     started, start, produced = set(), None, 0
-    while eng.has_unfinished():
-        outputs = eng.step()
-        if start is not None:
-            produced += sum(len(o.new_token_ids) for o in outputs)
-        started.update(o.request_id for o in outputs if o.num_output_tokens > 0)
-        if start is None and len(started) == len(prompts):
-            start = time.perf_counter()
+    with contextlib.ExitStack() as timed:
+        while eng.has_unfinished():
+            outputs = eng.step()
+            if start is not None:
+                produced += sum(len(o.new_token_ids) for o in outputs)
+            started.update(o.request_id for o in outputs if o.num_output_tokens > 0)
+            if start is None and len(started) == len(prompts):
+                timed.enter_context(while_timed())
+                start = time.perf_counter()
     return produced / (time.perf_counter() - start)
 
 
@@ -434,14 +439,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def profile_decode(eng: LLMEngine, args: argparse.Namespace, device: torch.device) -> None:
-    """kvtier's decode at the smallest batch under torch's profiler (CUDA kernels too, inside graphs), its ops and
-    kernels by self time into args.profile: where a step's time goes beside the floor."""
+    """kvtier's decode steps at the smallest batch (from when every sequence has its first token: no prefill) under
+    torch's profiler (CUDA kernels too, inside graphs), its ops and kernels by self time into args.profile: where a
+    step's time goes beside the floor."""
     from torch.profiler import ProfilerActivity, profile
     batch = min(args.decode_batch)
     prompts = random_prompts(torch.Generator().manual_seed(1), batch, args.decode_context, eng.model_config.vocab_size)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        rate = kvtier_decode(eng, prompts, args.decode_tokens, "profiled")
+    prof = profile(activities=activities)
+    try:
+        rate = kvtier_decode(eng, prompts, args.decode_tokens, "profiled", lambda: prof)
+    except Exception as e:     # the tables are published already: a profiler that fails costs only its file
+        print(f"the profile of decode b={batch} failed: {type(e).__name__}: {e}", flush=True)
+        return
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=40)
     with open(args.profile, "w") as f:

@@ -47,7 +47,8 @@ def many_rows_product(dtype: torch.dtype):
     (~1e-4 apart on a chunk of SmolLM2's rows), and a choice that flipped from one start to the next with the
     machine's load would restore K/V computed otherwise than a cold prompt computes it now (warm equals cold,
     DESIGN.md). On a 2-core EPYC oneDNN's is 1.2-1.4x faster (MKL takes a slower path on AMD CPUs): prefill of the
-    bundled model 9-12% faster at 2K-4K tokens, the 58-token turn after a cached 4K history 13% (A/B, alternating)."""
+    bundled model 9-12% faster at 2K-4K tokens, the 58-token turn after a cached 4K history 13% (A/B, alternating).
+    Not measured on Intel CPUs, where MKL may be the faster: a choice by CPU vendor would have to be measured first."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(256, 1024, generator=generator).to(dtype)
     weight = torch.randn(2048, 1024, generator=generator).to(dtype)

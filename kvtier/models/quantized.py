@@ -277,9 +277,10 @@ class LoadQuantizer:
         return made
 
     def finish(self) -> None:
-        """Write the blocks made by this load where no readable cache was found."""
-        if self.cache and self.cached is None:
-            _write_blocks(self.cache, self.made)
+        """Write the blocks made by this load where no readable cache was found, or where it lacked some (an untied
+        head a GPU start kept in dtype, which a CPU start quantizes once)."""
+        if self.cache and (self.cached is None or self.made.keys() - self.cached.keys()):
+            _write_blocks(self.cache, {**(self.cached or {}), **self.made})
 
 
 def _read_blocks(path: str) -> dict[str, QuantizedWeight] | None:

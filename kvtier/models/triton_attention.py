@@ -176,7 +176,7 @@ def supports(head_dim: int, block_size: int) -> bool:
     return all(n >= 16 and n & (n - 1) == 0 for n in (head_dim, block_size))
 
 
-def _precision(q: torch.Tensor) -> str:
+def dot_precision(q: torch.Tensor) -> str:
     """float32 products in full precision (greedy output must match a float32 reference), not TF32."""
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
@@ -221,7 +221,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     heads, kv_heads, dim = q.shape[1], k_cache.shape[1], q.shape[2]
     group = heads // kv_heads
     shape = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-                 HEAD_DIM=dim, PRECISION=_precision(q))
+                 HEAD_DIM=dim, PRECISION=dot_precision(q))
     if num_splits == 1:
         _decode_kernel[(len(rows), kv_heads)](
             q, k_cache, v_cache, out, rows, block_tables, context_lens, scale,
@@ -255,4 +255,4 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0),
         GROUP=heads // kv_heads, BLOCK_M=PREFILL_BLOCK_M, BLOCK_SIZE=block_size, HEAD_DIM=dim,
-        PRECISION=_precision(q))
+        PRECISION=dot_precision(q))

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtier.models.triton_attention import dot_precision
+
 BLOCK_N, BLOCK_K = 16, 128
 
 
@@ -66,7 +68,7 @@ NT, BLOCK_M, K_OUTER = 4, 16, 128
 
 @triton.jit
 def _product_kernel(x_ptr, packed_ptr, scales_zeros_ptr, partial_ptr, M, N, K, s_xm, k_outer_per_split,
-                    NT: tl.constexpr, BLOCK_M: tl.constexpr):
+                    NT: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
     """Rows x [M, K] by the weight's rows of NT n-tiles, over one split of K, into partial [splits, M, N] (float32).
     A k_outer's words are laid out [n-tile, 8 rows r, 4 columns c, 4 i] (t = 4r + c), 8 nibbles each (j = 4 low +
     2 second + half): weight k = 32i + 16 second + 8 half + 2c + low of row 8 n-tile + r, of group 4 k_outer + i. The
@@ -92,7 +94,7 @@ def _product_kernel(x_ptr, packed_ptr, scales_zeros_ptr, partial_ptr, M, N, K, s
         zero = tl.load(scales_zeros_ptr + group + 1).to(tl.float32)[:, :, None, :, None]
         w = tl.reshape(((q.to(tl.float32) - 8) * scale + zero).to(x_ptr.dtype.element_ty), [NT * 8, 128])
         xs = tl.load(x_ptr + m[:, None] * s_xm + (ko * 128 + k_in)[None, :], mask=(m < M)[:, None], other=0)
-        acc = tl.dot(xs, tl.trans(w), acc)
+        acc = tl.dot(xs, tl.trans(w), acc, input_precision=PRECISION)
     out = partial_ptr + (split * M + m[:, None]).to(tl.int64) * N + tl.reshape(n, [NT * 8])[None, :]
     tl.store(out, acc, mask=(m < M)[:, None])
 
@@ -111,9 +113,14 @@ def splits_for(n: int, k: int, programs: int) -> int:
     """How many parts K is split into: the fewest (a power of two dividing K's k_outers) that give `programs`
     programs for one tile of rows. A function of the weight's shape alone, never of the rows'."""
     k_outers, splits = k // K_OUTER, 1
-    while n // (NT * 8) * splits < programs and k_outers % (splits * 2) == 0:
+    while n // (NT * 8) * splits < programs and splits * 2 <= k_outers and k_outers % (splits * 2) == 0:
         splits *= 2
     return splits
+
+
+def takes(n: int, k: int) -> bool:
+    """Whether `product` multiplies a weight of N rows and K columns (whole tiles of its programs)."""
+    return n % (NT * 8) == 0 and k % K_OUTER == 0
 
 
 def product(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int, x: torch.Tensor,
@@ -122,15 +129,16 @@ def product(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int, x:
     in x's dtype, K split into `splits` parts (splits_for)."""
     num_groups, n, _ = scales_and_zeros.shape
     m, k = x.shape
-    if group != 32 or num_groups * group != k or n % (NT * 8) or k % (K_OUTER * splits):
-        raise ValueError(f"product takes groups of 32 and N a multiple of {NT * 8}, K of {K_OUTER * splits}")
+    if group != 32 or num_groups * group != k or not takes(n, k) or k % (K_OUTER * splits) \
+            or packed.shape != (n // 8, k // K_OUTER, 32, 4):
+        raise ValueError(f"product takes groups of 32, 8 inner K tiles, N a multiple of {NT * 8} and K of "
+                         f"{K_OUTER * splits}")
     x = x.contiguous()
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     grid = (n // (NT * 8), splits, triton.cdiv(m, BLOCK_M))
     _product_kernel[grid](x, packed, scales_and_zeros, partial, m, n, k, x.stride(0), k // (K_OUTER * splits),
-                          NT=NT, BLOCK_M=BLOCK_M, enable_fp_fusion=False)
+                          NT=NT, BLOCK_M=BLOCK_M, PRECISION=dot_precision(x), enable_fp_fusion=False)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     size = m * n
     _sum_splits_kernel[(triton.cdiv(size, 1024),)](partial, out, size, splits, BLOCK=1024)
     return out
-
