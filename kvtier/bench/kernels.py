@@ -105,6 +105,7 @@ def cuda_candidates(weights: list[torch.Tensor], device: torch.device, dtype: to
     per shape (quantizing takes longer than measuring). dtype: bfloat16 as served, or another (float32 on CPU: the
     tests, in Triton's interpreter)."""
     in_features = weights[0].shape[1]
+    ids = torch.arange(weights[0].shape[0], device=device)      # every row, for the dequantized candidates
     dense = [w.to(device, dtype) for w in weights]
     found = {DENSE: ([lambda x, w=w: F.linear(x, w) for w in dense], dense[0].numel() * dtype.itemsize)}
     for kind in PACKED_TYPES:
@@ -113,23 +114,26 @@ def cuda_candidates(weights: list[torch.Tensor], device: torch.device, dtype: to
         packed = [pack(ggml.quantize(w, int(kind)), int(kind), in_features, device, dtype) for w in weights]
         found[f"kvtier Triton {kind.name}"] = ([lambda x, p=p: p.product(x) for p in packed], packed[0].nbytes)
         if kind == GGMLQuantizationType.Q4_0:      # the weight dequantized, then cuBLAS: other types' prompt rows
-            ids = torch.arange(weights[0].shape[0], device=device)
-            found["dequantize Q4_0 + dense"] = ([lambda x, p=p: F.linear(x, p.rows(ids)) for p in packed],
-                                                packed[0].nbytes)
+            found["dequantize Q4_0 + dense"] = (_dequantized_then_dense(packed, ids), packed[0].nbytes)
         # what kvtier runs for Q4_0 and Q4_1 decode rows where tinygemm takes them (int4pack.py); beside it, a
         # candidate for those rows over the same layout (triton_int4pack.product), and what their prompt rows take
         tinygemm = [int4packed(p) for p in packed]
         if isinstance(tinygemm[0], Int4PackWeight):
-            nbytes, ids = tinygemm[0].nbytes, torch.arange(weights[0].shape[0], device=device)
+            nbytes = tinygemm[0].nbytes
             found[f"kvtier tinygemm {kind.name}"] = ([lambda x, p=p: p.product(x) for p in tinygemm], nbytes)
             if triton_int4pack.takes(*weights[0].shape):
                 splits = triton_int4pack.splits_for(*weights[0].shape, SPLIT_K_WAVES * multiprocessors(device))
                 found[f"split-K Triton {kind.name} (tinygemm's layout)"] = (
                     [lambda x, p=p: triton_int4pack.product(p.packed, p.scales_and_zeros, GROUP, x, splits)
                      for p in tinygemm], nbytes)
-            found[f"dequantize {kind.name} from tinygemm's layout + dense"] = (
-                [lambda x, p=p: F.linear(x, p.rows(ids)) for p in tinygemm], nbytes)
+            found[f"dequantize {kind.name} from tinygemm's layout + dense"] = (_dequantized_then_dense(tinygemm, ids),
+                                                                             nbytes)
     return found
+
+
+def _dequantized_then_dense(weights: list, ids: torch.Tensor) -> list:
+    """Per weight copy, a product that dequantizes its rows ids (all of them) and multiplies them by cuBLAS."""
+    return [lambda x, w=w: F.linear(x, w.rows(ids)) for w in weights]
 
 
 def measure(args: argparse.Namespace) -> list[dict]:

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtier.models.int4pack import INNER_K_TILES
+from kvtier.models.packed import GROUP
 from kvtier.models.triton_attention import dot_precision
 
 BLOCK_N, BLOCK_K = 16, 128
@@ -61,9 +63,9 @@ def dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
     return out
 
 
-# product's tiles: NT tiles of 8 rows of the weight, a k_outer (16 * INNER_K_TILES = 128 weights along K) per step,
-# BLOCK_M activation rows (tensor cores multiply 16 at least)
-NT, BLOCK_M, K_OUTER = 4, 16, 128
+# product's tiles: NT tiles of 8 rows of the weight, a k_outer (128 weights along K, tinygemm's 8 inner K tiles: the
+# kernel's index arithmetic is written for them) per step, BLOCK_M activation rows (tensor cores multiply 16 at least)
+NT, BLOCK_M, K_OUTER = 4, 16, 16 * INNER_K_TILES
 
 
 @triton.jit
@@ -129,8 +131,8 @@ def product(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int, x:
     in x's dtype, K split into `splits` parts (splits_for)."""
     num_groups, n, _ = scales_and_zeros.shape
     m, k = x.shape
-    if group != 32 or num_groups * group != k or not takes(n, k) or k % (K_OUTER * splits) \
-            or packed.shape != (n // 8, k // K_OUTER, 32, 4):
+    if group != GROUP or num_groups * group != k or not takes(n, k) or k % (K_OUTER * splits) \
+            or packed.shape != (n // 8, k // K_OUTER, 32, INNER_K_TILES // 2):
         raise ValueError(f"product takes groups of 32, 8 inner K tiles, N a multiple of {NT * 8} and K of "
                          f"{K_OUTER * splits}")
     x = x.contiguous()
