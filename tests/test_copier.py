@@ -114,7 +114,7 @@ def test_the_check_catches_a_block_freed_before_its_copy_lands(tiny_model_dir, t
     """The same check against an engine with a bug planted: the hold a save takes on its blocks is dropped at
     hand-over, not when the copy is reported. Caught: a block goes to another sequence while it is copied out."""
     engine, copier, violations = watched_engine(tiny_model_dir, tmp_path, pool_blocks=8)   # blocks are reused
-    copier.hold_s = 0.2
+    copier.hold_s = 1.0
     kv = engine.kv
     save, poll = kv.mover.save, kv.mover.poll
 
