@@ -59,9 +59,14 @@ class GgmlWeight:
     def type_name(self) -> str:
         return GGMLQuantizationType(self.ggml_type).name
 
+    def multiplied(self, ctx: ggml.Context, weight: int, x: int) -> int:
+        """x [in_features, rows]'s product with the weight as ops of ctx ([out_features, rows]), `weight` the
+        weight's tensor there (`placed`)."""
+        return ctx.op("mul_mat", weight, x)
+
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] float32 @ weight.T, through ggml."""
-        return weight_op("mul_mat", self, ggml.aligned(x), x.new_empty(x.shape[0], self.out_features),
+        return weight_op(self.multiplied, self, ggml.aligned(x), x.new_empty(x.shape[0], self.out_features),
                          torch.get_num_threads())
 
     def dequantized(self) -> torch.Tensor:
@@ -95,7 +100,7 @@ class QuantizedWeight(GgmlWeight):
         them took 2x as long (a 512-token prefill of the bundled model dequantizes 57 ms on two threads, 27 on
         one)."""
         out = torch.empty(len(ids), self.in_features) if out is None else out
-        return weight_op("get_rows", self, ggml.aligned(ids.to(torch.int32)), out, threads)
+        return weight_op(_get_rows, self, ggml.aligned(ids.to(torch.int32)), out, threads)
 
 
 def quantize(weight: torch.Tensor, ggml_type: int) -> QuantizedWeight:
@@ -118,12 +123,16 @@ def concatenated(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
     return [QuantizedWeight(torch.cat([p.blocks for p in parts]), parts[0].ggml_type, parts[0].in_features)]
 
 
-def weight_op(op: str, weight: GgmlWeight, x: torch.Tensor, out: torch.Tensor, threads: int) -> torch.Tensor:
-    """One ggml op of a weight and x, computed into out on ggml's threadpool of `threads`, through a graph built
-    for this call."""
-    ctx = ggml.Context(threads, max_tensors=4, max_nodes=2)
+def _get_rows(ctx: ggml.Context, weight: int, ids: int) -> int:
+    return ctx.op("get_rows", weight, ids)
+
+
+def weight_op(build, weight: GgmlWeight, x: torch.Tensor, out: torch.Tensor, threads: int) -> torch.Tensor:
+    """The ggml ops of a weight and x that build(ctx, weight's tensor, x's tensor) returns, computed into out on
+    ggml's threadpool of `threads`, through a graph built for this call."""
+    ctx = ggml.Context(threads, max_tensors=16, max_nodes=16)
     try:
-        graph = ggml.Graph(ctx, [ctx.place(out, tensor=ctx.op(op, weight.placed(ctx), ctx.place(x)))])
+        graph = ggml.Graph(ctx, [ctx.place(out, tensor=build(ctx, weight.placed(ctx), ctx.place(x)))])
         try:
             graph.compute()
         finally:
