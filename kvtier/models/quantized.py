@@ -10,8 +10,8 @@ Which product a row gets depends on its token's role, never on what else is in t
 does not change with the traffic beside it:
 - decode rows: a product over the blocks, which reads 4-8x fewer bytes than float weights. On CPU ggml's (the
   activations quantized to 8 bits per block of 32, as llama.cpp does), whole decode steps as one ggml graph
-  (ggml_decoder.py), Q4_0 projections in ggml's interleaved layout, whose multi-row kernel rounds each row as it
-  would alone (repacked.py); on CUDA a Triton kernel that dequantizes tiles in registers into the activations' dtype;
+  (ggml_decoder.py), Q4_0 and Q4_1 projections in ggml's interleaved layout, whose multi-row kernel rounds each
+  row as it would alone (repacked.py); on CUDA a Triton kernel that dequantizes tiles in registers into the activations' dtype;
 - prompt rows: the weight dequantized, a slice at a time, for torch's product: on CUDA in the activations' dtype;
   on CPU in bfloat16 where the CPU has bfloat16 dot products (AVX512-BF16, AMX; `products.dequantized_dtype`),
   else in float32. torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0
