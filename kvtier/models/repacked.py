@@ -89,36 +89,34 @@ class RepackedWeight(GgmlWeight):
         """The blocks of the given groups' rows (ascending) in the file's layout: uint8 [8 * len(groups), bytes per
         row], valid until the next call (its memory is reused: fresh memory would cost its page faults each
         prompt). A group's interleaved block is 8 scales, then 16 turns of 8 quant bytes, turn t row t % 8's bytes
-        8 * (t // 8) onwards: the turns move as int64s, the flipped bits flipped back in the same pass."""
+        8 * (t // 8) onwards: the turns move as int64s, the flipped bits flipped back in the same pass, then into
+        their blocks (as int16s; Q4_1's as int32s, after its scale and min: its offset less 8 scales)."""
         first, last = groups[0].item(), groups[-1].item()
-        g = self.groups[first:last + 1] if last - first + 1 == len(groups) else self.groups[groups]
+        whole = last - first + 1 == len(groups)
+        g = self.groups[first:last + 1] if whole else self.groups[groups]
         n, blocks = g.shape[:2]
         turns_per_row = _QUANT_BYTES // _TURN
-        block_words = (_SCALE_BYTES + _QUANT_BYTES) // 2
-        out = _scratch("blocks", n * GROUP_ROWS * blocks * block_words * 2).view(torch.int16).view(
-            n, GROUP_ROWS, blocks, block_words)
-        out[..., 0] = g.view(torch.int16)[..., :GROUP_ROWS].transpose(1, 2)
         turns = g.view(torch.int64)[..., GROUP_ROWS * _SCALE_BYTES // 8:].view(n, blocks, turns_per_row, GROUP_ROWS)
         rows = _scratch("turns", n * GROUP_ROWS * blocks * _QUANT_BYTES).view(torch.int64).view(
             n, GROUP_ROWS, blocks, turns_per_row)
         torch.bitwise_xor(turns.permute(0, 3, 1, 2), _FLIPPED, out=rows)
-        out[..., 1:] = rows.view(torch.int16)
-        if self.offsets is not None:
-            return self._with_mins(out.view(torch.uint8).view(n * GROUP_ROWS, blocks, -1), groups)
+        scales = g.view(torch.int16)[..., :GROUP_ROWS].transpose(1, 2)
+        if self.offsets is None:
+            out = _scratch("blocks", n * GROUP_ROWS * blocks * (_SCALE_BYTES + _QUANT_BYTES)).view(torch.int16).view(
+                n, GROUP_ROWS, blocks, (_SCALE_BYTES + _QUANT_BYTES) // 2)
+            out[..., 0] = scales
+            out[..., 1:] = rows.view(torch.int16)
+            return out.view(torch.uint8).view(n * GROUP_ROWS, -1)
+        out = _scratch("blocks", n * GROUP_ROWS * blocks * (2 * _SCALE_BYTES + _QUANT_BYTES)).view(torch.int32).view(
+            n, GROUP_ROWS, blocks, (2 * _SCALE_BYTES + _QUANT_BYTES) // 4)
+        offsets = self.offsets[:, first * GROUP_ROWS:(last + 1) * GROUP_ROWS] if whole else \
+            self.offsets[:, (groups[:, None] * GROUP_ROWS + torch.arange(GROUP_ROWS)).flatten()]
+        mins = (offsets.t().reshape(n, GROUP_ROWS, blocks) - 8 * scales.view(torch.float16).float()).half()
+        scale_and_min = out.view(torch.int16).view(n, GROUP_ROWS, blocks, -1)[..., :2]
+        scale_and_min[..., 0] = scales
+        scale_and_min[..., 1] = mins.view(torch.int16)
+        out[..., 1:] = rows.view(torch.int32)
         return out.view(torch.uint8).view(n * GROUP_ROWS, -1)
-
-    def _with_mins(self, q4_0: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-        """The groups' Q4_0 blocks (uint8 [rows, blocks, 18]) as the file's Q4_1 blocks: scale, min (its offset less
-        8 scales), quants; valid until the next call."""
-        ids = (groups[:, None] * GROUP_ROWS + torch.arange(GROUP_ROWS)).flatten()
-        scales = q4_0[..., :_SCALE_BYTES].contiguous().view(torch.float16)[..., 0]
-        mins = (self.offsets[:, ids].t() - 8 * scales.float()).half()
-        out = _scratch("q4_1", q4_0.numel() // (_SCALE_BYTES + _QUANT_BYTES) * (2 * _SCALE_BYTES + _QUANT_BYTES)
-                       ).view(*q4_0.shape[:2], -1)
-        out[..., :_SCALE_BYTES] = q4_0[..., :_SCALE_BYTES]
-        out[..., _SCALE_BYTES:2 * _SCALE_BYTES] = mins.unsqueeze(-1).view(torch.uint8)
-        out[..., 2 * _SCALE_BYTES:] = q4_0[..., _SCALE_BYTES:]
-        return out.view(len(ids), -1)
 
 
 _SCRATCH: dict[str, torch.Tensor] = {}     # memory `plain` reuses, by name
