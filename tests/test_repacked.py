@@ -1,5 +1,5 @@
-"""Q4_0 and Q4_1 weights in ggml's interleaved layout: their only copy, giving back the file's rows for prompt
-products, and multiplying each row as it would alone."""
+"""Q4_0 weights in ggml's interleaved layout: their only copy, giving back the file's rows for prompt products, and
+multiplying each row as it would alone."""
 from __future__ import annotations
 
 import pytest
@@ -18,13 +18,11 @@ def weight(qtype: Q, out_features: int = 48, in_features: int = 256) -> Quantize
     return QuantizedWeight(ggml.quantize(w, int(qtype)), int(qtype), in_features)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["q4_0", "q4_1"])
-def test_a_q4_weight_is_interleaved_and_gives_back_the_files_rows(qtype):
-    plain = weight(qtype)
+def test_a_q4_0_weight_is_interleaved_and_gives_back_the_files_rows():
+    plain = weight(Q.Q4_0)
     packed = repacked(plain)
-    # Q4_1: 18-byte Q4_0 blocks and a float32 offset each, for the file's 20 bytes
-    assert isinstance(packed, RepackedWeight) and packed.nbytes == plain.nbytes * (1 if qtype == Q.Q4_0 else 22 / 20)
-    assert (packed.out_features, packed.in_features, packed.type_name) == (48, 256, qtype.name)
+    assert isinstance(packed, RepackedWeight) and packed.nbytes == plain.nbytes
+    assert (packed.out_features, packed.in_features, packed.type_name) == (48, 256, "Q4_0")
     assert torch.equal(packed.plain(torch.arange(6)), plain.blocks)
     assert torch.equal(packed.plain(torch.tensor([1, 4])), plain.blocks.view(6, 8, -1)[[1, 4]].flatten(0, 1))
     ids = torch.tensor([47, 0, 9, 9, 23, 8, 40])      # unordered, repeated, across groups
@@ -32,32 +30,19 @@ def test_a_q4_weight_is_interleaved_and_gives_back_the_files_rows(qtype):
     assert torch.equal(packed.dequantized(), plain.dequantized())
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["q4_0", "q4_1"])
-def test_each_row_of_a_repacked_product_is_as_it_would_be_alone(qtype):
-    plain = weight(qtype)
+def test_each_row_of_a_repacked_product_is_as_it_would_be_alone():
+    plain = weight(Q.Q4_0)
     packed = repacked(plain)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1))
     together = packed.product(x)      # ggml's multi-row kernel takes 4 rows at a time, the one-row one the rest
     for i in range(len(x)):
         assert torch.equal(packed.product(x[i:i + 1])[0], together[i]), i
-    if qtype == Q.Q4_0:      # the same blocks: only the order of the sums differs
-        want = plain.product(x)
-        assert (together - want).abs().max() <= 1e-5 * want.abs().max()
-    else:       # Q4_1's offsets multiply x's sums unquantized, where ggml's Q4_1 kernel takes them quantized
-        exact = x @ plain.dequantized().T
-        assert (together - exact).abs().max() <= 0.01 * exact.abs().max()
+    want = plain.product(x)          # the same blocks: only the order of the sums differs
+    assert (together - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_a_q4_1_weight_whose_min_would_not_come_back_keeps_the_files_layout():
-    """A min of -0.0 comes back from its offset m + 8d as +0.0: not the file's block."""
-    plain = weight(Q.Q4_1)
-    plain.blocks.view(48, -1, 20)[5, 3, 2:4] = torch.tensor([0x00, 0x80], dtype=torch.uint8)     # float16 -0.0
-    assert repacked(plain) is plain
-
-
-@pytest.mark.parametrize("qtype, out_features", [(Q.Q8_0, 48), (Q.Q4_K, 48), (Q.Q4_0, 44), (Q.Q4_1, 44)],
-                         ids=["q8_0", "q4_k-rounds-by-its-batch", "q4_0-rows-not-whole-groups",
-                              "q4_1-rows-not-whole-groups"])
+@pytest.mark.parametrize("qtype, out_features", [(Q.Q4_1, 48), (Q.Q8_0, 48), (Q.Q4_K, 48), (Q.Q4_0, 44)],
+                         ids=["q4_1", "q8_0", "q4_k-rounds-by-its-batch", "q4_0-rows-not-whole-groups"])
 def test_other_weights_keep_the_files_layout(qtype, out_features):
     plain = weight(qtype, out_features)
     assert repacked(plain) is plain

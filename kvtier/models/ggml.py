@@ -61,7 +61,6 @@ _FUNCTIONS = {
     "!ggml_quantize_chunk": (_SZ, [_I, _P, _P, _I64, _I64, _I64, _P]),
     "ggml_mul_mat": (_P, [_P, _P]), "ggml_add": (_P, [_P, _P]), "ggml_mul": (_P, [_P, _P]),
     "ggml_get_rows": (_P, [_P, _P]), "ggml_set_rows": (_P, [_P, _P, _P]), "ggml_rms_norm": (_P, [_P, _F]),
-    "ggml_sum_rows": (_P, [_P]),
     "ggml_swiglu_split": (_P, [_P, _P]), "ggml_concat": (_P, [_P, _P, _I]),
     "ggml_reshape_2d": (_P, [_P, _I64, _I64]),
     "ggml_view_2d": (_P, [_P, _I64, _I64, _SZ, _SZ]), "ggml_view_3d": (_P, [_P, _I64, _I64, _I64, _SZ, _SZ, _SZ]),

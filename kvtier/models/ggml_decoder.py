@@ -41,7 +41,7 @@ from torch import nn
 from kvtier.kv.pool import KVPool
 from kvtier.models import ggml
 from kvtier.models.decoder import Decoder, rope_inv_freq
-from kvtier.models.quantized import GgmlWeight, QuantizedEmbedding, QuantizedLinear
+from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear
 
 
 CONTEXT_STEP = 256      # context lengths a graph serves, rounded up: one graph holds 256 decode steps
@@ -145,11 +145,10 @@ class GgmlDecodeSteps:
             v_index[v_at:v_at + blocks.size * self.row] = (self.block_rows[:, None] + blocks).ravel()
             k_at, v_at = k_at + keys, v_at + blocks.size * self.row
 
-    def _linear(self, module: nn.Module) -> tuple[list[tuple[GgmlWeight | None, int]], int | None]:
-        """A projection's parts, stacked along the output (each its quantized weight, None for a float one, and its
-        ggml tensor), and bias."""
-        parts = [(p, p.placed(self.weights)) for p in module.parts] if isinstance(module, QuantizedLinear) else \
-            [(None, self._float(module.weight))]
+    def _linear(self, module: nn.Module) -> tuple[list[int], int | None]:
+        """A projection's ggml weights (its parts, stacked along the output) and bias."""
+        parts = [p.placed(self.weights) for p in module.parts] if isinstance(module, QuantizedLinear) else \
+            [self._float(module.weight)]
         return parts, None if module.bias is None else self._float(module.bias)
 
     def _embedding(self, module: nn.Module) -> int:
@@ -231,13 +230,12 @@ class _Step:
         """x, a layer's output, computed into its place among the step's features."""
         return self.ctx.place(self.features[self.steps.feature_layers.index(layer)], tensor=x)
 
-    def _project(self, x: int, linear: tuple[list[tuple[GgmlWeight | None, int]], int | None], sizes: list[int]
-                 ) -> list[int]:
+    def _project(self, x: int, linear: tuple[list[int], int | None], sizes: list[int]) -> list[int]:
         """x's product with a projection, cut into pieces of `sizes` output rows each (q/k/v, gate/up)."""
         parts, bias = linear
         ctx = self.ctx
         offsets = np.cumsum([0] + sizes[:-1])
-        ys = [ctx.op("mul_mat", w, x) if weight is None else weight.multiplied(ctx, w, x) for weight, w in parts]
+        ys = [ctx.op("mul_mat", w, x) for w in parts]
         if len(ys) != len(sizes):     # one fused part: views of its rows
             (y,) = ys
             nb1 = ggml.shape(y)[1][1]

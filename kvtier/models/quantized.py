@@ -10,8 +10,8 @@ Which product a row gets depends on its token's role, never on what else is in t
 does not change with the traffic beside it:
 - decode rows: a product over the blocks, which reads 4-8x fewer bytes than float weights. On CPU ggml's (the
   activations quantized to 8 bits per block of 32, as llama.cpp does), whole decode steps as one ggml graph
-  (ggml_decoder.py), Q4_0 and Q4_1 projections in ggml's interleaved layout, whose multi-row kernel rounds each
-  row as it would alone (repacked.py); on CUDA a Triton kernel that dequantizes tiles in registers into the activations' dtype;
+  (ggml_decoder.py), Q4_0 projections in ggml's interleaved layout, whose multi-row kernel rounds each row as it
+  would alone (repacked.py); on CUDA a Triton kernel that dequantizes tiles in registers into the activations' dtype;
 - prompt rows: the weight dequantized, a slice at a time, for torch's product: on CUDA in the activations' dtype;
   on CPU in bfloat16 where the CPU has bfloat16 dot products (AVX512-BF16, AMX; `products.dequantized_dtype`),
   else in float32. torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0
@@ -59,14 +59,9 @@ class GgmlWeight:
     def type_name(self) -> str:
         return GGMLQuantizationType(self.ggml_type).name
 
-    def multiplied(self, ctx: ggml.Context, weight: int, x: int) -> int:
-        """x [in_features, rows]'s product with the weight as ops of ctx ([out_features, rows]), `weight` the
-        weight's tensor there (`placed`)."""
-        return ctx.op("mul_mat", weight, x)
-
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] float32 @ weight.T, through ggml."""
-        return weight_op(self.multiplied, self, ggml.aligned(x), x.new_empty(x.shape[0], self.out_features),
+        return weight_op("mul_mat", self, ggml.aligned(x), x.new_empty(x.shape[0], self.out_features),
                          torch.get_num_threads())
 
     def dequantized(self) -> torch.Tensor:
@@ -100,7 +95,7 @@ class QuantizedWeight(GgmlWeight):
         them took 2x as long (a 512-token prefill of the bundled model dequantizes 57 ms on two threads, 27 on
         one)."""
         out = torch.empty(len(ids), self.in_features) if out is None else out
-        return weight_op(_get_rows, self, ggml.aligned(ids.to(torch.int32)), out, threads)
+        return weight_op("get_rows", self, ggml.aligned(ids.to(torch.int32)), out, threads)
 
 
 def quantize(weight: torch.Tensor, ggml_type: int) -> QuantizedWeight:
@@ -123,16 +118,12 @@ def concatenated(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
     return [QuantizedWeight(torch.cat([p.blocks for p in parts]), parts[0].ggml_type, parts[0].in_features)]
 
 
-def _get_rows(ctx: ggml.Context, weight: int, ids: int) -> int:
-    return ctx.op("get_rows", weight, ids)
-
-
-def weight_op(build, weight: GgmlWeight, x: torch.Tensor, out: torch.Tensor, threads: int) -> torch.Tensor:
-    """The ggml ops of a weight and x that build(ctx, weight's tensor, x's tensor) returns, computed into out on
-    ggml's threadpool of `threads`, through a graph built for this call."""
-    ctx = ggml.Context(threads, max_tensors=16, max_nodes=16)
+def weight_op(op: str, weight: GgmlWeight, x: torch.Tensor, out: torch.Tensor, threads: int) -> torch.Tensor:
+    """One ggml op of a weight and x, computed into out on ggml's threadpool of `threads`, through a graph built
+    for this call."""
+    ctx = ggml.Context(threads, max_tensors=4, max_nodes=2)
     try:
-        graph = ggml.Graph(ctx, [ctx.place(out, tensor=build(ctx, weight.placed(ctx), ctx.place(x)))])
+        graph = ggml.Graph(ctx, [ctx.place(out, tensor=ctx.op(op, weight.placed(ctx), ctx.place(x)))])
         try:
             graph.compute()
         finally:
