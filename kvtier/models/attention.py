@@ -110,8 +110,7 @@ class AttentionMetadata:
     # one-token decode): quantized weights multiply them as decodes (quantized.py)
     generated_rows: list[int] = field(default_factory=list)
     # on CPU, rows of a prompt's last token, cached or not: each attends alone, as a decode over the pool after its
-    # chunk's K/V is written, and quantized weights multiply it as a decode (quantized.py), so that it computes the
-    # same bits warm and cold
+    # chunk's K/V is written, and multiplies alone (quantized.py), so that it computes the same bits warm and cold
     alone_rows: list[int] = field(default_factory=list)
     captured: list[torch.Tensor] = field(default_factory=list)   # per layer [len(capture_rows), H, D]
     feature_layers: tuple[int, ...] = ()       # layers whose outputs a drafter reads (DFlash)

@@ -269,10 +269,13 @@ class Decoder(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
                 ) -> torch.Tensor:
-        # generated tokens and a prompt's last token (alone, warm and cold) multiply as decodes (quantized.py)
         decode_rows = torch.zeros(len(token_ids), dtype=torch.bool)
-        decode_rows[meta.generated_rows + meta.alone_rows] = True
-        with decoding(decode_rows):
+        decode_rows[meta.generated_rows] = True
+        alone = None
+        if meta.alone_rows:
+            alone = torch.zeros(len(token_ids), dtype=torch.bool)
+            alone[meta.alone_rows] = True
+        with decoding(decode_rows, alone):      # how quantized weights multiply each row (quantized.py)
             x = self.model.embed_tokens(token_ids)
             rope = self.rope(meta.positions, x.dtype)
             for i, layer in enumerate(self.model.layers):

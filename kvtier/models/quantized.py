@@ -17,9 +17,7 @@ does not change with the traffic beside it:
   else in float32. torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0
   kernels (the wheel's AVX2 build; Q4_K about even; `kvtier bench kernels`), its bfloat16 product about 2x faster
   again: prefill 1.13-1.23x as fast as with float32 weights on a 2-core EPYC (two runs).
-`Decoder.forward` says which rows decode (`decoding`: generated tokens, and on CPU a prompt's last token, which
-runs alone warm and cold; a one-row product over the blocks reads them once, where dequantizing them would write
-every weight in float32 for that row); rows outside it are prompt rows. On CPU the decode rows'
+`Decoder.forward` says which rows decode (`decoding`); rows outside it are prompt rows. On CPU the decode rows'
 quantized activations and the prompt rows' bfloat16 round differently from float32's, so greedy output can differ
 from float32 weights' where two tokens nearly tie, and a prompt whose last tokens were computed in another chunk (a
 prefix cache hit) can differ likewise.
@@ -46,8 +44,8 @@ from kvtier.models.packed import PackedWeight
 from kvtier.models.products import dequantized_dtype, many_rows_product
 
 DEQUANTIZED_BYTES = 64 << 20     # the most weight a prompt row's product dequantizes at once, in x's dtype
-# the decode rows: bool [rows] (`decoding`)
-_DECODE_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("decode_rows", default=None)
+# (decode rows, prompt rows that multiply alone or None): bool [rows] each (`decoding`)
+_DECODE_ROWS: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("decode_rows", default=None)
 # `--quantize`: the block type of every projection; embeddings and the LM head take Q8_0 in both
 QUANTIZE_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
@@ -152,10 +150,11 @@ def prompt_dtype(dtype: torch.dtype, device_type: str = "cpu") -> torch.dtype:
 
 
 def dequantized_product(weight: QuantizedWeight | PackedWeight | Int4PackWeight, x: torch.Tensor,
-                        dtype: torch.dtype | None = None) -> torch.Tensor:
+                        dtype: torch.dtype | None = None, alone: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in_features] @ weight.T, returned in x's dtype, the weight dequantized DEQUANTIZED_BYTES at a time
     (an LM head of 128K rows would take 2 GB at once). dtype: what the product multiplies in, by default
-    `prompt_dtype` (`kvtier bench kernels` sets it)."""
+    `prompt_dtype` (`kvtier bench kernels` sets it); alone (bool [rows]): rows multiplied one at a time, each as
+    it would be the only row (`decoding`)."""
     cpu = x.device.type == "cpu"
     if dtype is None:
         dtype = prompt_dtype(x.dtype, x.device.type)
@@ -166,13 +165,17 @@ def dequantized_product(weight: QuantizedWeight | PackedWeight | Int4PackWeight,
     copy = _dequantized_buffer(x.device, dtype, elements) if dtype != x.dtype else None
     multiply = many_rows_product(dtype) if cpu else F.linear
     xs = x.to(dtype)
+    lone = [] if alone is None else alone.nonzero().flatten().tolist()
     slices = []
     for a in range(0, weight.out_features, step):
         ids = rows[a:a + step]
         w = weight.rows(ids, buffer[:len(ids) * weight.in_features].view(len(ids), weight.in_features))
         if copy is not None:
             w = copy[:w.numel()].view_as(w).copy_(w)
-        slices.append(multiply(xs, w, None))
+        y = multiply(xs, w, None)
+        for row in lone:
+            y[row] = multiply(xs[row:row + 1], w, None)[0]
+        slices.append(y)
     return _joined(slices).to(x.dtype)
 
 
@@ -182,9 +185,11 @@ def _joined(ys: list[torch.Tensor]) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def decoding(rows: torch.Tensor):
-    """Within it, the rows of the products' inputs marked True in `rows` (bool [rows]) are decode rows."""
-    token = _DECODE_ROWS.set(rows)
+def decoding(rows: torch.Tensor, alone: torch.Tensor | None = None):
+    """Within it, the rows of the products' inputs marked True in `rows` (bool [rows]) are decode rows, and those
+    marked in `alone` prompt rows that multiply one at a time (a prompt's last token, cached or not: a one-row product
+    rounds otherwise than a chunk's in bfloat16, so warm equals cold only if cold multiplies it alone too)."""
+    token = _DECODE_ROWS.set((rows, alone))
     try:
         yield
     finally:
@@ -204,24 +209,23 @@ class QuantizedLinear(nn.Module):
         self.out_features = sum(p.out_features for p in parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        decode = _DECODE_ROWS.get()
+        decode, alone = _DECODE_ROWS.get() or (None, None)
         if decode is None or not decode.any():
-            y = self._dequantized_product(x)
+            y = self._dequantized_product(x, alone)
         elif decode.all():
             y = self._quantized_product(x)
         else:
-            # every row through the dequantized weight, then the decode rows' replaced: gathering the prompt rows
-            # and scattering their products took ~1 ms a projection (a 512-token prompt's prefill 1.2x as long)
-            y = self._dequantized_product(x)
             decode = decode.to(x.device)
+            y = x.new_empty(x.shape[0], self.out_features)
             y[decode] = self._quantized_product(x[decode])
+            y[~decode] = self._dequantized_product(x[~decode], None if alone is None else alone[~decode])
         return y if self.bias is None else y + self.bias
 
     def _quantized_product(self, x: torch.Tensor) -> torch.Tensor:
         return _joined([p.product(x) for p in self.parts])
 
-    def _dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
-        return _joined([dequantized_product(p, x) for p in self.parts])
+    def _dequantized_product(self, x: torch.Tensor, alone: torch.Tensor | None) -> torch.Tensor:
+        return _joined([dequantized_product(p, x, alone=alone) for p in self.parts])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
