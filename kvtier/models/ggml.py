@@ -4,7 +4,7 @@ libraries only, nothing compiled at install).
 A `Context` holds ggml tensors' metadata: tensors placed at torch memory (weights, the KV pool, a step's inputs and
 outputs) and the ops between them. A `Graph` over a context's outputs gets its intermediates from ggml's graph
 allocator and a plan on a threadpool that lives as long as the process, so running it again costs one ggml compute.
-`Product` is such a graph for one matrix product, `product` one built per call.
+`Op` is such a graph for one op of a weight, `Product` one for a matrix product.
 """
 from __future__ import annotations
 
@@ -295,7 +295,27 @@ class Graph:
         self.lib.gallocr_free(self.allocator)
 
 
-class Product:
+class Op:
+    """One op of a weight and an input, computed into `out`, over memory that stays where it is, planned once:
+    `compute()` runs it again over what the input then holds. weight(ctx) places the weight in the op's context."""
+
+    def __init__(self, name: str, weight, x: torch.Tensor, out: torch.Tensor, threads: int):
+        self.ctx = Context(threads, max_tensors=4, max_nodes=2)
+        try:
+            tensor = self.ctx.op(name, weight(self.ctx), self.ctx.place(x))
+            self.graph = Graph(self.ctx, [self.ctx.place(out, tensor=tensor)])
+        except BaseException:
+            self.ctx.close()
+            raise
+        self.out = out
+        self.close = weakref.finalize(self, _close_all, self.graph, self.ctx)
+
+    def compute(self) -> torch.Tensor:
+        self.graph.compute()
+        return self.out
+
+
+class Product(Op):
     """y = x @ W.T for x [rows, in] float32 and W [out, in] in ggml blocks (uint8), planned once: `run()` reads
     `self.x` and returns `self.y`, both reused call after call."""
 
@@ -303,22 +323,20 @@ class Product:
                  threads: int, repacked: bool = False):
         """repacked: the weight copied into ggml's interleaved layout (`Context.place_repacked`); raises ValueError
         where ggml has none for its type here."""
-        self.ctx = Context(threads, max_tensors=4, max_nodes=4)
         self.weight = weight
         self.x = torch.empty(rows, in_features, dtype=torch.float32)
         self.y = torch.empty(rows, out_features, dtype=torch.float32)
         ne = (in_features, out_features)
-        w = self.ctx.place_repacked(weight, ggml_type, ne) if repacked else self.ctx.place(weight, ggml_type, ne)
-        if w is None:
-            self.ctx.close()
-            raise ValueError(f"ggml has no repacked layout for type {ggml_type} on this CPU")
-        y = self.ctx.place(self.y, tensor=self.ctx.op("mul_mat", w, self.ctx.place(self.x)))
-        self.graph = Graph(self.ctx, [y])
-        weakref.finalize(self, _close_all, self.graph, self.ctx)
+
+        def placed(ctx: Context) -> int:
+            w = ctx.place_repacked(weight, ggml_type, ne) if repacked else ctx.place(weight, ggml_type, ne)
+            if w is None:
+                raise ValueError(f"ggml has no repacked layout for type {ggml_type} on this CPU")
+            return w
+        super().__init__("mul_mat", placed, self.x, self.y, threads)
 
     def run(self) -> torch.Tensor:
-        self.graph.compute()
-        return self.y
+        return self.compute()
 
 
 def _close_all(*closables) -> None:

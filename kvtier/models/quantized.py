@@ -121,16 +121,11 @@ def concatenated(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
 def weight_op(op: str, weight: GgmlWeight, x: torch.Tensor, out: torch.Tensor, threads: int) -> torch.Tensor:
     """One ggml op of a weight and x, computed into out on ggml's threadpool of `threads`, through a graph built
     for this call."""
-    ctx = ggml.Context(threads, max_tensors=4, max_nodes=2)
+    planned = ggml.Op(op, weight.placed, x, out, threads)
     try:
-        graph = ggml.Graph(ctx, [ctx.place(out, tensor=ctx.op(op, weight.placed(ctx), ctx.place(x)))])
-        try:
-            graph.compute()
-        finally:
-            graph.close()
+        return planned.compute()
     finally:
-        ctx.close()
-    return out
+        planned.close()
 
 
 @functools.cache
