@@ -238,6 +238,33 @@ def test_prompt_rows_multiply_by_dequantized_weights_in_the_chosen_dtype(monkeyp
     assert (error > 1e-5) == (dtype == torch.bfloat16)      # bfloat16's rounding shows: the product took that dtype
 
 
+def test_prompt_rows_dequantize_through_ops_planned_once(monkeypatch):
+    """Each slice a prompt product dequantizes has its ggml op planned at the first product and run again after:
+    the same rows as `rows` gives, product after product."""
+    monkeypatch.setattr("kvtier.models.quantized.DEQUANTIZED_BYTES", 100 * 64 * 4)     # 3 slices of 100 rows
+    weight = quantize(torch.randn(300, 64), Q.Q4_1)
+    x = torch.randn(5, 64)
+    first = dequantized_product(weight, x)
+    plans = dict(weight.plans)
+    assert len(plans) == 3
+    assert torch.equal(dequantized_product(weight, x), first) and weight.plans == plans
+    assert torch.equal(weight.dequantize(100, torch.empty(100, 64)), weight.rows(torch.arange(100, 200)))
+
+
+def test_a_row_that_multiplies_alone_multiplies_once(monkeypatch):
+    """A cached prompt's last token, the only row and alone, is multiplied once, by itself (as among other rows)."""
+    weight, x = quantize(torch.randn(64, 64), Q.Q4_1), torch.randn(3, 64)
+    calls = []
+    product = quantized.many_rows_product(torch.float32)
+    monkeypatch.setattr(quantized, "many_rows_product", lambda dtype: lambda a, w, b: calls.append(len(a)) or
+                        product(a, w, b))
+    among = dequantized_product(weight, x, alone=torch.tensor([False, False, True]))
+    assert calls == [3, 1]
+    calls.clear()
+    assert torch.equal(dequantized_product(weight, x[2:], alone=torch.tensor([True]))[0], among[2])
+    assert calls == [1]
+
+
 def test_a_prompt_product_runs_in_and_out_of_inference_mode(monkeypatch):
     """The reused buffers, made under inference mode, are written in place out of it too (a bfloat16 product
     copies its dequantized slice into its own)."""
