@@ -210,7 +210,8 @@ class ModelRunner:
         rows = [row for i in sampled for row in out_rows[i]]
         logits = [torch.zeros(1, self.model.config.vocab_size, device=hidden.device)] * len(batch.seqs)
         if rows:
-            computed = self.model.logits(hidden[rows])
+            alone = torch.tensor([row in meta.alone_rows for row in rows], dtype=torch.bool)
+            computed = self.model.logits(hidden[rows], alone)
             for i, part in zip(sampled, computed.split([len(out_rows[i]) for i in sampled])):
                 logits[i] = part
         return logits, queries

@@ -288,8 +288,10 @@ class Decoder(nn.Module):
                 meta.features[len(self.model.layers) - 1] = x
             return x
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, vocab] in float32. Every row is a decode row to the LM head: quantized weights multiply a prompt's
-        last row through their blocks too, never dequantizing the whole head for one row."""
-        with decoding(torch.ones(len(hidden), dtype=torch.bool)):
+    def logits(self, hidden: torch.Tensor, alone: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, vocab] in float32. alone (bool [rows]): the rows of a prompt's last token (`decoding`); the others
+        are decode rows to the LM head. Quantized weights multiply either through their blocks, never dequantizing
+        the whole head for a row."""
+        decode = torch.ones(len(hidden), dtype=torch.bool) if alone is None else ~alone
+        with decoding(decode, alone):
             return self.lm_head(hidden).float()

@@ -23,6 +23,7 @@ _I, _I64, _F, _SZ, _B = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_s
 # struct ggml_threadpool_params: bool cpumask[GGML_MAX_N_THREADS = 512]; int n_threads; enum prio; uint32_t poll; ...
 _POLL_OFFSET = 512 + 4 + 4
 F32, F16, I32, I64 = 0, 1, 26, 27           # ggml_type numbers (GGUF's numbering) of the plain types
+Q8_0, Q8_1, Q8_K = 8, 9, 15                # the 8-bit types ggml rounds activations to for its products
 ROPE_NEOX = 2                               # Hugging Face's rotate_half layout
 TORCH_TYPES = {torch.float32: F32, torch.float16: F16, torch.int32: I32, torch.int64: I64}
 _LOG_WARN, _LOG_ERROR = 3, 4                # enum ggml_log_level: NONE, DEBUG, INFO, WARN, ERROR, CONT
@@ -44,6 +45,10 @@ class _InitParams(ctypes.Structure):
 class _CPlan(ctypes.Structure):     # ggml-cpu.h, struct ggml_cplan
     _fields_ = [("work_size", _SZ), ("work_data", _P), ("n_threads", _I), ("threadpool", _P),
                 ("abort_callback", _P), ("abort_callback_data", _P), ("use_ref", _B)]
+
+
+class _TypeTraitsCpu(ctypes.Structure):    # ggml-cpu.h, struct ggml_type_traits_cpu
+    _fields_ = [("from_float", _P), ("vec_dot", _P), ("vec_dot_type", _I), ("nrows", _I64)]
 
 
 class _TensorHead(ctypes.Structure):   # the fields of ggml.h's struct ggml_tensor up to `extra`
@@ -78,6 +83,7 @@ _FUNCTIONS = {
     "!ggml_backend_reg_get_proc_address": (_P, [_P, ctypes.c_char_p]),
     "!ggml_backend_buft_alloc_buffer": (_P, [_P, _SZ]), "!ggml_backend_buft_get_alloc_size": (_SZ, [_P, _P]),
     "!ggml_backend_buffer_get_base": (_P, [_P]), "!ggml_backend_tensor_set": (None, [_P, _P, _SZ, _SZ]),
+    "!ggml_get_type_traits_cpu": (ctypes.POINTER(_TypeTraitsCpu), [_I]),
 }
 
 
@@ -134,6 +140,12 @@ def quantize(weight: torch.Tensor, ggml_type: int, threads: int = 1) -> torch.Te
     out = torch.empty(rows, g.row_size(ggml_type, cols), dtype=torch.uint8)
     g.quantize_chunk(ggml_type, src.data_ptr(), out.data_ptr(), 0, rows, cols, None)
     return out
+
+
+@functools.cache
+def activation_type(ggml_type: int) -> int:
+    """The type ggml's CPU products over weights of `ggml_type` round activations to first (Q8_0, Q8_1, Q8_K)."""
+    return lib(1).get_type_traits_cpu(ggml_type).contents.vec_dot_type
 
 
 @functools.cache
@@ -307,7 +319,7 @@ class Op:
         except BaseException:
             self.ctx.close()
             raise
-        self.out = out
+        self.x, self.out = x, out
         self.close = weakref.finalize(self, _close_all, self.graph, self.ctx)
 
     def compute(self) -> torch.Tensor:

@@ -16,11 +16,18 @@ does not change with the traffic beside it:
   on CPU in bfloat16 where the CPU has bfloat16 dot products (AVX512-BF16, AMX; `products.dequantized_dtype`),
   else in float32. torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0
   kernels (the wheel's AVX2 build; Q4_K about even; `kvtier bench kernels`), its bfloat16 product about 2x faster
-  again: prefill 1.13-1.23x as fast as with float32 weights on a 2-core EPYC (two runs).
-`Decoder.forward` says which rows decode (`decoding`); rows outside it are prompt rows. On CPU the decode rows'
-quantized activations and the prompt rows' bfloat16 round differently from float32's, so greedy output can differ
-from float32 weights' where two tokens nearly tie, and a prompt whose last tokens were computed in another chunk (a
-prefix cache hit) can differ likewise.
+  again: prefill 1.13-1.23x as fast as with float32 weights on a 2-core EPYC (two runs);
+- a prompt's last token, on CPU (the row its first token is sampled from, which runs alone, cached or not): over
+  the blocks to about float32's precision (`GgmlWeight.precise_product`: the row and what its 8-bit rounding left
+  out, two rows through ggml's product), in the layers and the LM head. A fully cached prompt dequantizes no weight:
+  a 1024-token one's first token came 1.7-2.3x sooner than dequantizing every weight for its one row, and its
+  first-token logits sit 0.07-0.12% of the largest from the dequantized weights' (1.0-1.2% with the LM head's
+  activations in 8 bits, as decode rows have them; a whole row in 8 bits, 2.5%, turned the bundled model's answer
+  to "What is the capital of France?" away from Paris).
+`Decoder.forward` says which rows decode and which are a prompt's last token (`decoding`); the others are prompt
+rows. On CPU the decode rows' quantized activations and the prompt rows' bfloat16 round differently from
+float32's, so greedy output can differ from float32 weights' where two tokens nearly tie, and a prompt whose last
+tokens were computed in another chunk (a prefix cache hit) can differ likewise.
 """
 from __future__ import annotations
 
@@ -44,11 +51,18 @@ from kvtier.models.packed import PackedWeight
 from kvtier.models.products import dequantized_dtype, many_rows_product
 
 DEQUANTIZED_BYTES = 64 << 20     # the most weight a prompt row's product dequantizes at once, in x's dtype
-# (decode rows, prompt rows that multiply alone or None): bool [rows] each (`decoding`)
-_DECODE_ROWS: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("decode_rows", default=None)
+_ROLES: contextvars.ContextVar[_Roles | None] = contextvars.ContextVar("roles", default=None)   # `decoding`
 # `--quantize`: the block type of every projection; embeddings and the LM head take Q8_0 in both
 QUANTIZE_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+@dataclass(frozen=True)
+class _Roles:
+    """Which rows of a forward's inputs take which product (`decoding`), found once for all its projections."""
+    decode: torch.Tensor | None         # decode rows' indices, None where there are none
+    alone: torch.Tensor | None          # a prompt's last token's rows
+    prompt: bool                        # whether any row is another prompt row
 
 
 class GgmlWeight:
@@ -64,6 +78,24 @@ class GgmlWeight:
         return weight_op("mul_mat", self, ggml.aligned(x), x.new_empty(x.shape[0], self.out_features),
                          torch.get_num_threads())
 
+    def precise_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] float32 @ weight.T over the blocks, to about float32's precision: ggml rounds
+        activations to 8 bits a block, so each row goes as two, its 8-bit rounding (which ggml then takes exactly)
+        and what that rounding left out, whose products add up. ~1e-4 of the largest output from the dequantized
+        weight's product, against ~1e-2 for one row in 8 bits, at ~1.2x a decode row's cost and never the whole
+        weight dequantized. Through an op planned once per row count and kept (`plans`): the products a prompt's
+        last token takes forward after forward."""
+        rounded = _rounded_to_8_bits(x, self.ggml_type)
+        key = ("mul_mat", 2 * len(x))
+        if key not in self.plans:
+            with torch.inference_mode(False):      # memory written in place in inference mode and out of it
+                self.plans[key] = ggml.Op("mul_mat", self.placed, torch.empty(2 * len(x), self.in_features),
+                                          torch.empty(2 * len(x), self.out_features), torch.get_num_threads())
+        op = self.plans[key]
+        torch.cat([rounded, x - rounded], out=op.x)
+        y = op.compute()
+        return y[:len(x)] + y[len(x):]
+
     def dequantized(self) -> torch.Tensor:
         """The whole weight in float32 (at load, on torch's threads)."""
         return self.rows(torch.arange(self.out_features), threads=torch.get_num_threads())
@@ -76,8 +108,9 @@ class QuantizedWeight(GgmlWeight):
     blocks: torch.Tensor
     ggml_type: int
     in_features: int
-    # dequantize's ops, planned once per slice of rows and memory they write: (first row, rows, out's address)
-    plans: dict[tuple[int, int, int], ggml.Op] = field(default_factory=dict, repr=False, compare=False)
+    # ops planned once and kept: dequantize's per slice of rows and memory they write (first row, rows, out's
+    # address), precise_product's per row count ("mul_mat", rows)
+    plans: dict[tuple, ggml.Op] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def out_features(self) -> int:
@@ -109,6 +142,26 @@ class QuantizedWeight(GgmlWeight):
             ids = torch.arange(first, first + len(out), dtype=torch.int32)
             self.plans[key] = ggml.Op("get_rows", self.placed, ids, out, threads=1)
         return self.plans[key].compute()
+
+
+def _rounded_to_8_bits(x: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """x [rows, in_features] as ggml's products over blocks of `ggml_type` round activations first, in values that
+    round to themselves again there (a block's largest magnitude is exactly 127 times its scale):
+    - Q8_0, Q8_1 (for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): blocks of 32, a float16 scale of the largest magnitude / 127;
+    - Q8_K (for the K-quants): blocks of 256, a float32 scale of the value of the largest magnitude / -127."""
+    kind = ggml.activation_type(ggml_type)
+    if kind == ggml.Q8_K:
+        blocks = x.view(len(x), -1, 256)
+        largest = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+        inverse = torch.where(largest != 0, -127 / largest, 0)
+        steps = torch.round(blocks * inverse).clamp(max=127)
+        return (steps * torch.where(inverse != 0, 1 / inverse, 0)).view_as(x)
+    if kind not in (ggml.Q8_0, ggml.Q8_1):
+        raise ValueError(f"no 8-bit rounding known for ggml type {ggml_type}'s activations")
+    blocks = x.view(len(x), -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True).div_(127)
+    steps = blocks.div(scale).nan_to_num_(0).round_()      # a block of zeros: 0 / 0
+    return steps.mul_(scale.half().float()).view_as(x)
 
 
 def quantize(weight: torch.Tensor, ggml_type: int) -> QuantizedWeight:
@@ -158,11 +211,10 @@ def prompt_dtype(dtype: torch.dtype, device_type: str = "cpu") -> torch.dtype:
 
 
 def dequantized_product(weight: QuantizedWeight | PackedWeight | Int4PackWeight, x: torch.Tensor,
-                        dtype: torch.dtype | None = None, alone: torch.Tensor | None = None) -> torch.Tensor:
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [rows, in_features] @ weight.T, returned in x's dtype, the weight dequantized DEQUANTIZED_BYTES at a time
     (an LM head of 128K rows would take 2 GB at once). dtype: what the product multiplies in, by default
-    `prompt_dtype` (`kvtier bench kernels` sets it); alone (bool [rows]): rows multiplied one at a time, each as
-    it would be the only row (`decoding`)."""
+    `prompt_dtype` (`kvtier bench kernels` sets it)."""
     cpu = x.device.type == "cpu"
     if dtype is None:
         dtype = prompt_dtype(x.dtype, x.device.type)
@@ -172,18 +224,13 @@ def dequantized_product(weight: QuantizedWeight | PackedWeight | Int4PackWeight,
     copy = _dequantized_buffer(x.device, dtype, elements) if dtype != x.dtype else None
     multiply = many_rows_product(dtype) if cpu else F.linear
     xs = x.to(dtype)
-    lone = [] if alone is None else alone.nonzero().flatten().tolist()
     slices = []
     for a in range(0, weight.out_features, step):
         n = min(step, weight.out_features - a)
         w = _dequantized_slice(weight, a, buffer[:n * weight.in_features].view(n, weight.in_features))
         if copy is not None:
             w = copy[:w.numel()].view_as(w).copy_(w)
-        # rows that multiply alone only (a cached prompt's last token) skip the product of all rows
-        y = multiply(xs, w, None) if len(lone) < len(xs) else xs.new_empty(len(xs), n)
-        for row in lone:
-            y[row] = multiply(xs[row:row + 1], w, None)[0]
-        slices.append(y)
+        slices.append(multiply(xs, w, None))
     return _joined(slices).to(x.dtype)
 
 
@@ -204,13 +251,16 @@ def _joined(ys: list[torch.Tensor]) -> torch.Tensor:
 @contextlib.contextmanager
 def decoding(rows: torch.Tensor, alone: torch.Tensor | None = None):
     """Within it, the rows of the products' inputs marked True in `rows` (bool [rows]) are decode rows, and those
-    marked in `alone` prompt rows that multiply one at a time (a prompt's last token, cached or not: a one-row product
-    rounds otherwise than a chunk's in bfloat16, so warm equals cold only if cold multiplies it alone too)."""
-    token = _DECODE_ROWS.set((rows, alone))
+    marked in `alone` a prompt's last token (on CPU, which runs it alone, cached or not: runner.py), which ggml's
+    weights multiply to about float32's precision over their blocks (`GgmlWeight.precise_product`); the others
+    are prompt rows."""
+    alone = torch.zeros_like(rows) if alone is None else alone
+    token = _ROLES.set(_Roles(rows.nonzero().flatten() if rows.any() else None,
+                              alone.nonzero().flatten() if alone.any() else None, not (rows | alone).all()))
     try:
         yield
     finally:
-        _DECODE_ROWS.reset(token)
+        _ROLES.reset(token)
 
 
 class QuantizedLinear(nn.Module):
@@ -226,23 +276,28 @@ class QuantizedLinear(nn.Module):
         self.out_features = sum(p.out_features for p in parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        decode, alone = _DECODE_ROWS.get() or (None, None)
-        if decode is None or not decode.any():
-            y = self._dequantized_product(x, alone)
-        elif decode.all():
-            y = self._quantized_product(x)
+        roles = _ROLES.get() or _Roles(None, None, True)
+        others = [(rows, product) for rows, product in ((roles.decode, self._quantized_product),
+                                                        (roles.alone, self._precise_product)) if rows is not None]
+        if len(others) == 1 and not roles.prompt:
+            y = others[0][1](x)
         else:
-            decode = decode.to(x.device)
-            y = x.new_empty(x.shape[0], self.out_features)
-            y[decode] = self._quantized_product(x[decode])
-            y[~decode] = self._dequantized_product(x[~decode], None if alone is None else alone[~decode])
+            # prompt rows' product over every row, the other rows' put in its place: a few rows more is cheaper
+            # than gathering a chunk's rows and scattering their products (~1 ms a projection)
+            y = self._dequantized_product(x) if roles.prompt else x.new_empty(len(x), self.out_features)
+            for rows, product in others:
+                rows = rows.to(x.device)
+                y[rows] = product(x[rows])
         return y if self.bias is None else y + self.bias
 
     def _quantized_product(self, x: torch.Tensor) -> torch.Tensor:
         return _joined([p.product(x) for p in self.parts])
 
-    def _dequantized_product(self, x: torch.Tensor, alone: torch.Tensor | None) -> torch.Tensor:
-        return _joined([dequantized_product(p, x, alone=alone) for p in self.parts])
+    def _precise_product(self, x: torch.Tensor) -> torch.Tensor:
+        return _joined([p.precise_product(x) for p in self.parts])
+
+    def _dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
+        return _joined([dequantized_product(p, x) for p in self.parts])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
