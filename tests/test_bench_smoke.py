@@ -136,3 +136,18 @@ def test_the_cuda_kernel_candidates_multiply_as_the_dense_product():
         error = (products[0](x) - want).abs().max() / want.abs().max()
         assert error < (0.2 if "Q4" in name else 0.05), name
         assert 0 < nbytes <= weights[0].numel() * 4
+
+
+def test_every_benchmark_runs_from_the_cli():
+    """`kvtier bench NAME` reaches every benchmark module with a main (the README names them so)."""
+    import pkgutil
+    import subprocess
+    import sys
+    import kvtier.bench
+    from kvtier.cli import BENCHMARKS
+    runnable = {m.name for m in pkgutil.iter_modules(kvtier.bench.__path__)
+                if "\ndef main(" in open(f"{kvtier.bench.__path__[0]}/{m.name}.py").read()}
+    assert runnable == set(BENCHMARKS)
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "spec", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "kvtier bench spec" in done.stdout, done.stderr

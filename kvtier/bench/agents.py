@@ -212,7 +212,8 @@ def render(sessions: dict[str, Session], args: argparse.Namespace, command: str)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="kvtier bench agents", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--agents", default=",".join(SHELL_TOOLS), help="comma-separated, of " + ", ".join(SHELL_TOOLS))
     p.add_argument("--max-model-len", type=int, default=65536, help="the agents' own prompts are 7-18K tokens")
     add_model_args(p)

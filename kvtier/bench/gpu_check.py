@@ -143,7 +143,8 @@ def render(results: list[dict], machine: str, command: str, heading: str) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="kvtier bench gpu_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--report", default="gpu-check.md", help="the report file (default: %(default)s)")
     p.add_argument("--dry", action="store_true", help="on CPU at toy sizes: checks that the check works")
     p.add_argument("--workers", type=int, default=WORKERS, help="processes the suite on CUDA spreads over (0: one, "

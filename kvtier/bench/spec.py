@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="kvtier bench spec", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_device_args(p)
     add_output_args(p)
