@@ -14,7 +14,7 @@ import sys
 log = logging.getLogger("kvtier")
 
 # kvtier bench NAME → kvtier.bench.NAME.main(argv)
-BENCHMARKS = ("throughput", "ttft", "niah", "itl", "stall", "kernels", "spec", "agents", "gpu_check")
+BENCHMARKS = ("throughput", "turns", "ttft", "niah", "itl", "stall", "kernels", "spec", "agents", "gpu_check")
 KEEP_ALIVE_SECONDS = 75     # how long an idle HTTP connection stays open (uvicorn: 5 s)
 
 

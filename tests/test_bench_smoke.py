@@ -151,3 +151,14 @@ def test_every_benchmark_runs_from_the_cli():
     done = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "spec", "--help"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "kvtier bench spec" in done.stdout, done.stderr
+
+
+def test_turns_bench_times_each_kind_of_turn(tmp_path):
+    """The bundled GGUF: kvtier beside kvtier float32 (and llama.cpp where its wheel is installed), each turn's cached
+    tokens as the prefix cache should hold them."""
+    from kvtier.bench import turns
+    out = tmp_path / "BENCHMARKS.md"
+    turns.main(["--context", "64", "--cold", "32", "--new", "4", "--repeats", "1", "--output", str(out)])
+    text = out.read_text()
+    assert "| turn (time to first token, ms) | kvtier | kvtier float32 |" in text
+    assert "| 0 / 32 |" in text and "| 63 / 64 |" in text and "| 64 / 68 |" in text

@@ -50,16 +50,27 @@ class LlamaCpp:
 
     def prefill(self, prompt: list[int]) -> float:
         """Seconds to the first token of a prompt, in an empty cache."""
+        return self.turn([], prompt)
+
+    def turn(self, cached: list[int], new: list[int]) -> float:
+        """Seconds to the first token of `new` tokens after `cached` ones already in its cache (computed first,
+        untimed), as llama.cpp's server answers a turn whose prefix it kept (a prompt it holds whole: its last token
+        again)."""
         self.context.kv_cache_clear()
-        step = self.context._n_ubatch
+        self._run(cached, 0)
         start = time.perf_counter()
-        for a in range(0, len(prompt), step):
-            chunk = prompt[a:a + step]
-            last = a + step >= len(prompt)
-            self._decode(chunk, list(range(a, a + len(chunk))), [0] * len(chunk),
-                         [last and i == len(chunk) - 1 for i in range(len(chunk))])
+        self._run(new, len(cached))
         self._argmax(-1)
         return time.perf_counter() - start
+
+    def _run(self, tokens: list[int], first: int) -> None:
+        """tokens at positions first.. of sequence 0, in llama.cpp's micro-batches, logits for the last one."""
+        step = self.context._n_ubatch
+        for a in range(0, len(tokens), step):
+            chunk = tokens[a:a + step]
+            last = a + step >= len(tokens)
+            self._decode(chunk, list(range(first + a, first + a + len(chunk))), [0] * len(chunk),
+                         [last and i == len(chunk) - 1 for i in range(len(chunk))])
 
     def decode(self, prompts: list[list[int]], num_tokens: int) -> float:
         """Tokens/s of greedy decoding of every prompt at once, after each prompt's first token."""
