@@ -30,7 +30,7 @@ from kvtier.models.products import Linear, many_rows_product
 from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight, dequantized_product,
                                      model_weight_bytes, prompt_dtype, quantize)
 from kvtier.models import ggml, quantized
-from kvtier.models.repacked import RepackedWeight
+from kvtier.models.repacked import RepackedWeight, repacked
 
 pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
 
@@ -264,6 +264,16 @@ def test_a_prompts_last_token_multiplies_over_the_blocks_about_as_precisely_as_f
     error, eight_bit = ((y.double() - want).abs().max() / want.abs().max() for y in (precise, weight.product(x)))
     assert error <= 1e-3 and error * 20 <= eight_bit, (error, eight_bit)
     assert all(torch.equal(weight.precise_product(x[i:i + 1])[0], precise[i]) for i in range(len(x)))
+
+
+def test_a_repacked_weight_multiplies_a_prompts_last_token_as_its_file_layout():
+    generator = torch.Generator().manual_seed(2)
+    weight = quantize(torch.randn(64, 256, generator=generator), Q.Q4_0)
+    packed = repacked(weight)
+    if not isinstance(packed, RepackedWeight):
+        pytest.skip("ggml has no interleaved Q4_0 layout on this CPU")
+    x = torch.randn(2, 256, generator=generator)
+    assert torch.allclose(packed.precise_product(x), weight.precise_product(x), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)

@@ -82,15 +82,16 @@ class GgmlWeight:
         """x [rows, in_features] float32 @ weight.T over the blocks, to about float32's precision: ggml rounds
         activations to 8 bits a block, so each row goes as two, its 8-bit rounding (which ggml then takes exactly)
         and what that rounding left out, whose products add up. ~1e-4 of the largest output from the dequantized
-        weight's product, against ~1e-2 for one row in 8 bits, at ~1.2x a decode row's cost and never the whole
-        weight dequantized. Through an op planned once per row count and kept (`plans`): the products a prompt's
-        last token takes forward after forward."""
+        weight's product, against ~1e-2 for one row in 8 bits, in 1.2-1.7x the time of one row's product (the
+        bundled model's projections) and never the whole weight dequantized. Through an op planned once per row
+        count and threads and kept (`plans`): the products a prompt's last token takes forward after forward."""
         rounded = _rounded_to_8_bits(x, self.ggml_type)
-        key = ("mul_mat", 2 * len(x))
+        threads = torch.get_num_threads()
+        key = ("mul_mat", 2 * len(x), threads)
         if key not in self.plans:
             with torch.inference_mode(False):      # memory written in place in inference mode and out of it
                 self.plans[key] = ggml.Op("mul_mat", self.placed, torch.empty(2 * len(x), self.in_features),
-                                          torch.empty(2 * len(x), self.out_features), torch.get_num_threads())
+                                          torch.empty(2 * len(x), self.out_features), threads)
         op = self.plans[key]
         torch.cat([rounded, x - rounded], out=op.x)
         y = op.compute()
@@ -109,7 +110,7 @@ class QuantizedWeight(GgmlWeight):
     ggml_type: int
     in_features: int
     # ops planned once and kept: dequantize's per slice of rows and memory they write (first row, rows, out's
-    # address), precise_product's per row count ("mul_mat", rows)
+    # address), precise_product's per row count and threads ("mul_mat", rows, threads)
     plans: dict[tuple, ggml.Op] = field(default_factory=dict, repr=False, compare=False)
 
     @property
