@@ -48,7 +48,7 @@ from torch import nn
 from kvtier.models import ggml
 from kvtier.models.int4pack import Int4PackWeight
 from kvtier.models.packed import PackedWeight
-from kvtier.models.products import dequantized_dtype, many_rows_product
+from kvtier.models.products import cached_weight_product, dequantized_dtype
 
 DEQUANTIZED_BYTES = 64 << 20     # the most weight a prompt row's product dequantizes at once, in x's dtype
 _ROLES: contextvars.ContextVar[_Roles | None] = contextvars.ContextVar("roles", default=None)   # `decoding`
@@ -223,7 +223,7 @@ def dequantized_product(weight: QuantizedWeight | PackedWeight | Int4PackWeight,
     step = max(1, elements // weight.in_features)
     buffer = _dequantized_buffer(x.device, x.dtype, elements)
     copy = _dequantized_buffer(x.device, dtype, elements) if dtype != x.dtype else None
-    multiply = many_rows_product(dtype) if cpu else F.linear
+    multiply = cached_weight_product(dtype, len(x)) if cpu else F.linear
     xs = x.to(dtype)
     slices = []
     for a in range(0, weight.out_features, step):
