@@ -20,7 +20,7 @@ does not change with the traffic beside it:
 - a prompt's last token, on CPU (the row its first token is sampled from, which runs alone, cached or not): over
   the blocks to about float32's precision (`GgmlWeight.precise_product`: the row and what its 8-bit rounding left
   out, two rows through ggml's product), in the layers and the LM head. A fully cached prompt dequantizes no weight:
-  a 1024-token one's first token came 1.7-2.3x sooner than dequantizing every weight for its one row, and its
+  a 1024-token one's first token came 1.9-2.6x sooner than dequantizing every weight for its one row, and its
   first-token logits sit 0.07-0.12% of the largest from the dequantized weights' (1.0-1.2% with the LM head's
   activations in 8 bits, as decode rows have them; a whole row in 8 bits, 2.5%, turned the bundled model's answer
   to "What is the capital of France?" away from Paris).
