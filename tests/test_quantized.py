@@ -573,6 +573,27 @@ def test_a_cached_prompt_answers_as_a_computed_one():
     assert first["warm"] == (first["cold"][0], len(ids) - 1) and first["cold"][1] == 0
 
 
+def test_a_bounded_prompts_last_token_multiplies_precisely_cold_and_warm(monkeypatch):
+    """Under bounded residency a prompt's last token is computed inside its chunk cold, alone warm: both times its
+    products are the precise ones, in the layers and the LM head."""
+    engine = LLMEngine(Config(device="cpu", kv_pool_tokens=4096, kv_disk=False, kv_host_gib=1,
+                              kv_resident_tokens=2048))
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story."}])
+    rows, precise = [], quantized.GgmlWeight.precise_product
+    monkeypatch.setattr(quantized.GgmlWeight, "precise_product", lambda self, x: rows.append(len(x)) or
+                        precise(self, x))
+    per_run = []
+    for run in ("cold", "warm"):
+        rows.clear()
+        engine.add_request(run, ids, SamplingParams(max_tokens=1, temperature=0))
+        while engine.has_unfinished():
+            engine.step()
+        per_run.append(list(rows))
+    layers = engine.model.config.num_layers
+    assert per_run[0] == per_run[1] == [1] * (4 * layers + 1)     # q/k/v, o, gate/up, down per layer; the head
+    engine.shutdown()
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("products", ["float32", "bfloat16"])
 def test_a_prompts_last_token_computes_the_same_bits_warm_and_cold(monkeypatch, products):

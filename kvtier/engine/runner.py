@@ -73,7 +73,7 @@ class ModelRunner:
         a verify step's every row. capture[i]: how many of sequence i's last rows should hand back their
         queries."""
         token_ids, positions, slot_mapping, prefills, out_rows, capture_rows = [], [], [], [], [], []
-        decode_rows, decode_runs, generated_rows, verify, alone_rows = [], [], [], [], []
+        decode_rows, decode_runs, generated_rows, verify, alone_rows, last_prompt_rows = [], [], [], [], [], []
         bounded = []      # (prompt chunk, its sequence's KV state, its blocks before it): it attends to paged-out ones
         row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
@@ -88,6 +88,7 @@ class ModelRunner:
                     generated_rows += range(row, row + n)
                 elif n == 1 and self.device.type == "cpu":      # a cached prompt's last token
                     alone_rows.append(row)
+                    last_prompt_rows.append(row)
                 decode_runs += [slot_runs(table, start + j + 1, self.pool.block_size) for j in range(n)]
                 if n > 1:
                     verify.append((len(decode_rows) - n, n, slot_runs(table, start, self.pool.block_size)))
@@ -102,6 +103,8 @@ class ModelRunner:
                     decode_rows.append(row + n - 1)
                     decode_runs.append(slot_runs(table, end, self.pool.block_size))
                     alone_rows.append(row + n - 1)
+                if self.device.type == "cpu" and end >= len(seq.token_ids):     # alone or not (a bounded sequence's)
+                    last_prompt_rows.append(row + n - 1)
                 if seq.kv.residency and start > 0:
                     bounded.append((prefills[-1], seq.kv, table[:start // self.pool.block_size]))
             row += n
@@ -118,6 +121,7 @@ class ModelRunner:
             decode=DecodeGroup(decode_rows, decode_runs, verify=verify) if decode_rows else None,
             generated_rows=generated_rows,
             alone_rows=alone_rows,
+            last_prompt_rows=last_prompt_rows,
             capture_rows=to_device(torch.tensor(capture_rows, dtype=torch.long), self.device) if capture_rows else None,
             block_size=self.pool.block_size,
         )
@@ -210,8 +214,8 @@ class ModelRunner:
         rows = [row for i in sampled for row in out_rows[i]]
         logits = [torch.zeros(1, self.model.config.vocab_size, device=hidden.device)] * len(batch.seqs)
         if rows:
-            alone = torch.tensor([row in meta.alone_rows for row in rows], dtype=torch.bool)
-            computed = self.model.logits(hidden[rows], alone)
+            last = torch.tensor([row in meta.last_prompt_rows for row in rows], dtype=torch.bool)
+            computed = self.model.logits(hidden[rows], last)
             for i, part in zip(sampled, computed.split([len(out_rows[i]) for i in sampled])):
                 logits[i] = part
         return logits, queries

@@ -109,9 +109,13 @@ class AttentionMetadata:
     # rows of tokens the model generated, as opposed to prompt tokens (a cached prompt's last token also runs as a
     # one-token decode): quantized weights multiply them as decodes (quantized.py)
     generated_rows: list[int] = field(default_factory=list)
-    # on CPU, rows of a prompt's last token, cached or not: each attends alone, as a decode over the pool after its
-    # chunk's K/V is written, and multiplies alone (quantized.py), so that it computes the same bits warm and cold
+    # on CPU, rows of a prompt's last token, cached or not (but a bounded sequence's computed in its chunk): each
+    # attends alone, as a decode over the pool after its chunk's K/V is written, so that it computes the same bits
+    # warm and cold
     alone_rows: list[int] = field(default_factory=list)
+    # on CPU, rows of a prompt's last token, alone or not: quantized weights multiply them to about float32's
+    # precision (quantized.py, `decoding`)
+    last_prompt_rows: list[int] = field(default_factory=list)
     captured: list[torch.Tensor] = field(default_factory=list)   # per layer [len(capture_rows), H, D]
     feature_layers: tuple[int, ...] = ()       # layers whose outputs a drafter reads (DFlash)
     features: dict[int, torch.Tensor] = field(default_factory=dict)   # such a layer → its output rows [T, hidden]

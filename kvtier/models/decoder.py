@@ -271,11 +271,11 @@ class Decoder(nn.Module):
                 ) -> torch.Tensor:
         decode_rows = torch.zeros(len(token_ids), dtype=torch.bool)
         decode_rows[meta.generated_rows] = True
-        alone = None
-        if meta.alone_rows:
-            alone = torch.zeros(len(token_ids), dtype=torch.bool)
-            alone[meta.alone_rows] = True
-        with decoding(decode_rows, alone):      # how quantized weights multiply each row (quantized.py)
+        last = None
+        if meta.last_prompt_rows:
+            last = torch.zeros(len(token_ids), dtype=torch.bool)
+            last[meta.last_prompt_rows] = True
+        with decoding(decode_rows, last):      # how quantized weights multiply each row (quantized.py)
             x = self.model.embed_tokens(token_ids)
             rope = self.rope(meta.positions, x.dtype)
             for i, layer in enumerate(self.model.layers):
@@ -288,10 +288,10 @@ class Decoder(nn.Module):
                 meta.features[len(self.model.layers) - 1] = x
             return x
 
-    def logits(self, hidden: torch.Tensor, alone: torch.Tensor | None = None) -> torch.Tensor:
-        """[rows, vocab] in float32. alone (bool [rows]): the rows of a prompt's last token (`decoding`); the others
+    def logits(self, hidden: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, vocab] in float32. last (bool [rows]): the rows of a prompt's last token (`decoding`); the others
         are decode rows to the LM head. Quantized weights multiply either through their blocks, never dequantizing
         the whole head for a row."""
-        decode = torch.ones(len(hidden), dtype=torch.bool) if alone is None else ~alone
-        with decoding(decode, alone):
+        decode = torch.ones(len(hidden), dtype=torch.bool) if last is None else ~last
+        with decoding(decode, last):
             return self.lm_head(hidden).float()

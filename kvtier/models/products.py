@@ -71,7 +71,9 @@ SHORT_CHUNK = 64
 
 def cached_weight_product(dtype: torch.dtype, rows: int):
     """The product of `rows` rows with a weight slice in cache: BLAS's, the weight on the left, for a short chunk
-    of float32 rows (SHORT_CHUNK), else many_rows_product. Chosen by the rows, never by a timing, as Linear's are."""
+    of float32 rows (SHORT_CHUNK), else many_rows_product. Chosen by the rows, never by a timing, as Linear's are:
+    the rows of the forward's prompt product, so a chunk beside another prompt's may take the other kernel, whose
+    sums round otherwise (float32's rounding, as oneDNN's own blocking by rows already does)."""
     if dtype != torch.float32 or rows > SHORT_CHUNK:
         return many_rows_product(dtype)
     return _weight_on_the_left

@@ -17,7 +17,7 @@ does not change with the traffic beside it:
   else in float32. torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0
   kernels (the wheel's AVX2 build; Q4_K about even; `kvtier bench kernels`), its bfloat16 product about 2x faster
   again: prefill 1.13-1.23x as fast as with float32 weights on a 2-core EPYC (two runs);
-- a prompt's last token, on CPU (the row its first token is sampled from, which runs alone, cached or not): over
+- a prompt's last token, on CPU (the row its first token is sampled from, cached or not): over
   the blocks to about float32's precision (`GgmlWeight.precise_product`: the row and what its 8-bit rounding left
   out, two rows through ggml's product), in the layers and the LM head. A fully cached prompt dequantizes no weight:
   a 1024-token one's first token came 1.9-2.6x sooner than dequantizing every weight for its one row, and its
@@ -61,8 +61,8 @@ FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizat
 class _Roles:
     """Which rows of a forward's inputs take which product (`decoding`), found once for all its projections."""
     decode: torch.Tensor | None         # decode rows' indices, None where there are none
-    alone: torch.Tensor | None          # a prompt's last token's rows
-    prompt: bool                        # whether any row is another prompt row
+    last: torch.Tensor | None           # a prompt's last token's rows
+    prompt: torch.Tensor | None         # the other prompt rows'
 
 
 class GgmlWeight:
@@ -83,19 +83,15 @@ class GgmlWeight:
         activations to 8 bits a block, so each row goes as two, its 8-bit rounding (which ggml then takes exactly)
         and what that rounding left out, whose products add up. ~1e-4 of the largest output from the dequantized
         weight's product, against ~1e-2 for one row in 8 bits, in 1.2-1.7x the time of one row's product (the
-        bundled model's projections) and never the whole weight dequantized. Through an op planned once per row
-        count and threads and kept (`plans`): the products a prompt's last token takes forward after forward."""
+        bundled model's projections) and never the whole weight dequantized. A row at a time (each comes out as it
+        would alone), through `_pair_product`."""
         rounded = _rounded_to_8_bits(x, self.ggml_type)
-        threads = torch.get_num_threads()
-        key = ("mul_mat", 2 * len(x), threads)
-        if key not in self.plans:
-            with torch.inference_mode(False):      # memory written in place in inference mode and out of it
-                self.plans[key] = ggml.Op("mul_mat", self.placed, torch.empty(2 * len(x), self.in_features),
-                                          torch.empty(2 * len(x), self.out_features), threads)
-        op = self.plans[key]
-        torch.cat([rounded, x - rounded], out=op.x)
-        y = op.compute()
-        return y[:len(x)] + y[len(x):]
+        pairs = torch.stack([rounded, x - rounded], 1)          # [rows, 2, in_features]
+        return torch.stack([self._pair_product(pair).sum(0) for pair in pairs])
+
+    def _pair_product(self, pair: torch.Tensor) -> torch.Tensor:
+        """pair [2, in_features] @ weight.T, through a graph built for the call."""
+        return self.product(pair)
 
     def dequantized(self) -> torch.Tensor:
         """The whole weight in float32 (at load, on torch's threads)."""
@@ -110,7 +106,7 @@ class QuantizedWeight(GgmlWeight):
     ggml_type: int
     in_features: int
     # ops planned once and kept: dequantize's per slice of rows and memory they write (first row, rows, out's
-    # address), precise_product's per row count and threads ("mul_mat", rows, threads)
+    # address), precise_product's per threads ("mul_mat", threads)
     plans: dict[tuple, ggml.Op] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -132,6 +128,19 @@ class QuantizedWeight(GgmlWeight):
         one)."""
         out = torch.empty(len(ids), self.in_features) if out is None else out
         return weight_op("get_rows", self, ggml.aligned(ids.to(torch.int32)), out, threads)
+
+    def _pair_product(self, pair: torch.Tensor) -> torch.Tensor:
+        """pair [2, in_features] @ weight.T through an op planned once per threads and kept: the products a prompt's
+        last token takes forward after forward (a graph built per call cost ~0.2 ms)."""
+        threads = torch.get_num_threads()
+        key = ("mul_mat", threads)
+        if key not in self.plans:
+            with torch.inference_mode(False):      # memory written in place in inference mode and out of it
+                self.plans[key] = ggml.Op("mul_mat", self.placed, torch.empty(2, self.in_features),
+                                          torch.empty(2, self.out_features), threads)
+        op = self.plans[key]
+        op.x.copy_(pair)
+        return op.compute()
 
     def dequantize(self, first: int, out: torch.Tensor) -> torch.Tensor:
         """Rows first.. of the weight dequantized into out (float32 [rows, in_features]), on one thread (`rows`),
@@ -250,14 +259,13 @@ def _joined(ys: list[torch.Tensor]) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def decoding(rows: torch.Tensor, alone: torch.Tensor | None = None):
+def decoding(rows: torch.Tensor, last: torch.Tensor | None = None):
     """Within it, the rows of the products' inputs marked True in `rows` (bool [rows]) are decode rows, and those
-    marked in `alone` a prompt's last token (on CPU, which runs it alone, cached or not: runner.py), which ggml's
-    weights multiply to about float32's precision over their blocks (`GgmlWeight.precise_product`); the others
-    are prompt rows."""
-    alone = torch.zeros_like(rows) if alone is None else alone
-    token = _ROLES.set(_Roles(rows.nonzero().flatten() if rows.any() else None,
-                              alone.nonzero().flatten() if alone.any() else None, not (rows | alone).all()))
+    marked in `last` a prompt's last token (on CPU, cached or not: runner.py), which ggml's weights multiply to
+    about float32's precision over their blocks (`GgmlWeight.precise_product`); the others are prompt rows."""
+    last = torch.zeros_like(rows) if last is None else last
+    token = _ROLES.set(_Roles(*(mask.nonzero().flatten() if mask.any() else None
+                                for mask in (rows, last, ~(rows | last)))))
     try:
         yield
     finally:
@@ -277,18 +285,26 @@ class QuantizedLinear(nn.Module):
         self.out_features = sum(p.out_features for p in parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        roles = _ROLES.get() or _Roles(None, None, True)
-        others = [(rows, product) for rows, product in ((roles.decode, self._quantized_product),
-                                                        (roles.alone, self._precise_product)) if rows is not None]
-        if len(others) == 1 and not roles.prompt:
-            y = others[0][1](x)
-        else:
-            # prompt rows' product over every row, the other rows' put in its place: a few rows more is cheaper
-            # than gathering a chunk's rows and scattering their products (~1 ms a projection)
-            y = self._dequantized_product(x) if roles.prompt else x.new_empty(len(x), self.out_features)
-            for rows, product in others:
-                rows = rows.to(x.device)
-                y[rows] = product(x[rows])
+        roles = _ROLES.get()
+        if roles is None:
+            return self._with_bias(self._dequantized_product(x))
+        products = [(rows, product) for rows, product in ((roles.decode, self._quantized_product),
+                                                          (roles.last, self._precise_product),
+                                                          (roles.prompt, self._dequantized_product))
+                    if rows is not None]
+        if len(products) == 1:
+            return self._with_bias(products[0][1](x))
+        y = x.new_empty(len(x), self.out_features)
+        if roles.prompt is not None and x.device.type == "cpu":
+            # on CPU the prompt rows' product over every row, the others' put in its place: a few rows more is
+            # cheaper there than gathering a chunk's rows and scattering their products (~1 ms a projection)
+            y, products = self._dequantized_product(x), products[:-1]
+        for rows, product in products:
+            rows = rows.to(x.device)
+            y[rows] = product(x[rows])
+        return self._with_bias(y)
+
+    def _with_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
 
     def _quantized_product(self, x: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,6 @@ class RepackedWeight(GgmlWeight):
 
     def __init__(self, ctx: ggml.Context, tensor: int, ggml_type: int, in_features: int, out_features: int):
         self.ctx, self.tensor = ctx, tensor
-        self.plans: dict[tuple, ggml.Op] = {}      # precise_product's ops, planned once per row count and threads
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, out_features
         # [groups of 8 rows, blocks per row, 8 scales then 8 rows' quants]
         self.groups = ggml.memory(tensor).view(out_features // GROUP_ROWS, in_features // GGML_QUANT_SIZES[Q4_0][0],
