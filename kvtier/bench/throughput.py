@@ -64,13 +64,21 @@ def random_prompts(gen: torch.Generator, num: int, length: int, vocab_size: int)
 # --- kvtier -------------------------------------------------------------------------------------
 
 def kvtier_prefill(eng: LLMEngine, prompt: list[int], request_id: str) -> float:
-    """Seconds from add_request to the first token (max_tokens=1: the request ends with it)."""
+    """Seconds from add_request to the first token."""
+    return first_token(eng, prompt, request_id)[0]
+
+
+def first_token(eng: LLMEngine, prompt: list[int], request_id: str) -> tuple[float, int]:
+    """Seconds from add_request to the first token (max_tokens=1: the request ends with it), and the prompt tokens
+    the cache held."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     eng.add_request(request_id, prompt, params)
+    cached = 0
     while eng.has_unfinished():
-        eng.step()
-    return time.perf_counter() - start
+        for out in eng.step():
+            cached = out.num_cached_tokens
+    return time.perf_counter() - start, cached
 
 
 def kvtier_decode(eng: LLMEngine, prompts: list[list[int]], num_tokens: int, tag: str,

@@ -14,29 +14,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from kvtier.bench import llama_cpp
 from kvtier.bench.report import add_output_args, engine_machine, header, int_list, parse_command, publish
 from kvtier.bench.shapes import add_model_args, resolve_model
-from kvtier.bench.throughput import random_prompts
+from kvtier.bench.throughput import first_token, random_prompts
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
-from kvtier.engine.sampling_params import SamplingParams
 from kvtier.models.loader import resolve_model_path
-
-
-def first_token(eng: LLMEngine, prompt: list[int], request_id: str) -> tuple[float, int]:
-    """Seconds from add_request to the first token, and the prompt tokens the cache held."""
-    start = time.perf_counter()
-    eng.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    cached = 0
-    while eng.has_unfinished():
-        for out in eng.step():
-            cached = out.num_cached_tokens
-    return time.perf_counter() - start, cached
 
 
 def kvtier_turns(eng: LLMEngine, cold: list[int], base: list[int], news: dict[int, list[int]], tag: str) -> dict:

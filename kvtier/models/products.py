@@ -31,8 +31,7 @@ class Linear(nn.Linear):
         if rows > FEW_ROWS:
             return many_rows_product(x.dtype)(x, self.weight, self.bias)
         padded = F.pad(x, (0, 0, 0, 1)) if rows == 1 else x
-        y = (self.weight @ padded.T).T[:rows].contiguous()
-        return y if self.bias is None else y + self.bias
+        return _weight_on_the_left(padded, self.weight, self.bias)[:rows]
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -294,11 +294,12 @@ class QuantizedLinear(nn.Module):
                     if rows is not None]
         if len(products) == 1:
             return self._with_bias(products[0][1](x))
-        y = x.new_empty(len(x), self.out_features)
         if roles.prompt is not None and x.device.type == "cpu":
             # on CPU the prompt rows' product over every row, the others' put in its place: a few rows more is
             # cheaper there than gathering a chunk's rows and scattering their products (~1 ms a projection)
             y, products = self._dequantized_product(x), products[:-1]
+        else:
+            y = x.new_empty(len(x), self.out_features)
         for rows, product in products:
             rows = rows.to(x.device)
             y[rows] = product(x[rows])
