@@ -278,13 +278,20 @@ def test_a_repacked_weight_multiplies_a_prompts_last_token_as_its_file_layout():
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
 def test_activations_rounded_to_8_bits_round_to_themselves_again(qtype):
-    """What precise_product sends as a row's 8-bit rounding is what ggml's product takes of it: its product over
+    """What a precise product sends as a row's 8-bit rounding is what ggml's product takes of it: its product over
     the blocks is the dequantized weight's product of it, to float32's rounding (Q8_0's activations, and Q8_K's of
-    the K-quants; Q4_1's Q8_1 keeps its block sums in float16, ~1e-4 off)."""
+    the K-quants; Q4_1's Q8_1 keeps its block sums in float16, ~1e-4 off). A block of zeros rounds to zeros."""
     generator = torch.Generator().manual_seed(1)
     weight = quantize(torch.randn(64, 512, generator=generator), qtype)
     x = torch.randn(4, 512, generator=generator) * torch.logspace(-3, 3, 512)
-    rounded = quantized._rounded_to_8_bits(x, qtype)
+    x[1, :256] = 0
+    ctx, rounded = ggml.Context(1, max_tensors=16, max_nodes=16), torch.empty_like(x)
+    made = ggml.rounded_to_8_bits(ctx, ctx.place(x.clone()), ggml.activation_type(int(qtype)))
+    graph = ggml.Graph(ctx, [ctx.place(rounded, tensor=ctx.op("cont", made))])
+    graph.compute()
+    graph.close()
+    ctx.close()
+    assert torch.equal(rounded[1, :256], torch.zeros(256))
     want = rounded.double() @ weight.dequantized().double().T
     assert (weight.product(rounded) - want).abs().max() <= 1e-5 * want.abs().max()
     assert (weight.product(x) - x.double() @ weight.dequantized().double().T).abs().max() > 1e-3 * want.abs().max()

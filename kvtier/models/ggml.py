@@ -4,7 +4,8 @@ libraries only, nothing compiled at install).
 A `Context` holds ggml tensors' metadata: tensors placed at torch memory (weights, the KV pool, a step's inputs and
 outputs) and the ops between them. A `Graph` over a context's outputs gets its intermediates from ggml's graph
 allocator and a plan on a threadpool that lives as long as the process, so running it again costs one ggml compute.
-`Op` is such a graph for one op of a weight, `Product` one for a matrix product.
+`Op` is such a graph for one op of a weight, `Product` one for a matrix product. `precise_product` builds a weight's
+product to about float32's precision, in the decode graphs and in an `Op` alike.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import logging
 import os
 import sys
 import weakref
+from typing import Callable
 
 import numpy as np
 import torch
@@ -25,6 +27,7 @@ _POLL_OFFSET = 512 + 4 + 4
 F32, F16, I32, I64 = 0, 1, 26, 27           # ggml_type numbers (GGUF's numbering) of the plain types
 Q8_0, Q8_1, Q8_K = 8, 9, 15                # the 8-bit types ggml rounds activations to for its products
 ROPE_NEOX = 2                               # Hugging Face's rotate_half layout
+POOL_MAX = 0                                # enum ggml_op_pool
 TORCH_TYPES = {torch.float32: F32, torch.float16: F16, torch.int32: I32, torch.int64: I64}
 _LOG_WARN, _LOG_ERROR = 3, 4                # enum ggml_log_level: NONE, DEBUG, INFO, WARN, ERROR, CONT
 _LOG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, _P)
@@ -73,7 +76,9 @@ _FUNCTIONS = {
     "ggml_rope_ext": (_P, [_P, _P, _P, _I, _I, _I, _F, _F, _F, _F, _F, _F]),
     "ggml_soft_max_ext": (_P, [_P, _P, _F, _F]), "ggml_out_prod": (_P, [_P, _P]),
     "ggml_reshape_3d": (_P, [_P, _I64, _I64, _I64]), "ggml_permute": (_P, [_P, _I, _I, _I, _I]),
-    "ggml_cont": (_P, [_P]),
+    "ggml_cont": (_P, [_P]), "ggml_cpy": (_P, [_P, _P]), "ggml_sub": (_P, [_P, _P]), "ggml_div": (_P, [_P, _P]),
+    "ggml_abs": (_P, [_P]), "ggml_round": (_P, [_P]), "ggml_scale_bias": (_P, [_P, _F, _F]),
+    "ggml_pool_1d": (_P, [_P, _I, _I, _I, _I]),
     "ggml_new_graph_custom": (_P, [_SZ, _B]), "!ggml_build_forward_expand": (None, [_P, _P]),
     "!ggml_gallocr_new": (_P, [_P]), "!ggml_gallocr_alloc_graph": (_B, [_P, _P]), "!ggml_gallocr_free": (None, [_P]),
     "!ggml_backend_tensor_alloc": (_I, [_P, _P, _P]), "!ggml_backend_buffer_free": (None, [_P]),
@@ -146,6 +151,42 @@ def quantize(weight: torch.Tensor, ggml_type: int, threads: int = 1) -> torch.Te
 def activation_type(ggml_type: int) -> int:
     """The type ggml's CPU products over weights of `ggml_type` round activations to first (Q8_0, Q8_1, Q8_K)."""
     return lib(1).get_type_traits_cpu(ggml_type).contents.vec_dot_type
+
+
+def tensor_type(tensor: int) -> int:
+    return _TensorHead.from_address(tensor).type
+
+
+def precise_product(ctx: Context, weight: int, x: int) -> int:
+    """weight [in, out] times x [in, rows] (float32, contiguous) to about float32's precision. ggml's product over
+    blocks rounds activations to 8 bits a block first (`activation_type`), so x goes as two: its 8-bit rounding,
+    which the product then takes exactly, and what that rounding left out; their products add up. ~1e-4 of the
+    largest output from the dequantized weight's product, against ~1e-2 for x in 8 bits (Q4_1's and Q5_1's Q8_1
+    keeps its block sums in float16: ~1e-4 off). Each row comes out as it would alone. A float weight's product is
+    its plain one."""
+    kind = activation_type(tensor_type(weight))
+    if kind == F32:
+        return ctx.op("mul_mat", weight, x)
+    rounded = rounded_to_8_bits(ctx, x, kind)
+    return ctx.op("add", ctx.op("mul_mat", weight, rounded), ctx.op("mul_mat", weight, ctx.op("sub", x, rounded)))
+
+
+def rounded_to_8_bits(ctx: Context, x: int, kind: int) -> int:
+    """x [in, rows] (float32, contiguous) in values that ggml's rounding of activations to `kind` gives back
+    exactly:
+    - Q8_0, Q8_1 (for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): x in ggml's own Q8_0 blocks, read back (Q8_1 rounds as Q8_0
+      does: blocks of 32, a float16 scale of the largest magnitude / 127);
+    - Q8_K (for the K-quants, whose blocks ggml cannot copy to): blocks of 256, each a whole number of steps of its
+      largest magnitude / 127 (the step a hair above zero for a block of zeros), which ggml's own rounding (a float32
+      step of the value of the largest magnitude / -127) takes back to within float32's rounding."""
+    (rows_in, rows, *_), _ = shape(x)
+    if kind in (Q8_0, Q8_1):
+        return ctx.op("cpy", ctx.op("cpy", x, ctx.tensor(Q8_0, rows_in, rows)), ctx.tensor(F32, rows_in, rows))
+    if kind != Q8_K:
+        raise ValueError(f"no 8-bit rounding known for ggml's activations of type {kind}")
+    blocks = ctx.op("reshape_2d", x, 256, rows_in * rows // 256)
+    step = ctx.op("scale_bias", ctx.op("pool_1d", ctx.op("abs", blocks), POOL_MAX, 256, 256, 0), 1 / 127, 1e-37)
+    return ctx.op("reshape_2d", ctx.op("mul", ctx.op("round", ctx.op("div", blocks, step)), step), rows_in, rows)
 
 
 @functools.cache
@@ -309,12 +350,16 @@ class Graph:
 
 class Op:
     """One op of a weight and an input, computed into `out`, over memory that stays where it is, planned once:
-    `compute()` runs it again over what the input then holds. weight(ctx) places the weight in the op's context."""
+    `compute()` runs it again over what the input then holds. weight(ctx) places the weight in the op's context; op:
+    ggml's op's name, or a function of (ctx, weight, x) that builds the ops (`precise_product`)."""
 
-    def __init__(self, name: str, weight, x: torch.Tensor, out: torch.Tensor, threads: int):
-        self.ctx = Context(threads, max_tensors=4, max_nodes=2)
+    def __init__(self, op: str | Callable[[Context, int, int], int], weight, x: torch.Tensor, out: torch.Tensor,
+                 threads: int):
+        built = 24 if callable(op) else 4     # the tensors it may make: the weight, x, out and the ops'
+        self.ctx = Context(threads, max_tensors=built, max_nodes=built)
+        build = op if callable(op) else lambda ctx, w, x: ctx.op(op, w, x)
         try:
-            tensor = self.ctx.op(name, weight(self.ctx), self.ctx.place(x))
+            tensor = build(self.ctx, weight(self.ctx), self.ctx.place(x))
             self.graph = Graph(self.ctx, [self.ctx.place(out, tensor=tensor)])
         except BaseException:
             self.ctx.close()

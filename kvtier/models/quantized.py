@@ -36,6 +36,7 @@ import contextvars
 import functools
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -79,19 +80,19 @@ class GgmlWeight:
                          torch.get_num_threads())
 
     def precise_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in_features] float32 @ weight.T over the blocks, to about float32's precision: ggml rounds
-        activations to 8 bits a block, so each row goes as two, its 8-bit rounding (which ggml then takes exactly)
-        and what that rounding left out, whose products add up. ~1e-4 of the largest output from the dequantized
-        weight's product, against ~1e-2 for one row in 8 bits, in 1.2-1.7x the time of one row's product (the
-        bundled model's projections) and never the whole weight dequantized. A row at a time (each comes out as it
-        would alone), through `_pair_product`."""
-        rounded = _rounded_to_8_bits(x, self.ggml_type)
-        pairs = torch.stack([rounded, x - rounded], 1)          # [rows, 2, in_features]
-        return torch.stack([self._pair_product(pair).sum(0) for pair in pairs])
+        """x [rows, in_features] float32 @ weight.T over the blocks, to about float32's precision
+        (`ggml.precise_product`), in 1.2-1.7x the time of one row's product (the bundled model's projections) and
+        never the whole weight dequantized. A row at a time, each as it would come alone (`_precise_row`, whose
+        result may be memory it reuses)."""
+        y = x.new_empty(len(x), self.out_features)
+        for row, out in zip(x.split(1), y.split(1)):
+            out.copy_(self._precise_row(row))
+        return y
 
-    def _pair_product(self, pair: torch.Tensor) -> torch.Tensor:
-        """pair [2, in_features] @ weight.T, through a graph built for the call."""
-        return self.product(pair)
+    def _precise_row(self, row: torch.Tensor) -> torch.Tensor:
+        """row [1, in_features] @ weight.T precisely, through a graph built for the call."""
+        return weight_op(ggml.precise_product, self, ggml.aligned(row), row.new_empty(1, self.out_features),
+                         torch.get_num_threads())
 
     def dequantized(self) -> torch.Tensor:
         """The whole weight in float32 (at load, on torch's threads)."""
@@ -106,7 +107,7 @@ class QuantizedWeight(GgmlWeight):
     ggml_type: int
     in_features: int
     # ops planned once and kept: dequantize's per slice of rows and memory they write (first row, rows, out's
-    # address), precise_product's per threads ("mul_mat", threads)
+    # address), precise_product's per threads ("precise_product", threads)
     plans: dict[tuple, ggml.Op] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -129,17 +130,17 @@ class QuantizedWeight(GgmlWeight):
         out = torch.empty(len(ids), self.in_features) if out is None else out
         return weight_op("get_rows", self, ggml.aligned(ids.to(torch.int32)), out, threads)
 
-    def _pair_product(self, pair: torch.Tensor) -> torch.Tensor:
-        """pair [2, in_features] @ weight.T through an op planned once per threads and kept: the products a prompt's
-        last token takes forward after forward (a graph built per call cost ~0.2 ms)."""
+    def _precise_row(self, row: torch.Tensor) -> torch.Tensor:
+        """row [1, in_features] @ weight.T precisely, through an op planned once per threads and kept: the products
+        a prompt's last token takes forward after forward (a graph built per call cost ~0.2 ms)."""
         threads = torch.get_num_threads()
-        key = ("mul_mat", threads)
+        key = ("precise_product", threads)
         if key not in self.plans:
             with torch.inference_mode(False):      # memory written in place in inference mode and out of it
-                self.plans[key] = ggml.Op("mul_mat", self.placed, torch.empty(2, self.in_features),
-                                          torch.empty(2, self.out_features), threads)
+                self.plans[key] = ggml.Op(ggml.precise_product, self.placed, torch.empty(1, self.in_features),
+                                          torch.empty(1, self.out_features), threads)
         op = self.plans[key]
-        op.x.copy_(pair)
+        op.x.copy_(row)
         return op.compute()
 
     def dequantize(self, first: int, out: torch.Tensor) -> torch.Tensor:
@@ -152,26 +153,6 @@ class QuantizedWeight(GgmlWeight):
             ids = torch.arange(first, first + len(out), dtype=torch.int32)
             self.plans[key] = ggml.Op("get_rows", self.placed, ids, out, threads=1)
         return self.plans[key].compute()
-
-
-def _rounded_to_8_bits(x: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """x [rows, in_features] as ggml's products over blocks of `ggml_type` round activations first, in values that
-    round to themselves again there (a block's largest magnitude is exactly 127 times its scale):
-    - Q8_0, Q8_1 (for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): blocks of 32, a float16 scale of the largest magnitude / 127;
-    - Q8_K (for the K-quants): blocks of 256, a float32 scale of the value of the largest magnitude / -127."""
-    kind = ggml.activation_type(ggml_type)
-    if kind == ggml.Q8_K:
-        blocks = x.view(len(x), -1, 256)
-        largest = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
-        inverse = torch.where(largest != 0, -127 / largest, 0)
-        steps = torch.round(blocks * inverse).clamp(max=127)
-        return (steps * torch.where(inverse != 0, 1 / inverse, 0)).view_as(x)
-    if kind not in (ggml.Q8_0, ggml.Q8_1):
-        raise ValueError(f"no 8-bit rounding known for ggml type {ggml_type}'s activations")
-    blocks = x.view(len(x), -1, 32)
-    scale = blocks.abs().amax(-1, keepdim=True).div_(127)
-    steps = blocks.div(scale).nan_to_num_(0).round_()      # a block of zeros: 0 / 0
-    return steps.mul_(scale.half().float()).view_as(x)
 
 
 def quantize(weight: torch.Tensor, ggml_type: int) -> QuantizedWeight:
@@ -194,9 +175,10 @@ def concatenated(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
     return [QuantizedWeight(torch.cat([p.blocks for p in parts]), parts[0].ggml_type, parts[0].in_features)]
 
 
-def weight_op(op: str, weight: GgmlWeight, x: torch.Tensor, out: torch.Tensor, threads: int) -> torch.Tensor:
-    """One ggml op of a weight and x, computed into out on ggml's threadpool of `threads`, through a graph built
-    for this call."""
+def weight_op(op: str | Callable, weight: GgmlWeight, x: torch.Tensor, out: torch.Tensor,
+              threads: int) -> torch.Tensor:
+    """One ggml op of a weight and x (or the ops a function builds: `ggml.Op`), computed into out on ggml's
+    threadpool of `threads`, through a graph built for this call."""
     planned = ggml.Op(op, weight.placed, x, out, threads)
     try:
         return planned.compute()
