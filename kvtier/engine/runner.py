@@ -30,8 +30,10 @@ def slot_runs(block_table: list[int], end: int, block_size: int) -> list[tuple[i
 
 def decodes(seq: Sequence, n: int) -> bool:
     """Whether a step of n tokens decodes the sequence: its one uncomputed token (a cached prompt's last token runs
-    alone as well), or a verify step's, that token and a draft."""
-    return (n == 1 and seq.num_computed_tokens > 0) or seq.num_drafted(n) > 0
+    alone as well), or a verify step's, that token and a draft. A prompt chunk of one token short of its last is
+    not one."""
+    last = n == 1 and seq.num_computed_tokens > 0 and seq.num_computed_tokens + 1 >= len(seq.token_ids)
+    return last or seq.num_drafted(n) > 0
 
 
 def generates(seq: Sequence, n: int) -> bool:
@@ -95,9 +97,7 @@ class ModelRunner:
             else:
                 table = self.kv.step_table(seq.kv)        # blocks whose page-out is in flight are still read in place
                 prefix = slot_runs(table, start, self.pool.block_size)
-                # on CPU a prompt's last token runs alone after its chunk, as it does when the rest of the prompt is
-                # cached: warm equals cold bitwise for the token sampled from it (AttentionMetadata.alone_rows)
-                alone = self.device.type == "cpu" and n > 1 and end >= len(seq.token_ids) and not seq.kv.residency
+                alone = self._runs_last_alone(seq, n)      # AttentionMetadata.alone_rows
                 prefills.append(PrefillSeq(row, n - alone, prefix, table[:self.pool.blocks_for(end)]))
                 if alone:
                     decode_rows.append(row + n - 1)
@@ -137,28 +137,32 @@ class ModelRunner:
         capture = capture or [0] * len(batch.seqs)
         self.features = None
         graphed = self._graphed(batch, capture)
+        after_chunk = self._last_tokens_after_chunks(batch)
         if len(graphed) == len(batch.seqs):
             return self._run_graphs(batch, graphed, capture)
-        if not graphed:
+        if not graphed and not after_chunk:
             return self._run_eagerly(batch, capture)
-        # ggml's decode steps take a mixed step's decodes too: a decode row's numerics never depend on the step
+        # the eager sequences first, a prompt chunk whose last token the decode graphs take without that token
+        # (which attends over the chunk's K/V), then the decode graphs: a decode row's numerics never depend on
+        # the step, so ggml's take a mixed step's decodes too
         eager = [i for i in range(len(batch.seqs)) if i not in graphed]
         part = ScheduledBatch()
         for i in eager:
-            part.add(batch.seqs[i], batch.num_tokens[i])
-        graph_logits, graph_queries = self._run_graphs(batch, graphed, capture)
-        graph_features = self.features
+            part.add(batch.seqs[i], batch.num_tokens[i] - (i in after_chunk))
         eager_logits, eager_queries = self._run_eagerly(part, [capture[i] for i in eager])
+        eager_features, self.features = self.features, None
+        in_graphs = graphed + after_chunk
+        graph_logits, graph_queries = self._run_graphs(batch, in_graphs, capture, after_chunk)
         logits, queries = [None] * len(batch.seqs), [None] * len(batch.seqs)
-        for i, rows, q in zip(graphed, graph_logits, graph_queries):
-            logits[i], queries[i] = rows, q
-        for i, rows, q in zip(eager, eager_logits, eager_queries):
-            logits[i], queries[i] = rows, q
-        if graph_features is not None and self.features is not None:     # each sequence's, in the batch's order
+        for part_of, part_logits, part_queries in ((eager, eager_logits, eager_queries),
+                                                    (in_graphs, graph_logits, graph_queries)):
+            for i, rows, q in zip(part_of, part_logits, part_queries):
+                logits[i], queries[i] = rows, q     # a chunk's last token's logits: the graphs'
+        if eager_features is not None and self.features is not None:     # each sequence's, in the batch's order
             features = [None] * len(batch.seqs)
-            for part_of, rows in ((graphed, graph_features), (eager, self.features)):
+            for part_of, rows in ((eager, eager_features), (in_graphs, self.features)):
                 for i, f in zip(part_of, rows):
-                    features[i] = f
+                    features[i] = f if features[i] is None else torch.cat([features[i], f])
             self.features = features
         return logits, queries
 
@@ -167,27 +171,38 @@ class ModelRunner:
         if torch.get_num_threads() != self.torch_threads:
             torch.set_num_threads(self.torch_threads)
 
-    def _run_graphs(self, batch: ScheduledBatch, which: list[int], capture: list[int]
+    def _run_graphs(self, batch: ScheduledBatch, which: list[int], capture: list[int], after_chunk: list[int] = ()
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Per sequence of `which`, its logits [rows, vocab] from the decode graphs, and its last capture[i] rows'
         queries [rows, layers, heads, head_dim] (ggml's graphs hand them back; CUDA's take no sequence that
-        wants them)."""
-        if isinstance(self.graphs, GgmlDecodeSteps) and torch.get_num_threads() != 1:
+        wants them). Those of after_chunk run their prompt's last token only, after the rest of their chunk."""
+        ggml_steps = isinstance(self.graphs, GgmlDecodeSteps)
+        if ggml_steps and torch.get_num_threads() != 1:
             # torch's threads spin a while after each parallel region, on the cores ggml's threads need (12 ms a
             # step instead of 5.4 for SmolLM2 on 2 cores): the step's torch work (sampling) runs on one thread
             torch.set_num_threads(1)
-        inputs = self._decode_inputs(batch, which)
+        steps = [(i, batch.seqs[i].num_computed_tokens + batch.num_tokens[i] - 1, 1) if i in after_chunk else
+                 (i, batch.seqs[i].num_computed_tokens, batch.num_tokens[i]) for i in which]
+        # a prompt's last token (cached or after its chunk) multiplies precisely in ggml's graphs, which take those
+        # rows last
+        precise = [i in after_chunk or not generates(batch.seqs[i], batch.num_tokens[i]) for i in which]
+        if ggml_steps:
+            steps = [step for step, last in zip(steps, precise) if not last] + \
+                    [step for step, last in zip(steps, precise) if last]
+        inputs = self._decode_inputs(batch, steps)
         rows = inputs[-1]
-        logits = self.graphs.run(*inputs).split(rows)
-        if self.graphs.features is not None:
-            self.features = list(self.graphs.features.split(rows))
-        queries, end = [], 0
-        for i, n in zip(which, rows):
+        logits = self.graphs.run(*inputs, precise=sum(precise)) if ggml_steps else self.graphs.run(*inputs)
+        logits = logits.split(rows)
+        features = self.graphs.features.split(rows) if self.graphs.features is not None else None
+        by_sequence, end = {}, 0
+        for (i, _, n), seq_logits, seq_features in zip(steps, logits, features or [None] * len(steps)):
             end += n
             wanted = min(capture[i], n)
-            queries.append(self.graphs.queries[:, end - wanted:end].transpose(0, 1).clone(
+            by_sequence[i] = (seq_logits, seq_features, self.graphs.queries[:, end - wanted:end].transpose(0, 1).clone(
                 memory_format=torch.contiguous_format) if wanted else None)
-        return list(logits), queries
+        if features is not None:
+            self.features = [by_sequence[i][1] for i in which]
+        return [by_sequence[i][0] for i in which], [by_sequence[i][2] for i in which]
 
     def _run_eagerly(self, batch: ScheduledBatch, capture: list[int]) -> tuple[list[torch.Tensor], list]:
         self.restore_threads()
@@ -231,21 +246,40 @@ class ModelRunner:
         decoding = [i for i, (seq, n, wanted) in enumerate(zip(batch.seqs, batch.num_tokens, capture))
                     if decodes(seq, n) and (ggml_steps or not wanted)]
         if self.model.quantized:
-            # a cached prompt's last token is a prompt row, which quantized weights multiply another way
-            decoding = [i for i in decoding if generates(batch.seqs[i], batch.num_tokens[i])]
+            # a cached prompt's last token is a prompt row, which quantized weights multiply another way: ggml's steps
+            # multiply it precisely, as after its chunk, unless bounded (whose cold run computes it inside its
+            # chunk); CUDA's graphs take it not at all
+            decoding = [i for i in decoding if generates(batch.seqs[i], batch.num_tokens[i]) or
+                        (ggml_steps and not batch.seqs[i].kv.residency)]
         if ggml_steps:
             return decoding
         rows = sum(batch.num_tokens[i] for i in decoding)
         return decoding if len(decoding) == len(batch.seqs) and self.graphs.bucket(rows) is not None else []
 
-    def _decode_inputs(self, batch: ScheduledBatch, which: list[int]) -> tuple[list[int], ...]:
-        """Per row of the sequences of `which` (one, or a verify step's several): its token, position and K/V
-        slot; per sequence its context's resident blocks and length after the step, and its rows' count."""
+    def _last_tokens_after_chunks(self, batch: ScheduledBatch) -> list[int]:
+        """The sequences whose prompt's last token ggml's decode steps run after the rest of its chunk: those whose
+        chunk ends their prompt and whose last token runs alone (`_runs_last_alone`)."""
+        if not isinstance(self.graphs, GgmlDecodeSteps):
+            return []
+        return [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                if not decodes(seq, n) and self._runs_last_alone(seq, n)]
+
+    def _runs_last_alone(self, seq: Sequence, n: int) -> bool:
+        """Whether a prompt chunk of n tokens ends its prompt with a token that runs alone after it, as it does when
+        the rest of the prompt is cached (on CPU, unbounded): warm equals cold bitwise for the token sampled from
+        it."""
+        return self.device.type == "cpu" and n > 1 and seq.num_computed_tokens + n >= len(seq.token_ids) and \
+            not seq.kv.residency
+
+    def _decode_inputs(self, batch: ScheduledBatch, steps: list[tuple[int, int, int]]) -> tuple[list[int], ...]:
+        """Per row of the steps (sequence i's n tokens from position start: one, or a verify step's several): its
+        token, position and K/V slot; per step its context's resident blocks and length after it, and its rows'
+        count."""
         bs = self.pool.block_size
         token_ids, positions, slots, tables, lens, rows = [], [], [], [], [], []
-        for seq, n in ((batch.seqs[i], batch.num_tokens[i]) for i in which):
-            start, table = seq.num_computed_tokens, seq.kv.block_table
-            end = start + n
+        for i, start, n in steps:
+            seq = batch.seqs[i]
+            table, end = seq.kv.block_table, start + n
             token_ids += seq.step_tokens(start, n)
             positions += range(start, end)
             slots += [table[pos // bs] * bs + pos % bs for pos in range(start, end)]

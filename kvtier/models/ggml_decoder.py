@@ -86,12 +86,14 @@ class GgmlDecodeSteps:
         self._finalizer = weakref.finalize(self, _close, self.weights, self.__dict__)
 
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            lens: list[int], rows: list[int]) -> torch.Tensor:
-        """token_ids, positions, slots: per row; tables, lens (its context after the step), rows: per sequence."""
+            lens: list[int], rows: list[int], precise: int = 0) -> torch.Tensor:
+        """token_ids, positions, slots: per row; tables, lens (its context after the step), rows: per sequence.
+        precise: how many of the last sequences are a prompt's last token, one row each, which multiplies by the
+        weights to about float32's precision (`ggml.precise_product`), as eager forwards multiply it."""
         lens = np.asarray(lens)
         spans = (-(-lens // CONTEXT_STEP) * CONTEXT_STEP).tolist()
         layouts = tuple(self._layout(table, span) for table, span in zip(tables, spans))
-        key = (tuple(rows), layouts)
+        key = (tuple(rows), layouts, precise)
         step = self.built.get(key)
         if step is None:
             if len(self.built) == KEPT_GRAPHS:
@@ -184,12 +186,14 @@ def _close(weights: ggml.Context, state: dict) -> None:
 
 class _Step:
     """The graph of a decode step of sequences of `rows` rows each, each laid out as `layouts` gives
-    (GgmlDecodeSteps._layout), with its inputs and output in torch tensors."""
+    (GgmlDecodeSteps._layout), the last `precise` rows a prompt's last token each, with its inputs and output in
+    torch tensors."""
 
-    def __init__(self, steps: GgmlDecodeSteps, rows: tuple[int, ...], layouts: tuple[tuple, ...]):
+    def __init__(self, steps: GgmlDecodeSteps, rows: tuple[int, ...], layouts: tuple[tuple, ...], precise: int):
         cfg, self.steps = steps.config, steps
         batch = sum(rows)
-        size = cfg.num_layers * (64 + 12 * batch) + 32     # tensors per layer: ~40, and ~12 per sequence's attention
+        # tensors per layer: ~40, ~12 per sequence's attention, and ~15 per weight (up to 7) for precise rows
+        size = (cfg.num_layers + 1) * (64 + 12 * batch + 112 * bool(precise))
         ctx = self.ctx = ggml.Context(steps.weights.lib.threads, max_tensors=size, max_nodes=size)
         self.ids = torch.zeros(batch, dtype=torch.int32)
         self.positions = torch.zeros(batch, dtype=torch.int32)
@@ -198,7 +202,7 @@ class _Step:
         self.logits = torch.empty(batch, cfg.vocab_size)
         self.features = torch.empty(len(steps.feature_layers), batch, cfg.hidden_size)
         self.queries = torch.empty(cfg.num_layers, batch, cfg.num_heads, cfg.head_dim)
-        self.batch, self.rows, self.layouts = batch, rows, layouts
+        self.batch, self.rows, self.layouts, self.precise = batch, rows, layouts, precise
         self.inputs = {"pos": ctx.place(self.positions), "slots": ctx.place(self.slots),
                        "value_slots": ctx.place(self.value_slots)}
         # the gathered contexts': K's slots (keys each), V's rows of a block's values (row per block each)
@@ -235,7 +239,7 @@ class _Step:
         parts, bias = linear
         ctx = self.ctx
         offsets = np.cumsum([0] + sizes[:-1])
-        ys = [ctx.op("mul_mat", w, x) for w in parts]
+        ys = [self._product(w, x) for w in parts]
         if len(ys) != len(sizes):     # one fused part: views of its rows
             (y,) = ys
             nb1 = ggml.shape(y)[1][1]
@@ -243,6 +247,18 @@ class _Step:
         if bias is None:
             return ys
         return [ctx.op("add", y, ctx.op("view_2d", bias, n, 1, n * 4, int(a) * 4)) for y, a, n in zip(ys, offsets, sizes)]
+
+    def _product(self, weight: int, x: int) -> int:
+        """weight's product with x [in, batch]: the precise rows' (the last) to about float32's precision, the
+        others' as ggml's product over the blocks takes them (the activations in 8 bits)."""
+        if not self.precise:
+            return self.ctx.op("mul_mat", weight, x)
+        ctx, plain = self.ctx, self.batch - self.precise
+        (size, _, *_), (_, stride, *_) = ggml.shape(x)
+        last = ggml.precise_product(ctx, weight, ctx.op("view_2d", x, size, self.precise, stride, plain * stride))
+        if not plain:
+            return last
+        return ctx.op("concat", ctx.op("mul_mat", weight, ctx.op("view_2d", x, size, plain, stride, 0)), last, 1)
 
     def _heads(self, x: int, heads: int) -> int:
         """[heads * head_dim, batch] (maybe a view of a fused product) as [head_dim, heads, batch]."""
