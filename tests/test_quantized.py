@@ -159,6 +159,40 @@ def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, ov
     assert steps.steps == 3 * (len(texts[0]) - 2)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
+@torch.inference_mode()
+def test_a_prompts_last_token_in_a_ggml_step_multiplies_about_as_precisely_as_float32(tmp_path, qtype):
+    """A ggml decode step's precise rows (a prompt's last token: its products `ggml.precise_product`) score as the
+    eager decoder scores that token (precise products too), much nearer the dequantized weights' logits than a
+    decode row's 8-bit activations; a row's logits are the same bits beside a decode row as alone (Q4_1's Q8_1
+    activations, and the K-quants' Q8_K)."""
+    path = tiny_gguf(tmp_path / "m.gguf", qtype=qtype)
+    model, float32 = decoder(path, quantized=True), decoder(path, quantized=False)
+    pool = pool_for(model)
+    steps = GgmlDecodeSteps(model, pool, threads=2)
+    ids, tables = [TEXT[:20], TEXT[30:50]], [[1, 2], [5, 6]]
+    teacher_forced(model, ids, tables, steps, pool)       # the K/V of positions 0-18 of both
+    p, slots = 19, [t[19 // BLOCK] * BLOCK + 19 % BLOCK for t in tables]
+
+    def graph(which: list[int], precise: int) -> torch.Tensor:
+        return steps.run([ids[i][p] for i in which], [p] * len(which), [slots[i] for i in which],
+                         [tables[i] for i in which], [p + 1] * len(which), [1] * len(which), precise=precise)[-1].clone()
+
+    def eager(model: Decoder, last: bool) -> torch.Tensor:
+        meta = AttentionMetadata(positions=torch.tensor([p]), slot_mapping=torch.tensor(slots[1:]), prefills=[],
+                                 decode=DecodeGroup([0], [slot_runs(tables[1], p + 1, BLOCK)]), block_size=BLOCK,
+                                 generated_rows=[] if last else [0], last_prompt_rows=[0] if last else [])
+        hidden = model(torch.tensor([ids[1][p]]), pool.caches, meta)
+        return model.logits(hidden, torch.tensor([last]))[0]
+
+    want = eager(float32, last=False)
+    beside, alone, eight_bit = graph([0, 1], precise=1), graph([1], precise=1), graph([1], precise=0)
+    error, eight_bit_error, from_eager = ((y - ref).abs().max() / want.abs().max() for y, ref in (
+        (alone, want), (eight_bit, want), (alone, eager(model, last=True))))
+    assert torch.equal(beside, alone)
+    assert error * 5 <= eight_bit_error and from_eager <= 1e-4, (error, eight_bit_error, from_eager)
+
+
 @pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="on CPU Triton's interpreter runs the CUDA kernels")
 def test_the_cuda_kernels_score_as_the_dequantized_weights(tmp_path, monkeypatch):

@@ -168,7 +168,11 @@ def precise_product(ctx: Context, weight: int, x: int) -> int:
     if kind == F32:
         return ctx.op("mul_mat", weight, x)
     rounded = rounded_to_8_bits(ctx, x, kind)
-    return ctx.op("add", ctx.op("mul_mat", weight, rounded), ctx.op("mul_mat", weight, ctx.op("sub", x, rounded)))
+    # the two side by side in one product: the weight read once
+    pairs = ctx.op("mul_mat", weight, ctx.op("concat", rounded, ctx.op("sub", x, rounded), 1))
+    (out, rows, *_), (_, stride, *_) = shape(pairs)
+    return ctx.op("add", *(ctx.op("view_2d", pairs, out, rows // 2, stride, half * rows // 2 * stride)
+                           for half in (0, 1)))
 
 
 def rounded_to_8_bits(ctx: Context, x: int, kind: int) -> int:
