@@ -61,19 +61,24 @@ def many_rows_product(dtype: torch.dtype):
     return chosen
 
 
-# Prompt rows multiplying a weight slice just dequantized (quantized.py), in cache: up to this many float32 rows
-# take it as BLAS's tall left matrix, where oneDNN's product of a few rows is slower. SmolLM2's four projections
-# (2-core EPYC, each slice written just before): at 16 rows 1.5-1.9x oneDNN's speed, at 32 1.1-1.3x, at 64
-# 1.3-2.7x, at 128 and 256 even, at 512 and 2048 oneDNN's ahead in the largest (3072x576: 1.2x).
+# Prompt rows multiplying a weight slice just dequantized (quantized.py), in cache: float32 rows, up to this many and
+# a whole number of MKL's blocks of 16 columns, take it as BLAS's tall left matrix, where oneDNN's product of a few
+# rows is slower; at other row counts MKL takes a slower path and oneDNN's is the faster. SmolLM2's four projections
+# (2-core EPYC, each slice written just before): the left matrix at 16 rows 1.5-1.9x oneDNN's speed, at 32 1.1-1.3x,
+# at 64 1.3-2.7x; the whole model's projections at 48 and 64 rows 1.26-1.36x; at 15 rows oneDNN's 1.3x faster (and
+# 2.5-2.7x on a weight already in cache), at 23 1.3x; at 128 and 256 even, at 512 and 2048 oneDNN's ahead in the
+# largest (3072x576: 1.2x).
 SHORT_CHUNK = 64
+MKL_BLOCK = 16
 
 
 def cached_weight_product(dtype: torch.dtype, rows: int):
     """The product of `rows` rows with a weight slice in cache: BLAS's, the weight on the left, for a short chunk
-    of float32 rows (SHORT_CHUNK), else many_rows_product. Chosen by the rows, never by a timing, as Linear's are:
-    the rows of the forward's prompt product, so a chunk beside another prompt's may take the other kernel, whose
-    sums round otherwise (float32's rounding, as oneDNN's own blocking by rows already does)."""
-    if dtype != torch.float32 or rows > SHORT_CHUNK:
+    of float32 rows in whole MKL blocks (SHORT_CHUNK, MKL_BLOCK), else many_rows_product. Chosen by the rows, never by
+    a timing, as Linear's are: the rows of the forward's prompt product, so a chunk beside another prompt's may take
+    the other kernel, whose sums round otherwise (float32's rounding, as oneDNN's own blocking by rows already
+    does)."""
+    if dtype != torch.float32 or rows > SHORT_CHUNK or rows % MKL_BLOCK:
         return many_rows_product(dtype)
     return _weight_on_the_left
 
