@@ -18,8 +18,9 @@ does not change with the traffic beside it:
   kernels (the wheel's AVX2 build; Q4_K about even; `kvtier bench kernels`), its bfloat16 product about 2x faster
   again: prefill 1.13-1.23x as fast as with float32 weights on a 2-core EPYC (two runs);
 - a prompt's last token, on CPU (the row its first token is sampled from, cached or not): over
-  the blocks to about float32's precision (`GgmlWeight.precise_product`: the row and what its 8-bit rounding left
-  out, two rows through ggml's product), in the layers and the LM head. A fully cached prompt dequantizes no weight:
+  the blocks to about float32's precision (`ggml.precise_product`: the row's 8-bit rounding and what that rounding
+  left out, side by side through ggml's product), in the layers and the LM head; in ggml's decode graph
+  (ggml_decoder.py) or, where a forward runs it op by op, through `GgmlWeight.precise_product`. A fully cached prompt dequantizes no weight:
   a 1024-token one's first token came 1.9-2.6x sooner than dequantizing every weight for its one row, and its
   first-token logits sit 0.07-0.12% of the largest from the dequantized weights' (1.0-1.2% with the LM head's
   activations in 8 bits, as decode rows have them; a whole row in 8 bits, 2.5%, turned the bundled model's answer
