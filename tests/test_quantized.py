@@ -2,6 +2,7 @@
 decode steps as one ggml graph, each against the float32 path over the same weights dequantized."""
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -159,13 +160,13 @@ def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, ov
     assert steps.steps == 3 * (len(texts[0]) - 2)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
 @torch.inference_mode()
 def test_a_prompts_last_token_in_a_ggml_step_multiplies_about_as_precisely_as_float32(tmp_path, qtype):
     """A ggml decode step's precise rows (a prompt's last token: its products `ggml.precise_product`) score as the
     eager decoder scores that token (precise products too), much nearer the dequantized weights' logits than a
-    decode row's 8-bit activations; a row's logits are the same bits beside a decode row as alone (Q4_1's Q8_1
-    activations, and the K-quants' Q8_K)."""
+    decode row's 8-bit activations; each row's logits are the same bits whatever stands beside it, precise or
+    not (Q4_0 repacked, Q4_1's Q8_1 activations, and the K-quants' Q8_K)."""
     path = tiny_gguf(tmp_path / "m.gguf", qtype=qtype)
     model, float32 = decoder(path, quantized=True), decoder(path, quantized=False)
     pool = pool_for(model)
@@ -176,7 +177,7 @@ def test_a_prompts_last_token_in_a_ggml_step_multiplies_about_as_precisely_as_fl
 
     def graph(which: list[int], precise: int) -> torch.Tensor:
         return steps.run([ids[i][p] for i in which], [p] * len(which), [slots[i] for i in which],
-                         [tables[i] for i in which], [p + 1] * len(which), [1] * len(which), precise=precise)[-1].clone()
+                         [tables[i] for i in which], [p + 1] * len(which), [1] * len(which), precise=precise).clone()
 
     def eager(model: Decoder, last: bool) -> torch.Tensor:
         meta = AttentionMetadata(positions=torch.tensor([p]), slot_mapping=torch.tensor(slots[1:]), prefills=[],
@@ -186,11 +187,14 @@ def test_a_prompts_last_token_in_a_ggml_step_multiplies_about_as_precisely_as_fl
         return model.logits(hidden, torch.tensor([last]))[0]
 
     want = eager(float32, last=False)
-    beside, alone, eight_bit = graph([0, 1], precise=1), graph([1], precise=1), graph([1], precise=0)
+    (alone,), (eight_bit,) = graph([1], precise=1), graph([1], precise=0)
     error, eight_bit_error, from_eager = ((y - ref).abs().max() / want.abs().max() for y, ref in (
         (alone, want), (eight_bit, want), (alone, eager(model, last=True))))
-    assert torch.equal(beside, alone)
     assert error * 5 <= eight_bit_error and from_eager <= 1e-4, (error, eight_bit_error, from_eager)
+    (plain_alone,) = graph([0], precise=0)
+    (first_alone,) = graph([0], precise=1)
+    assert all(torch.equal(got, want) for got, want in zip(graph([0, 1], precise=1), (plain_alone, alone)))
+    assert all(torch.equal(got, want) for got, want in zip(graph([0, 1], precise=2), (first_alone, alone)))
 
 
 @pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
@@ -342,6 +346,9 @@ def test_a_short_chunk_multiplies_a_dequantized_slice_with_the_weight_on_the_lef
     assert chosen[(1, torch.float32)] == chosen[(MKL_BLOCK - 1, torch.float32)] == \
         chosen[(SHORT_CHUNK + MKL_BLOCK, torch.float32)] == many_rows_product(torch.float32).__name__
     assert chosen[(MKL_BLOCK, torch.bfloat16)] == many_rows_product(torch.bfloat16).__name__
+    x, weight = torch.randn(MKL_BLOCK, 64), torch.randn(96, 64)
+    y = cached_weight_product(torch.float32, MKL_BLOCK)(x, weight, None)
+    assert y.is_contiguous() and torch.allclose(y, x @ weight.T, atol=1e-5)
 
 
 def test_a_prompt_product_runs_in_and_out_of_inference_mode(monkeypatch):
@@ -504,6 +511,41 @@ def test_decodes_are_the_same_beside_a_prompt_as_alone():
     assert together == {"a": alone, "b": b_alone}
 
 
+def test_a_prompts_last_token_beside_other_sequences_answers_as_alone(tiny_model_dir, monkeypatch):
+    """ggml's decode graph takes a prompt's last token beside decodes and prompt chunks (after the rest of its
+    chunk, which runs first, or cached but for it): each request's greedy tokens are those it gets alone, cold and
+    warm (chunks of at most 40 tokens and staggered arrivals mix every kind of row in the steps)."""
+    config = dict(model=tiny_model_dir, quantize="int8", device="cpu", block_size=16, kv_pool_tokens=2048,
+                  max_batched_tokens=40, kv_host_gib=0, kv_disk=False)
+    prompts = {name: [(11 * i + 7 * j) % 900 + 20 for j in range(n)]
+               for i, (name, n) in enumerate((("a", 10), ("b", 57), ("c", 101), ("d", 33)))}
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def answers(engine: LLMEngine, names: list[str]) -> dict[str, list[int]]:
+        tokens, waiting = {}, list(names)
+        for step in itertools.count():
+            if not waiting and not engine.has_unfinished():
+                return tokens
+            if waiting and step % 2 == 0:       # one request every other step
+                tokens[waiting[0]] = []
+                engine.add_request(waiting[0], prompts[waiting.pop(0)], params)
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+
+    alone_engine = LLMEngine(Config(**config, prefix_cache=False))
+    alone = {name: answers(alone_engine, [name])[name] for name in prompts}
+    alone_engine.shutdown()
+    steps, run = [], GgmlDecodeSteps.run
+    monkeypatch.setattr(GgmlDecodeSteps, "run", lambda self, *a, precise=0: steps.append((a[-1], precise)) or
+                        run(self, *a, precise=precise))
+    engine = LLMEngine(Config(**config))
+    for pass_ in ("cold", "warm"):
+        steps.clear()
+        assert answers(engine, list(prompts)) == alone, pass_
+        assert any(0 < precise < len(rows) for rows, precise in steps), pass_      # beside other rows
+    engine.shutdown()
+
+
 def load_peak(load: str, warm_up: str, path: str, weights_file: str | None = None, env: dict | None = None) -> float:
     """Run, in a process of its own, `load` (Python over `path`: a load) once over `warm_up` (which brings in every
     library and cache a load uses), then over `path`, after resetting the process's peak resident memory: that
@@ -601,8 +643,9 @@ def test_quantized_blocks_are_kept_for_the_next_start(tiny_model_dir, monkeypatc
 
 @pytest.mark.integration
 def test_a_cached_prompt_answers_as_a_computed_one():
-    """A prompt cached but for its last token computes that token as a prompt row (dequantized products), not as a
-    decode: the first token is the one the whole prompt computed gives (the France prompt's top two nearly tie)."""
+    """A prompt cached but for its last token computes that token with precise products (in ggml's decode graph),
+    not as a decode row's 8-bit ones: the first token is the one the whole prompt computed gives (the France
+    prompt's top two nearly tie)."""
     engine = LLMEngine(Config(device="cpu", kv_pool_tokens=4096, kv_disk=False, kv_host_gib=0))
     ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     first = {}

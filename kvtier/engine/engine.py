@@ -247,7 +247,7 @@ class LLMEngine:
         for seq, n, wanted in zip(batch.seqs, batch.num_tokens, capture):
             try:   # the retry rewrites the same pool slots with the same K/V
                 logits, queries = self.runner.run(ScheduledBatch([seq], [n]), [wanted])
-                results.append((logits[0], queries[0]))     # its rows
+                results.append((logits[0].clone(), queries[0]))     # its rows (a decode graph's own memory)
             except Exception:
                 results.append(None)
         return results

@@ -185,7 +185,7 @@ class ModelRunner:
                  (i, batch.seqs[i].num_computed_tokens, batch.num_tokens[i]) for i in which]
         # a prompt's last token (cached or after its chunk) multiplies precisely in ggml's graphs, which take those
         # rows last
-        precise = [i in after_chunk or not generates(batch.seqs[i], batch.num_tokens[i]) for i in which]
+        precise = [i in after_chunk or (batch.num_tokens[i] == 1 and not generates(batch.seqs[i], 1)) for i in which]
         if ggml_steps:
             steps = [step for step, last in zip(steps, precise) if not last] + \
                     [step for step, last in zip(steps, precise) if last]
@@ -248,9 +248,10 @@ class ModelRunner:
         if self.model.quantized:
             # a cached prompt's last token is a prompt row, which quantized weights multiply another way: ggml's steps
             # multiply it precisely, as after its chunk, unless bounded (whose cold run computes it inside its
-            # chunk); CUDA's graphs take it not at all
+            # chunk); CUDA's graphs take it not at all, nor does either take a draft model's catch-up round (the
+            # rest of its prompt and a draft: decode rows, run op by op)
             decoding = [i for i in decoding if generates(batch.seqs[i], batch.num_tokens[i]) or
-                        (ggml_steps and not batch.seqs[i].kv.residency)]
+                        (ggml_steps and batch.num_tokens[i] == 1 and not batch.seqs[i].kv.residency)]
         if ggml_steps:
             return decoding
         rows = sum(batch.num_tokens[i] for i in decoding)

@@ -165,7 +165,7 @@ def precise_product(ctx: Context, weight: int, x: int) -> int:
     keeps its block sums in float16: ~1e-4 off). Each row comes out as it would alone. A float weight's product is
     its plain one."""
     kind = activation_type(tensor_type(weight))
-    if kind == F32:
+    if kind not in (Q8_0, Q8_1, Q8_K):
         return ctx.op("mul_mat", weight, x)
     rounded = rounded_to_8_bits(ctx, x, kind)
     # the two side by side in one product: the weight read once
@@ -181,13 +181,14 @@ def rounded_to_8_bits(ctx: Context, x: int, kind: int) -> int:
     - Q8_0, Q8_1 (for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): x in ggml's own Q8_0 blocks, read back (Q8_1 rounds as Q8_0
       does: blocks of 32, a float16 scale of the largest magnitude / 127);
     - Q8_K (for the K-quants, whose blocks ggml cannot copy to): blocks of 256, each a whole number of steps of its
-      largest magnitude / 127 (the step a hair above zero for a block of zeros), which ggml's own rounding (a float32
-      step of the value of the largest magnitude / -127) takes back to within float32's rounding."""
+      largest magnitude / 127 (plus 1e-37, which a block of zeros divides by and any other's step absorbs), which
+      ggml's own rounding (a float32 step of the value of the largest magnitude / -127) takes back to within
+      float32's rounding."""
+    if kind not in (Q8_0, Q8_1, Q8_K):
+        raise ValueError(f"no 8-bit rounding known for ggml's activations of type {kind}")
     (rows_in, rows, *_), _ = shape(x)
     if kind in (Q8_0, Q8_1):
         return ctx.op("cpy", ctx.op("cpy", x, ctx.tensor(Q8_0, rows_in, rows)), ctx.tensor(F32, rows_in, rows))
-    if kind != Q8_K:
-        raise ValueError(f"no 8-bit rounding known for ggml's activations of type {kind}")
     blocks = ctx.op("reshape_2d", x, 256, rows_in * rows // 256)
     step = ctx.op("scale_bias", ctx.op("pool_1d", ctx.op("abs", blocks), POOL_MAX, 256, 256, 0), 1 / 127, 1e-37)
     return ctx.op("reshape_2d", ctx.op("mul", ctx.op("round", ctx.op("div", blocks, step)), step), rows_in, rows)

@@ -5,7 +5,7 @@ multiplying by its weights. Here the whole step (embedding, per layer the norms,
 RoPE, the K/V write into kvtier's pool, attention, the MLP; the final norm and the LM head) is one ggml graph run on
 ggml's threadpool, as llama.cpp runs it. The graph reads the weights and the pool where torch keeps them, and is
 built once per shape (rows per sequence, each sequence's context length rounded up to CONTEXT_STEP, where each context
-starts), the last KEPT_GRAPHS kept: a step writes its token ids, positions, K/V slots and attention
+starts, how many rows are prompts' last tokens: below), the last KEPT_GRAPHS kept: a step writes its token ids, positions, K/V slots and attention
 masks into the graph's inputs, and sets the sizes of each sequence's attention tensors to its context rounded up to
 KEY_STEP keys (`ggml.Lengths`: the graph, planned for the longest, computes over the lengths of the step).
 
@@ -55,7 +55,8 @@ KEPT_GRAPHS = 8         # graphs of the last shapes kept: verify steps of a few 
 
 
 class GgmlDecodeSteps:
-    """run(token_ids, positions, slots, tables, lens, rows) → logits [rows, vocab] of one decode step, and `features`
+    """run(token_ids, positions, slots, tables, lens, rows, precise) → logits [rows, vocab] of one decode step (its
+    last `precise` rows prompts' last tokens), and `features`
     its feature layers' outputs (the interface of the CUDA graphs, engine/graphs.py). The logits are the graph's
     memory, valid until the next step (the engine samples from them within the step): a copy of 49K floats took
     ~0.12 ms a step, its fresh memory's page faults, where the whole step takes ~12."""
@@ -197,9 +198,20 @@ class _Step:
     def __init__(self, steps: GgmlDecodeSteps, rows: tuple[int, ...], layouts: tuple[tuple, ...], precise: int):
         cfg, self.steps = steps.config, steps
         batch = sum(rows)
-        # tensors per layer: ~40, ~12 per sequence's attention, and ~15 per weight (up to 7) for precise rows
+        self.batch, self.rows, self.layouts, self.precise = batch, rows, layouts, precise
+        # tensors per layer: ~40, ~12 per sequence's attention, and up to ~17 per weight (up to 7) for precise rows
         size = (cfg.num_layers + 1) * (64 + 12 * batch + 112 * bool(precise))
         ctx = self.ctx = ggml.Context(steps.weights.lib.threads, max_tensors=size, max_nodes=size)
+        try:
+            self._build()
+        except BaseException:       # a graph that cannot be built frees its context
+            ctx.close()
+            raise
+        self.steps = None       # built: no reference back, so the steps' finalizer can free this step with them
+
+    def _build(self) -> None:
+        cfg, steps, ctx, batch, rows, layouts = self.steps.config, self.steps, self.ctx, self.batch, self.rows, \
+            self.layouts
         self.ids = torch.zeros(batch, dtype=torch.int32)
         self.positions = torch.zeros(batch, dtype=torch.int32)
         self.slots = torch.zeros(batch, dtype=torch.int64)
@@ -207,7 +219,6 @@ class _Step:
         self.logits = torch.empty(batch, cfg.vocab_size)
         self.features = torch.empty(len(steps.feature_layers), batch, cfg.hidden_size)
         self.queries = torch.empty(cfg.num_layers, batch, cfg.num_heads, cfg.head_dim)
-        self.batch, self.rows, self.layouts, self.precise = batch, rows, layouts, precise
         self.inputs = {"pos": ctx.place(self.positions), "slots": ctx.place(self.slots),
                        "value_slots": ctx.place(self.value_slots)}
         # the gathered contexts': K's slots (keys each), V's rows of a block's values (row per block each)
@@ -233,7 +244,6 @@ class _Step:
         (logits,) = self._project(x, steps.lm_head, [cfg.vocab_size])
         self.graph = ggml.Graph(ctx, [ctx.place(self.logits, tensor=logits)])
         self.lengths.freeze()
-        self.steps = None       # built: no reference back, so the steps' finalizer can free this step with them
 
     def _feature(self, x: int, layer: int) -> int:
         """x, a layer's output, computed into its place among the step's features."""

@@ -20,11 +20,12 @@ does not change with the traffic beside it:
 - a prompt's last token, on CPU (the row its first token is sampled from, cached or not): over
   the blocks to about float32's precision (`ggml.precise_product`: the row's 8-bit rounding and what that rounding
   left out, side by side through ggml's product), in the layers and the LM head; in ggml's decode graph
-  (ggml_decoder.py) or, where a forward runs it op by op, through `GgmlWeight.precise_product`. A fully cached prompt dequantizes no weight:
-  a 1024-token one's first token came 1.9-2.6x sooner than dequantizing every weight for its one row, and its
-  first-token logits sit 0.07-0.12% of the largest from the dequantized weights' (1.0-1.2% with the LM head's
-  activations in 8 bits, as decode rows have them; a whole row in 8 bits, 2.5%, turned the bundled model's answer
-  to "What is the capital of France?" away from Paris).
+  (ggml_decoder.py) or, where a forward runs it op by op, through `GgmlWeight.precise_product`. A fully cached
+  prompt dequantizes no weight: a 1024-token one's first token came 1.9-2.6x sooner than dequantizing every weight
+  for its one row (eagerly; 2.4x sooner again in the graph), and its first-token logits sit 0.05-0.17% of the
+  largest from the dequantized weights' (1.0-1.2% with the LM head's activations in 8 bits, as decode rows have
+  them; a whole row in 8 bits, 2.5%, turned the bundled model's answer to "What is the capital of France?" away
+  from Paris).
 `Decoder.forward` says which rows decode and which are a prompt's last token (`decoding`); the others are prompt
 rows. On CPU the decode rows' quantized activations and the prompt rows' bfloat16 round differently from
 float32's, so greedy output can differ from float32 weights' where two tokens nearly tie, and a prompt whose last
