@@ -63,11 +63,6 @@ def random_prompts(gen: torch.Generator, num: int, length: int, vocab_size: int)
 
 # --- kvtier -------------------------------------------------------------------------------------
 
-def kvtier_prefill(eng: LLMEngine, prompt: list[int], request_id: str) -> float:
-    """Seconds from add_request to the first token."""
-    return first_token(eng, prompt, request_id)[0]
-
-
 def first_token(eng: LLMEngine, prompt: list[int], request_id: str) -> tuple[float, int]:
     """Seconds from add_request to the first token (max_tokens=1: the request ends with it), and the prompt tokens
     the cache held."""
@@ -195,7 +190,7 @@ def contestants(eng: LLMEngine, float_eng: LLMEngine | None, hf, llama: llama_cp
                 device: torch.device) -> dict[str, tuple]:
     """name → (prefill(prompt, tag) → seconds, decode(prompts, tokens, tag) → tokens/s), kvtier first."""
     def kvtier(e):
-        return (lambda prompt, tag: kvtier_prefill(e, prompt, tag),
+        return (lambda prompt, tag: first_token(e, prompt, tag)[0],
                 lambda prompts, n, tag: kvtier_decode(e, prompts, n, tag))
     found = {"kvtier": kvtier(eng)}
     if float_eng is not None:

@@ -4,10 +4,11 @@ Run op by op through torch, a decode step of a small model spends as long dispat
 multiplying by its weights. Here the whole step (embedding, per layer the norms, projections over the GGUF blocks,
 RoPE, the K/V write into kvtier's pool, attention, the MLP; the final norm and the LM head) is one ggml graph run on
 ggml's threadpool, as llama.cpp runs it. The graph reads the weights and the pool where torch keeps them, and is
-built once per shape (rows per sequence, each sequence's context length rounded up to CONTEXT_STEP, where each context
-starts, how many rows are prompts' last tokens: below), the last KEPT_GRAPHS kept: a step writes its token ids, positions, K/V slots and attention
-masks into the graph's inputs, and sets the sizes of each sequence's attention tensors to its context rounded up to
-KEY_STEP keys (`ggml.Lengths`: the graph, planned for the longest, computes over the lengths of the step).
+built once per shape (rows per sequence, each sequence's context length rounded up to CONTEXT_STEP, where each
+context starts, how many rows are prompts' last tokens: below), the last KEPT_GRAPHS kept: a step writes its token
+ids, positions, K/V slots and attention masks into the graph's inputs, and sets the sizes of each sequence's
+attention tensors to its context rounded up to KEY_STEP keys (`ggml.Lengths`: the graph, planned for the longest,
+computes over the lengths of the step).
 
 The pool keeps V transposed (KVPool's `values_transposed`: each layer's V as [kv_heads, head_dim, slots]), as
 llama.cpp keeps it, so that V's weighted sum is a product over contiguous keys (ggml_mul_mat): at 7.7K tokens of
@@ -56,10 +57,10 @@ KEPT_GRAPHS = 8         # graphs of the last shapes kept: verify steps of a few 
 
 class GgmlDecodeSteps:
     """run(token_ids, positions, slots, tables, lens, rows, precise) → logits [rows, vocab] of one decode step (its
-    last `precise` rows prompts' last tokens), and `features`
-    its feature layers' outputs (the interface of the CUDA graphs, engine/graphs.py). The logits are the graph's
-    memory, valid until the next step (the engine samples from them within the step): a copy of 49K floats took
-    ~0.12 ms a step, its fresh memory's page faults, where the whole step takes ~12."""
+    last `precise` rows prompts' last tokens), and `features` its feature layers' outputs (the interface of the CUDA
+    graphs, engine/graphs.py). The logits are the graph's memory, valid until the next step (the engine samples from
+    them within the step): a copy of 49K floats took ~0.12 ms a step, its fresh memory's page faults, where the
+    whole step takes ~12."""
 
     def __init__(self, model: Decoder, pool: KVPool, threads: int, feature_layers: tuple[int, ...] = ()):
         cfg = self.config = model.config
