@@ -336,19 +336,21 @@ def test_activations_rounded_to_8_bits_round_to_themselves_again(qtype):
 
 
 def test_a_short_chunk_multiplies_a_dequantized_slice_with_the_weight_on_the_left():
-    """Up to SHORT_CHUNK float32 rows in whole MKL blocks take the slice as BLAS's left matrix; other counts, more
-    rows, and other dtypes, oneDNN's."""
+    """Up to SHORT_CHUNK float32 rows, padded to whole MKL blocks, take the slice as BLAS's left matrix; more rows
+    and other dtypes, oneDNN's."""
     from kvtier.models.products import MKL_BLOCK, SHORT_CHUNK, cached_weight_product
     chosen = {(rows, dtype): cached_weight_product(dtype, rows).__name__
-              for rows in (1, MKL_BLOCK - 1, MKL_BLOCK, SHORT_CHUNK, SHORT_CHUNK + MKL_BLOCK)
+              for rows in (1, MKL_BLOCK - 1, MKL_BLOCK, SHORT_CHUNK, SHORT_CHUNK + 1)
               for dtype in (torch.float32, torch.bfloat16)}
-    assert chosen[(MKL_BLOCK, torch.float32)] == chosen[(SHORT_CHUNK, torch.float32)] == "_weight_on_the_left"
-    assert chosen[(1, torch.float32)] == chosen[(MKL_BLOCK - 1, torch.float32)] == \
-        chosen[(SHORT_CHUNK + MKL_BLOCK, torch.float32)] == many_rows_product(torch.float32).__name__
+    assert {chosen[(rows, torch.float32)] for rows in (1, MKL_BLOCK - 1, MKL_BLOCK, SHORT_CHUNK)} == \
+        {"_weight_on_the_left"}
+    assert chosen[(SHORT_CHUNK + 1, torch.float32)] == many_rows_product(torch.float32).__name__
     assert chosen[(MKL_BLOCK, torch.bfloat16)] == many_rows_product(torch.bfloat16).__name__
-    x, weight = torch.randn(MKL_BLOCK, 64), torch.randn(96, 64)
-    y = cached_weight_product(torch.float32, MKL_BLOCK)(x, weight, None)
-    assert y.is_contiguous() and torch.allclose(y, x @ weight.T, atol=1e-5)
+    weight = torch.randn(96, 64)
+    for rows in (1, MKL_BLOCK - 1, MKL_BLOCK):      # padded or not, each row's own product
+        x = torch.randn(rows, 64)
+        y = cached_weight_product(torch.float32, rows)(x, weight, None)
+        assert y.shape == (rows, 96) and y.is_contiguous() and torch.allclose(y, x @ weight.T, atol=1e-5)
 
 
 def test_a_prompt_product_runs_in_and_out_of_inference_mode(monkeypatch):

@@ -58,7 +58,7 @@ def many_rows_product(dtype: torch.dtype):
         agrees = False
     chosen = onednn_linear if agrees else F.linear
     log.info("CPU products of many %s rows: %s", dtype, chosen.__name__)
-    return _in_row_blocks(chosen)
+    return _in_row_blocks(chosen, ROW_BLOCK)
 
 
 # Rows a product of many takes at once: padded to whole blocks of this many. oneDNN's product of a row count just
@@ -68,40 +68,46 @@ def many_rows_product(dtype: torch.dtype):
 ROW_BLOCK = 16
 
 
-def _in_row_blocks(product):
-    """product, its rows padded with zeros to whole ROW_BLOCKs (a padding row changes no other row's product)."""
+def _in_row_blocks(product, block: int):
+    """product, its rows padded with zeros to whole blocks of `block` rows (a padding row changes no other row's
+    product)."""
     @functools.wraps(product)
     def padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        pad = -len(x) % ROW_BLOCK
+        pad = -len(x) % block
         return product(F.pad(x, (0, 0, 0, pad)), weight, bias)[:len(x)] if pad else product(x, weight, bias)
     return padded
 
 
-# Prompt rows multiplying a weight slice just dequantized (quantized.py), in cache: float32 rows, up to this many and
-# a whole number of MKL's blocks of 16 columns, take it as BLAS's tall left matrix, where oneDNN's product of a few
-# rows is slower; at other row counts MKL takes a slower path and oneDNN's is the faster. SmolLM2's four projections
-# (2-core EPYC, each slice written just before): the left matrix at 16 rows 1.5-1.9x oneDNN's speed, at 32 1.1-1.3x,
-# at 64 1.3-2.7x; the whole model's projections at 48 and 64 rows 1.26-1.36x; at 15 rows oneDNN's 1.3x faster (and
-# 2.5-2.7x on a weight already in cache), at 23 1.3x; at 128 and 256 even, at 512 and 2048 oneDNN's ahead in the
-# largest (3072x576: 1.2x).
+# Prompt rows multiplying a weight slice just dequantized (quantized.py), in cache: up to this many float32 rows,
+# padded with zeros to a whole number of MKL's blocks of 16 columns, take it as BLAS's tall left matrix, where
+# oneDNN's product of a few rows is slower (MKL takes a slower path at other row counts: at 15 rows oneDNN's was 1.3x
+# faster, 2.5-2.7x on a weight already in cache). SmolLM2's four projections (2-core EPYC, each slice written just
+# before): the left matrix at 16 rows 1.5-1.9x oneDNN's speed, at 32 1.1-1.3x, at 64 1.3-2.7x; the whole model's
+# projections at 48 and 64 rows 1.26-1.36x; at 128 and 256 even, at 512 and 2048 oneDNN's ahead in the largest
+# (3072x576: 1.2x). A turn of 64 new tokens after a cached 1024-token prefix, whose chunk has 63 rows (its last token
+# runs in the decode graph), came 1.12x sooner padded to 64 than through oneDNN (519 against 581 ms), 32 tokens 1.07x,
+# 16 even (alternating in one process, medians of 6).
 SHORT_CHUNK = 64
 MKL_BLOCK = 16
 
 
 def cached_weight_product(dtype: torch.dtype, rows: int):
     """The product of `rows` rows with a weight slice in cache: BLAS's, the weight on the left, for a short chunk
-    of float32 rows in whole MKL blocks (SHORT_CHUNK, MKL_BLOCK), else many_rows_product. Chosen by the rows, never by
-    a timing, as Linear's are: the rows of the forward's prompt product, so a chunk beside another prompt's may take
-    the other kernel, whose sums round otherwise (float32's rounding, as oneDNN's own blocking by rows already
-    does)."""
-    if dtype != torch.float32 or rows > SHORT_CHUNK or rows % MKL_BLOCK:
+    of float32 rows padded to whole MKL blocks (SHORT_CHUNK, MKL_BLOCK), else many_rows_product. Chosen by the rows,
+    never by a timing, as Linear's are: the rows of the forward's prompt product, so a chunk beside another prompt's
+    may take the other kernel, whose sums round otherwise (float32's rounding, as oneDNN's own blocking by rows
+    already does)."""
+    if dtype != torch.float32 or rows > SHORT_CHUNK:
         return many_rows_product(dtype)
-    return _weight_on_the_left
+    return _left_in_blocks
 
 
 def _weight_on_the_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     y = (weight @ x.T).T.contiguous()
     return y if bias is None else y + bias
+
+
+_left_in_blocks = _in_row_blocks(_weight_on_the_left, MKL_BLOCK)
 
 
 @functools.cache
