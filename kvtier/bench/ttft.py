@@ -282,7 +282,7 @@ def measure(args: argparse.Namespace) -> dict:
     cold = engine(args, single, prefix_cache=False, kv_host_gib=0, kv_disk=False)
     mc = cold.model_config
     turns = build_turns(cold.tokenizer, args.lengths, args.repeats, cold.max_model_len)
-    results.update(model=cold.model_name, dtype=cold.config.dtype, threads=torch.get_num_threads(), turns=turns,
+    results.update(model=cold.model_name, dtype=cold.config.dtype, threads=args.threads, turns=turns,
                    bytes_per_token=KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                                       cold.config.torch_dtype))
     every = 2 * sum(length + NEW_TURN_ROOM for length in args.lengths)   # the device engine keeps all histories

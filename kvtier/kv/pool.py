@@ -15,6 +15,7 @@ apart and a long prompt in a tight pool still lies in one run. Empty blocks go b
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -102,7 +103,9 @@ class KVPool:
             storage = torch.zeros(2, num_layers, slots * num_kv_heads * head_dim, dtype=dtype)
             self._kv = None
             self.k_cache = storage[0].view(num_layers, slots, num_kv_heads, head_dim)
-            self.v_cache = storage[1].view(num_layers, num_kv_heads, head_dim, slots).permute(0, 3, 1, 2)
+            self._values = storage[1].view(num_layers, num_kv_heads * head_dim, slots)
+            self.v_cache = self._values.view(num_layers, num_kv_heads, head_dim, slots).permute(0, 3, 1, 2)
+            self._staging = threading.local()     # per mover thread: a block's V on its way in or out
         else:
             self._kv = torch.empty(2, num_layers, slots, num_kv_heads, head_dim, dtype=dtype, device=device)
             (self._kv if self._kv.device.type == "cpu" else self._kv[:, :, :block_size]).zero_()
@@ -208,7 +211,10 @@ class KVPool:
         """CPU copies of the blocks' payloads, one gather on the device and one copy: [n, 2, num_layers,
         block_size, num_kv_heads, head_dim]."""
         if self.values_transposed:
-            return torch.stack([self._payload(b) for b in blocks])
+            out = torch.empty(len(blocks), *self.block_shape, dtype=self.dtype)
+            for block, payload in zip(blocks, out):
+                self._payload(block, payload)
+            return out
         index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         return self._blocked().index_select(2, index).movedim(2, 0).to("cpu", copy=True).contiguous()
 
@@ -221,19 +227,46 @@ class KVPool:
         bs = self.block_size
         return self.k_cache[:, block * bs:(block + 1) * bs], self.v_cache[:, block * bs:(block + 1) * bs]
 
-    def _payload(self, block: int) -> torch.Tensor:
+    def _payload(self, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The block's payload [2, num_layers, block_size, num_kv_heads, head_dim]: a view of its slots where one
-        tensor holds K and V alike, else a copy."""
+        tensor holds K and V alike, else a copy (into out when given)."""
         if self.values_transposed:
-            return torch.stack(self._block_parts(block))
+            out = torch.empty(self.block_shape, dtype=self.dtype) if out is None else out
+            out[0].copy_(self._block_parts(block)[0])
+            rows = self._value_rows(block)
+            staged = self._staged("rows", rows.shape)
+            staged.copy_(rows)                                  # runs of block_size slots, gathered
+            out[1].view(staged.shape[0], self.block_size, -1).copy_(staged.transpose(1, 2))   # transposed in cache
+            return out
         bs = self.block_size
         return self._kv[:, :, block * bs:(block + 1) * bs]
+
+    def _value_rows(self, block: int) -> torch.Tensor:
+        """A transposed pool's V of the block, [num_layers, num_kv_heads * head_dim, block_size]."""
+        bs = self.block_size
+        return self._values[:, :, block * bs:(block + 1) * bs]
+
+    def _staged(self, name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """The calling thread's memory for a transposed pool's block copies, allocated once (fresh memory would cost
+        its page faults each block)."""
+        kept = getattr(self._staging, name, None)
+        if kept is None:
+            kept = torch.empty(shape, dtype=self.dtype)
+            setattr(self._staging, name, kept)
+        return kept
 
     def blocks_out(self, blocks: list[int]) -> Iterator[torch.Tensor]:
         """The blocks' payloads, in order, to copy to a tier. A block's slots are 2 x num_layers strided pieces
         of the cache: on CUDA one gather (STAGE_BYTES at a time) lays the blocks out one after another, each
         contiguous, so each copy to host memory is one DMA at full rate, where a strided one goes through a
-        temporary and a kernel. On CPU, views of the blocks themselves: a gather would be one more copy."""
+        temporary and a kernel. On CPU, views of the blocks themselves: a gather would be one more copy; a
+        transposed pool's copies, each in the calling thread's memory and valid until the next is taken (the
+        mover copies each into a tier first). Copying a transposed V as strided views took 2-3x as long as
+        gathering its rows and transposing them in cache."""
+        if self.values_transposed:
+            out = self._staged("payload", self.block_shape)
+            yield from (self._payload(b, out) for b in blocks)
+            return
         if not self.staged_copies:
             yield from (self._payload(b) for b in blocks)
             return
@@ -245,6 +278,14 @@ class KVPool:
         """Copy payloads (host memory, contiguous) into the blocks, without waiting on CUDA. There they land by
         one DMA each in a contiguous device buffer (STAGE_BYTES at a time), and one scatter puts each group in
         place; on CPU each is copied straight into its block."""
+        if self.values_transposed:      # V transposed in cache, then its rows in place
+            for block, payload in zip(blocks, payloads):
+                self.k_cache[:, block * self.block_size:(block + 1) * self.block_size].copy_(payload[0])
+                rows = self._value_rows(block)
+                staged = self._staged("rows", rows.shape)
+                staged.copy_(payload[1].reshape(rows.shape[0], self.block_size, -1).transpose(1, 2))
+                rows.copy_(staged)
+            return
         if not self.staged_copies:
             for block, payload in zip(blocks, payloads):
                 for part, half in zip(self._block_parts(block), payload):
