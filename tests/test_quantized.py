@@ -145,11 +145,15 @@ def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, ov
     steps = GgmlDecodeSteps(model, pool, threads=2)
     texts = [TEXT[:40], TEXT[10:50], TEXT[20:60]]
     cases = {"one sequence in consecutive blocks (read in place)": ([texts[0]], [[3, 4, 5]]),
+             "the same in consecutive blocks elsewhere (read in place)": ([texts[0]], [[13, 14, 15]]),
              "one sequence in scattered blocks (gathered)": ([texts[0]], [[9, 2, 6]]),
              "three sequences (gathered, batched)": (texts, [[1, 2, 3], [12, 8, 4], [20, 21, 30]])}
-    got = {}
+    got, graphs = {}, []
     for case, (ids, tables) in cases.items():
+        for cache in pool.caches:       # no case reads what an earlier one left
+            cache.normal_()
         got[case] = teacher_forced(model, ids, tables, steps, pool)
+        graphs.append(len(steps.built))
         want = teacher_forced(model, ids, tables)
         # the same kernels; the op-by-op path merges scattered parts of a context, and the quantized activations
         # of the products magnify such rounding
@@ -157,7 +161,8 @@ def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, ov
     # a sequence's logits do not depend on where its context lies or what else is in the batch, to the bit
     alone, *others = got.values()
     assert all(torch.equal(alone[0], other[0]) for other in others)
-    assert steps.steps == 3 * (len(texts[0]) - 2)
+    assert steps.steps == len(cases) * (len(texts[0]) - 2)
+    assert graphs[0] == graphs[1] == 1       # a context elsewhere in the pool reads it through the same graph
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)

@@ -294,16 +294,36 @@ class Context:
         self._buffers, self._kept, self.ptr = [], [], None
 
 
-class Lengths:
-    """Sizes of a context's built tensors that follow lengths set before each compute: a graph planned (its memory
-    allocated) for the largest lengths computes over smaller ones. A followed size and the strides after it (unless
-    the tensor is a strided view, whose strides stay) scale with the length it follows, one vector store per step."""
+class _Words:
+    """int64 fields of a context's built tensors, set before each compute from a value per sequence (`set`): each
+    field the value it was built with, plus its sequence's value times a scale, in one vector store per step."""
 
     def __init__(self, ctx: Context):
-        base = ctx.lib.get_mem_buffer(ctx.ptr)
-        self.base = base
-        self.words = np.ctypeslib.as_array((ctypes.c_int64 * (ctx.lib.get_mem_size(ctx.ptr) // 8)).from_address(base))
-        self.fields, self.which, self.scales = [], [], []     # the int64 words set, whose length, and its multiple
+        self.base = ctx.lib.get_mem_buffer(ctx.ptr)
+        self.words = np.ctypeslib.as_array((ctypes.c_int64 * (ctx.lib.get_mem_size(ctx.ptr) // 8))
+                                           .from_address(self.base))
+        # per field set: its word, whose value, its multiple, and what is added to it
+        self.fields, self.which, self.scales, self.built = [], [], [], []
+
+    def _follow(self, address: int, which: int, scale: int, built: int = 0) -> None:
+        self.fields.append((address - self.base) // 8)
+        self.which.append(which)
+        self.scales.append(scale)
+        self.built.append(built)
+
+    def set(self, values: np.ndarray) -> None:
+        self.words[self.fields] = self.built + values[self.which] * self.scales
+
+    def freeze(self) -> None:
+        """Followed: the index arrays as numpy's."""
+        self.fields, self.which, self.scales, self.built = (np.asarray(a, dtype=np.int64) for a in (
+            self.fields, self.which, self.scales, self.built))
+
+
+class Lengths(_Words):
+    """Sizes of a context's built tensors that follow lengths set before each compute: a graph planned (its memory
+    allocated) for the largest lengths computes over smaller ones. A followed size and the strides after it (unless
+    the tensor is a strided view, whose strides stay) scale with the length it follows."""
 
     def follow(self, tensor: int, dim: int, which: int, strided: bool = False,
                strides: tuple[int, ...] | None = None) -> None:
@@ -316,17 +336,17 @@ class Lengths:
         fields = [(_TensorHead.ne.offset + 8 * dim, built)]
         fields += [(_TensorHead.nb.offset + 8 * i, head.nb[i]) for i in strides]
         for offset, value in fields:
-            self.fields.append((tensor + offset - self.base) // 8)
-            self.which.append(which)
-            self.scales.append(value // built)
+            self._follow(tensor + offset, which, value // built)
 
-    def set(self, lengths: np.ndarray) -> None:
-        self.words[self.fields] = lengths[self.which] * self.scales
 
-    def freeze(self) -> None:
-        """Followed: the index arrays as numpy's."""
-        self.fields, self.which, self.scales = (np.asarray(a, dtype=np.int64) for a in (self.fields, self.which,
-                                                                                        self.scales))
+class Starts(_Words):
+    """Where views of memory that stays put (the KV pool) begin, set before each compute: a graph built with a view
+    at the memory's start reads from the element set (a context wherever its slots lie), so one graph serves every
+    place of the same shape."""
+
+    def follow(self, view: int, which: int, scale: int) -> None:
+        """The view begins `scale` bytes times start number `which` past where it was built."""
+        self._follow(view + _TensorHead.data.offset, which, scale, _TensorHead.from_address(view).data)
 
 
 class Graph:

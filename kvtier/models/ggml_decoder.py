@@ -4,11 +4,13 @@ Run op by op through torch, a decode step of a small model spends as long dispat
 multiplying by its weights. Here the whole step (embedding, per layer the norms, projections over the GGUF blocks,
 RoPE, the K/V write into kvtier's pool, attention, the MLP; the final norm and the LM head) is one ggml graph run on
 ggml's threadpool, as llama.cpp runs it. The graph reads the weights and the pool where torch keeps them, and is
-built once per shape (rows per sequence, each sequence's context length rounded up to CONTEXT_STEP, where each
-context starts, how many rows are prompts' last tokens: below), the last KEPT_GRAPHS kept: a step writes its token
-ids, positions, K/V slots and attention masks into the graph's inputs, and sets the sizes of each sequence's
-attention tensors to its context rounded up to KEY_STEP keys (`ggml.Lengths`: the graph, planned for the longest,
-computes over the lengths of the step).
+built once per shape (rows per sequence, each sequence's context length rounded up to CONTEXT_STEP, whether each
+context is read in place or gathered, how many rows are prompts' last tokens: below), the last KEPT_GRAPHS kept: a
+step writes its token ids, positions, K/V slots and attention masks into the graph's inputs, sets the sizes of each
+sequence's attention tensors to its context rounded up to KEY_STEP keys (`ggml.Lengths`: the graph, planned for the
+longest, computes over the lengths of the step), and points the views of a context read in place at the slot where
+it starts (`ggml.Starts`), so that a new sequence, wherever the pool put its blocks, takes a graph already built
+(building one took 9-21 ms).
 
 The pool keeps V transposed (KVPool's `values_transposed`: each layer's V as [kv_heads, head_dim, slots]), as
 llama.cpp keeps it, so that V's weighted sum is a product over contiguous keys (ggml_mul_mat): at 7.7K tokens of
@@ -99,7 +101,9 @@ class GgmlDecodeSteps:
         weights to about float32's precision (`ggml.precise_product`), as eager forwards multiply it."""
         lens = np.asarray(lens)
         spans = (-(-lens // CONTEXT_STEP) * CONTEXT_STEP).tolist()
-        layouts = tuple(self._layout(table, span) for table, span in zip(tables, spans))
+        starts = [self._start(table) for table in tables]
+        layouts = tuple((start is not None, min(span, self.num_slots // KEY_STEP * KEY_STEP))
+                        for start, span in zip(starts, spans))
         key = (tuple(rows), layouts, precise)
         step = self.built.get(key)
         if step is None:
@@ -107,6 +111,7 @@ class GgmlDecodeSteps:
                 self.built.popitem(last=False)[1].close()
             step = self.built[key] = _Step(self, *key)
         self.built.move_to_end(key)
+        step.starts.set(np.array([start or 0 for start in starts]))
         step.ids.numpy()[:] = token_ids
         step.positions.numpy()[:] = positions
         step.slots.numpy()[:] = slots
@@ -124,14 +129,11 @@ class GgmlDecodeSteps:
             self.features = torch.cat(list(step.features), -1)
         return step.logits
 
-    def _layout(self, table: list[int], span: int) -> tuple[int | None, int]:
-        """A context as its graph is built for it: (the slot where it starts if its blocks are consecutive, read in
-        place, else None: gathered; the keys it attends over at most: its span, less what would read past the
-        pool)."""
-        start = table[0] * self.block_size
+    def _start(self, table: list[int]) -> int | None:
+        """The slot where a context starts if its blocks are consecutive (read in place), else None (gathered)."""
         if table == list(range(table[0], table[0] + len(table))):     # a list's compare: no numpy per step
-            return start, min(span, (self.num_slots - start) // KEY_STEP * KEY_STEP)
-        return None, span
+            return table[0] * self.block_size
+        return None
 
     def blocks_for(self, keys: int) -> int:
         """Blocks a gathered context's V takes for `keys` keys."""
@@ -143,8 +145,8 @@ class GgmlDecodeSteps:
         bs = self.block_size
         k_index, v_index = step.k_gather.numpy(), step.v_gather.numpy()
         k_at = v_at = 0
-        for i, (start, keys) in enumerate(step.layouts):
-            if start is not None:
+        for i, (in_place, keys) in enumerate(step.layouts):
+            if in_place:
                 continue
             table, n = np.asarray(tables[i]), lens[i]
             slots = (table[:, None] * bs + np.arange(bs)).ravel()[:n]
@@ -192,9 +194,9 @@ def _close(weights: ggml.Context, state: dict) -> None:
 
 
 class _Step:
-    """The graph of a decode step of sequences of `rows` rows each, each laid out as `layouts` gives
-    (GgmlDecodeSteps._layout), the last `precise` rows a prompt's last token each, with its inputs and output in
-    torch tensors."""
+    """The graph of a decode step of sequences of `rows` rows each, each laid out as `layouts` gives (read in place or
+    gathered, its most keys), the last `precise` rows a prompt's last token each, with its inputs and output in torch
+    tensors."""
 
     def __init__(self, steps: GgmlDecodeSteps, rows: tuple[int, ...], layouts: tuple[tuple, ...], precise: int):
         cfg, self.steps = steps.config, steps
@@ -223,13 +225,14 @@ class _Step:
         self.inputs = {"pos": ctx.place(self.positions), "slots": ctx.place(self.slots),
                        "value_slots": ctx.place(self.value_slots)}
         # the gathered contexts': K's slots (keys each), V's rows of a block's values (row per block each)
-        keys = [keys for start, keys in layouts if start is None]
+        keys = [keys for in_place, keys in layouts if not in_place]
         self.gathered = bool(keys)
         if self.gathered:
             self.k_gather = torch.zeros(sum(keys), dtype=torch.int32)
             self.v_gather = torch.zeros(sum(map(steps.blocks_for, keys)) * steps.row, dtype=torch.int32)
             self.inputs |= {"k_gather": ctx.place(self.k_gather), "v_gather": ctx.place(self.v_gather)}
         self.lengths = ggml.Lengths(ctx)        # each sequence's keys: its context rounded up, set each step
+        self.starts = ggml.Starts(ctx)          # the slot where each context read in place starts, set each step
         # per sequence [rows, keys]: 0 for each row's own keys, -inf past them (to its sequence's rounded-up length)
         self.masks = [torch.empty(r, keys) for r, (_, keys) in zip(rows, layouts)]
         self.inputs["masks"] = [ctx.place(mask) for mask in self.masks]
@@ -245,6 +248,7 @@ class _Step:
         (logits,) = self._project(x, steps.lm_head, [cfg.vocab_size])
         self.graph = ggml.Graph(ctx, [ctx.place(self.logits, tensor=logits)])
         self.lengths.freeze()
+        self.starts.freeze()
 
     def _feature(self, x: int, layer: int) -> int:
         """x, a layer's output, computed into its place among the step's features."""
@@ -325,17 +329,21 @@ class _Step:
             v_blocks = ctx.op("reshape_2d", v_all, bs, self.steps.num_slots // bs * row)
             v_gathered = ctx.op("get_rows", v_blocks, self.inputs["v_gather"])
         outs, first, k_at, v_at = [], 0, 0, 0
-        for s, (r, (start, n)) in enumerate(zip(self.rows, self.layouts)):
+        for s, (r, (in_place, n)) in enumerate(zip(self.rows, self.layouts)):
             # built for its most keys, computed over its length rounded up (module doc): [d, n, kv_heads] and
-            # [n, d, kv_heads], V's rows `stride` apart
-            if start is not None:
-                k_source, k_offset, v_source, v_offset, stride = k_all, start, v_all, start, self.steps.num_slots
+            # [n, d, kv_heads], V's rows `stride` apart; in place, built at the pool's first slot and moved to the
+            # context's each step (ggml.Starts)
+            if in_place:
+                k_source, k_offset, v_source, v_offset, stride = k_all, 0, v_all, 0, self.steps.num_slots
             else:
                 stride = self.steps.blocks_for(n) * bs
                 k_source, k_offset, v_source, v_offset = k_gathered, k_at, v_gathered, v_at
                 k_at, v_at = k_at + n, v_at + stride * row
             keys = ctx.op("view_3d", k_source, d, n, kv_heads, row * 4, d * 4, k_offset * row * 4)
             values = ctx.op("view_3d", v_source, n, d, kv_heads, stride * 4, d * stride * 4, v_offset * 4)
+            if in_place:
+                self.starts.follow(keys, s, row * 4)
+                self.starts.follow(values, s, 4)
             own = ctx.op("view_3d", q, d, heads, r, d * 4, d * heads * 4, first * d * heads * 4)     # [d, heads, r]
             queries = ctx.op("permute", own, 0, 2, 1, 3)                                           # [d, r, heads]
             if r > 1:      # contiguous, as one row's is, so the product takes the path a decode's takes
