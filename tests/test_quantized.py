@@ -146,8 +146,11 @@ def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, ov
     texts = [TEXT[:40], TEXT[10:50], TEXT[20:60]]
     cases = {"one sequence in consecutive blocks (read in place)": ([texts[0]], [[3, 4, 5]]),
              "the same in consecutive blocks elsewhere (read in place)": ([texts[0]], [[13, 14, 15]]),
+             "the same in the pool's last blocks (read in place)": ([texts[0]], [[61, 62, 63]]),
              "one sequence in scattered blocks (gathered)": ([texts[0]], [[9, 2, 6]]),
-             "three sequences (gathered, batched)": (texts, [[1, 2, 3], [12, 8, 4], [20, 21, 30]])}
+             "three sequences (gathered, batched)": (texts, [[1, 2, 3], [12, 8, 4], [20, 21, 30]]),
+             "two sequences, each in consecutive blocks (read in place, batched)": (texts[:2], [[1, 2, 3],
+                                                                                             [40, 41, 42]])}
     got, graphs = {}, []
     for case, (ids, tables) in cases.items():
         for cache in pool.caches:       # no case reads what an earlier one left
@@ -162,7 +165,7 @@ def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, ov
     alone, *others = got.values()
     assert all(torch.equal(alone[0], other[0]) for other in others)
     assert steps.steps == len(cases) * (len(texts[0]) - 2)
-    assert graphs[0] == graphs[1] == 1       # a context elsewhere in the pool reads it through the same graph
+    assert graphs[:3] == [1, 1, 1]       # a context elsewhere in the pool reads it through the same graph
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
@@ -343,7 +346,7 @@ def test_activations_rounded_to_8_bits_round_to_themselves_again(qtype):
 def test_a_short_chunk_multiplies_a_dequantized_slice_with_the_weight_on_the_left():
     """Up to SHORT_CHUNK float32 rows, padded to whole MKL blocks, take the slice as BLAS's left matrix; more rows
     and other dtypes, oneDNN's."""
-    from kvtier.models.products import MKL_BLOCK, SHORT_CHUNK, cached_weight_product
+    from kvtier.models.products import MKL_BLOCK, SHORT_CHUNK, _in_row_blocks, _left_in_blocks, cached_weight_product
     chosen = {(rows, dtype): cached_weight_product(dtype, rows).__name__
               for rows in (1, MKL_BLOCK - 1, MKL_BLOCK, SHORT_CHUNK, SHORT_CHUNK + 1)
               for dtype in (torch.float32, torch.bfloat16)}
@@ -356,6 +359,10 @@ def test_a_short_chunk_multiplies_a_dequantized_slice_with_the_weight_on_the_lef
         x = torch.randn(rows, 64)
         y = cached_weight_product(torch.float32, rows)(x, weight, None)
         assert y.shape == (rows, 96) and y.is_contiguous() and torch.allclose(y, x @ weight.T, atol=1e-5)
+    taken = []      # the rows the product itself gets: whole blocks
+    padded = _in_row_blocks(lambda x, w, b: taken.append(len(x)) or x @ w.T, MKL_BLOCK)
+    assert padded(torch.ones(MKL_BLOCK + 1, 64), weight, None).shape == (MKL_BLOCK + 1, 96)
+    assert taken == [2 * MKL_BLOCK] and cached_weight_product(torch.float32, 1) is _left_in_blocks
 
 
 def test_a_prompt_product_runs_in_and_out_of_inference_mode(monkeypatch):

@@ -213,7 +213,7 @@ class KVPool:
         if self.values_transposed:
             out = torch.empty(len(blocks), *self.block_shape, dtype=self.dtype)
             for block, payload in zip(blocks, out):
-                self._payload(block, payload)
+                self._transposed_payload(block, payload)
             return out
         index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         return self._blocked().index_select(2, index).movedim(2, 0).to("cpu", copy=True).contiguous()
@@ -227,19 +227,20 @@ class KVPool:
         bs = self.block_size
         return self.k_cache[:, block * bs:(block + 1) * bs], self.v_cache[:, block * bs:(block + 1) * bs]
 
-    def _payload(self, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The block's payload [2, num_layers, block_size, num_kv_heads, head_dim]: a view of its slots where one
-        tensor holds K and V alike, else a copy (into out when given)."""
-        if self.values_transposed:
-            out = torch.empty(self.block_shape, dtype=self.dtype) if out is None else out
-            out[0].copy_(self._block_parts(block)[0])
-            rows = self._value_rows(block)
-            staged = self._staged("rows", rows.shape)
-            staged.copy_(rows)                                  # runs of block_size slots, gathered
-            out[1].view(staged.shape[0], self.block_size, -1).copy_(staged.transpose(1, 2))   # transposed in cache
-            return out
+    def _payload(self, block: int) -> torch.Tensor:
+        """The block's payload [2, num_layers, block_size, num_kv_heads, head_dim], a view of its slots (a pool
+        whose one tensor holds K and V alike)."""
         bs = self.block_size
         return self._kv[:, :, block * bs:(block + 1) * bs]
+
+    def _transposed_payload(self, block: int, out: torch.Tensor) -> torch.Tensor:
+        """A transposed pool's block copied into out as its payload: V's rows gathered, then transposed in cache."""
+        out[0].copy_(self._block_parts(block)[0])
+        rows = self._value_rows(block)
+        staged = self._staged("rows", rows.shape)
+        staged.copy_(rows)
+        out[1].view(staged.shape[0], self.block_size, -1).copy_(staged.transpose(1, 2))
+        return out
 
     def _value_rows(self, block: int) -> torch.Tensor:
         """A transposed pool's V of the block, [num_layers, num_kv_heads * head_dim, block_size]."""
@@ -250,7 +251,7 @@ class KVPool:
         """The calling thread's memory for a transposed pool's block copies, allocated once (fresh memory would cost
         its page faults each block)."""
         kept = getattr(self._staging, name, None)
-        if kept is None:
+        if kept is None or kept.shape != shape:
             kept = torch.empty(shape, dtype=self.dtype)
             setattr(self._staging, name, kept)
         return kept
@@ -260,12 +261,12 @@ class KVPool:
         of the cache: on CUDA one gather (STAGE_BYTES at a time) lays the blocks out one after another, each
         contiguous, so each copy to host memory is one DMA at full rate, where a strided one goes through a
         temporary and a kernel. On CPU, views of the blocks themselves: a gather would be one more copy; a
-        transposed pool's copies, each in the calling thread's memory and valid until the next is taken (the
-        mover copies each into a tier first). Copying a transposed V as strided views took 2-3x as long as
-        gathering its rows and transposing them in cache."""
+        transposed pool's copies, each in the calling thread's memory and valid only until the next is taken
+        (each consumer copies it into a tier first; `read_blocks` gives copies to keep). Copying a transposed V as
+        strided views took 1.3-1.7x as long as gathering its rows and transposing them in cache."""
         if self.values_transposed:
             out = self._staged("payload", self.block_shape)
-            yield from (self._payload(b, out) for b in blocks)
+            yield from (self._transposed_payload(b, out) for b in blocks)
             return
         if not self.staged_copies:
             yield from (self._payload(b) for b in blocks)
@@ -277,10 +278,11 @@ class KVPool:
     def blocks_in(self, blocks: list[int], payloads: list[torch.Tensor]) -> None:
         """Copy payloads (host memory, contiguous) into the blocks, without waiting on CUDA. There they land by
         one DMA each in a contiguous device buffer (STAGE_BYTES at a time), and one scatter puts each group in
-        place; on CPU each is copied straight into its block."""
-        if self.values_transposed:      # V transposed in cache, then its rows in place
+        place; on CPU each is copied straight into its block, a transposed pool's V transposed in the calling
+        thread's memory first, then its rows put in place."""
+        if self.values_transposed:
             for block, payload in zip(blocks, payloads):
-                self.k_cache[:, block * self.block_size:(block + 1) * self.block_size].copy_(payload[0])
+                self._block_parts(block)[0].copy_(payload[0])
                 rows = self._value_rows(block)
                 staged = self._staged("rows", rows.shape)
                 staged.copy_(payload[1].reshape(rows.shape[0], self.block_size, -1).transpose(1, 2))

@@ -345,7 +345,8 @@ class Starts(_Words):
     place of the same shape."""
 
     def follow(self, view: int, which: int, scale: int) -> None:
-        """The view begins `scale` bytes times start number `which` past where it was built."""
+        """The view begins `scale` bytes times start number `which` past where it was built. Only this tensor
+        moves: a view built from it, or an allocation that sets views up again, would point where it was built."""
         self._follow(view + _TensorHead.data.offset, which, scale, _TensorHead.from_address(view).data)
 
 

@@ -102,6 +102,8 @@ class GgmlDecodeSteps:
         lens = np.asarray(lens)
         spans = (-(-lens // CONTEXT_STEP) * CONTEXT_STEP).tolist()
         starts = [self._start(table) for table in tables]
+        # a context's views are built at the pool's first slot, so no more keys than the pool holds (ggml checks a
+        # view against its memory when it builds it); a step reads its context's keys only (`lengths`, below)
         layouts = tuple((start is not None, min(span, self.num_slots // KEY_STEP * KEY_STEP))
                         for start, span in zip(starts, spans))
         key = (tuple(rows), layouts, precise)
