@@ -77,9 +77,10 @@ def test_staged_payloads_leave_the_device_contiguous(monkeypatch):
     assert all(torch.equal(p, pool.read_block(b)) for p, b in zip(payloads, blocks))
 
 
-def test_a_pool_keeping_v_transposed_moves_the_same_payloads():
-    """ggml's CPU pool (each layer's V transposed) hands the tiers the payloads a pool keeping K and V alike hands
-    for the same K/V, takes them back into its own layout, and copies blocks within itself."""
+def test_a_pool_keeping_v_transposed_moves_payloads_of_its_own_layout():
+    """ggml's CPU pool (each layer's V transposed) hands the tiers its K as a pool keeping K and V alike does and its
+    V as it keeps it (`payload_kv` reads both as the same K/V), under a layout its namespace names, takes them back,
+    and copies blocks within itself."""
     plain, transposed = (KVPool(3, 2, 8, BS, 16 * BS, torch.float32, torch.device("cpu"), values_transposed=t)
                          for t in (False, True))
     fill_random(plain, 0)
@@ -87,13 +88,17 @@ def test_a_pool_keeping_v_transposed_moves_the_same_payloads():
         mine[:, :theirs.shape[1]].copy_(theirs)
     assert transposed.v_cache[0].permute(1, 2, 0).is_contiguous()
     assert transposed.block_shape == plain.block_shape and transposed.block_bytes == plain.block_bytes
+    assert KVPool.layout(True) != KVPool.layout(False)
     blocks = [4, 1, 9]
-    assert torch.equal(transposed.read_blocks(blocks), plain.read_blocks(blocks))
-    assert all(torch.equal(a, b) for a, b in zip(transposed.blocks_out(blocks), plain.blocks_out(blocks)))
-    payloads = list(plain.read_blocks([2, 3]))
+    for mine, theirs in zip(transposed.read_blocks(blocks), plain.read_blocks(blocks)):
+        assert torch.equal(mine[0], theirs[0]) and not torch.equal(mine[1], theirs[1])
+        assert all(torch.equal(a, b) for a, b in zip(transposed.payload_kv(mine), plain.payload_kv(theirs)))
+    assert all(torch.equal(a, b) for a, b in zip(transposed.blocks_out(blocks), transposed.read_blocks(blocks)))
+    payloads = list(transposed.read_blocks([2, 3]))
     transposed.blocks_in([7, 8], payloads)
     transposed.copy_block(7, 11)
     assert torch.equal(transposed.read_blocks([7, 8, 11]), torch.stack([*payloads, payloads[0]]))
+    assert all(torch.equal(a, b) for a, b in zip(transposed._block_parts(7), plain._block_parts(2)))
 
 
 def stall(engine: LLMEngine, seconds: float) -> None:

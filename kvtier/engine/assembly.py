@@ -50,9 +50,9 @@ def tier_share(drafter: ModelConfig, target: ModelConfig) -> float:
 def build_pool(config: Config, mc: ModelConfig, fingerprint: str, device: torch.device, pool_tokens: int,
                role: str = "exact", values_transposed: bool = False) -> KVPool:
     """A model's device pool of pool_tokens tokens. role enters the namespace: the target's exact attention, or a
-    drafter's blocks, which never share a key with it. values_transposed: for ggml's decode steps (`decodes_in_ggml`);
-    the blocks' payloads, and so their keys, are the same either way."""
-    ns = namespace(fingerprint, config.dtype, config.block_size, KVPool.LAYOUT, role)
+    drafter's blocks, which never share a key with it. values_transposed: for ggml's decode steps (`decodes_in_ggml`),
+    whose payloads keep V transposed as the pool does, under a namespace of their own (`KVPool.layout`)."""
+    ns = namespace(fingerprint, config.dtype, config.block_size, KVPool.layout(values_transposed), role)
     pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size,
                   pool_tokens, config.torch_dtype, device, ns, config.prefix_cache, values_transposed)
     log.info("KV pool%s: %d blocks of %d tokens (%.2f GiB)", "" if role == "exact" else f" ({role})",
@@ -69,7 +69,7 @@ def build_pager(config: Config, pool: KVPool, tiers: TierStack, head_dim: int, f
             f"policy={policy},every={config.kv_reselect_every})")
     return Pager(pool, tiers.pinnable_bytes, config.resident_blocks, config.kv_sink_blocks, config.kv_tail_blocks,
                  policy, config.kv_reselect_every, head_dim ** -0.5, pool.namespace,
-                 namespace(fingerprint, config.dtype, config.block_size, KVPool.LAYOUT,
+                 namespace(fingerprint, config.dtype, config.block_size, KVPool.layout(pool.values_transposed),
                            mode if role == "exact" else f"{role}-{mode}"))
 
 

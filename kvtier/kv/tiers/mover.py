@@ -204,7 +204,8 @@ class Mover:
             shape, dtype = (two, layers, block * len(keys), heads, dim), self.pool.dtype
             out = torch.empty(shape, dtype=dtype) if buffer is None else buffer.view(dtype).view(shape)
             for j, payload in enumerate(payloads):
-                out[:, :, j * block:(j + 1) * block].copy_(payload)
+                for half, part in zip(out[:, :, j * block:(j + 1) * block], self.pool.payload_kv(payload)):
+                    half.copy_(part)
             return out
         finally:
             host.release(keys)
