@@ -101,6 +101,23 @@ def test_a_pool_keeping_v_transposed_moves_payloads_of_its_own_layout():
     assert all(torch.equal(a, b) for a, b in zip(transposed._block_parts(7), plain._block_parts(2)))
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["plain", "transposed"])
+def test_paged_out_blocks_gathered_from_the_host_tier_are_their_kv(transposed):
+    """A bounded chunk's paged-out blocks, laid out from their host-tier payloads for eager attention, are their
+    K/V in either pool layout (`KVPool.payload_kv`)."""
+    pool = KVPool(3, 2, 8, BS, 16 * BS, torch.float32, torch.device("cpu"), values_transposed=transposed)
+    fill_random(pool, 0)
+    host = HostTier(8 * pool.block_bytes, pool.block_shape, torch.float32, pin_memory=False)
+    mover = Mover(pool, TierStack([host]))
+    keys, blocks = chain_keys(list(range(3 * BS)), BS, b"ns"), [5, 2, 9]
+    for key, payload in zip(keys, pool.read_blocks(blocks)):
+        assert host.put(key, payload, pin=True)
+    gathered, empty = mover.gather([keys, []])
+    slots = torch.cat([torch.arange(b * BS, (b + 1) * BS) for b in blocks])
+    assert empty is None and torch.equal(gathered, pool.slots_kv(slots))
+    mover.shutdown()
+
+
 def stall(engine: LLMEngine, seconds: float) -> None:
     """Slow every read of the host tier down: a stalled tier."""
     host = engine.tiers.host

@@ -218,7 +218,7 @@ class KVPool:
 
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """CPU copies of the blocks' payloads, one gather on the device and one copy: [n, 2, num_layers,
-        block_size, num_kv_heads, head_dim]."""
+        block_size, num_kv_heads, head_dim] (a transposed pool's V halves as `payload_kv` reads them)."""
         if self.values_transposed:
             out = torch.empty(len(blocks), *self.block_shape, dtype=self.dtype)
             for block, payload in zip(blocks, out):
@@ -254,7 +254,7 @@ class KVPool:
         if not self.values_transposed:
             return payload[0], payload[1]
         layers, _, heads, dim = self.k_cache.shape
-        return payload[0], payload[1].view(layers, heads, dim, self.block_size).permute(0, 3, 1, 2)
+        return payload[0], payload[1].reshape(layers, heads, dim, self.block_size).permute(0, 3, 1, 2)
 
     def _value_rows(self, block: int) -> torch.Tensor:
         """A transposed pool's V of the block, [num_layers, num_kv_heads * head_dim, block_size]."""
@@ -295,7 +295,7 @@ class KVPool:
             for block, payload in zip(blocks, payloads):
                 self._block_parts(block)[0].copy_(payload[0])
                 rows = self._value_rows(block)
-                rows.copy_(payload[1].view(rows.shape[0], -1, self.block_size))
+                rows.copy_(payload[1].reshape(rows.shape[0], -1, self.block_size))
             return
         if not self.staged_copies:
             for block, payload in zip(blocks, payloads):
