@@ -112,8 +112,7 @@ class KVPool:
             storage = torch.zeros(2, num_layers, slots * num_kv_heads * head_dim, dtype=dtype)
             self._kv = None
             self.k_cache = storage[0].view(num_layers, slots, num_kv_heads, head_dim)
-            self._values = storage[1].view(num_layers, num_kv_heads * head_dim, slots)
-            self.v_cache = self._values.view(num_layers, num_kv_heads, head_dim, slots).permute(0, 3, 1, 2)
+            self.v_cache = storage[1].view(num_layers, num_kv_heads, head_dim, slots).permute(0, 3, 1, 2)
             self._staging = threading.local()     # per mover thread: a block's payload on its way out
         else:
             self._kv = torch.empty(2, num_layers, slots, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -243,9 +242,9 @@ class KVPool:
         return self._kv[:, :, block * bs:(block + 1) * bs]
 
     def _transposed_payload(self, block: int, out: torch.Tensor) -> torch.Tensor:
-        """A transposed pool's block copied into out as its payload (V as the pool keeps it)."""
-        out[0].copy_(self._block_parts(block)[0])
-        out[1].view(self._values.shape[0], -1, self.block_size).copy_(self._value_rows(block))
+        """A transposed pool's block copied into out as its payload (V as the pool keeps it: runs of slots)."""
+        for half, part in zip(self.payload_kv(out), self._block_parts(block)):
+            half.copy_(part)
         return out
 
     def payload_kv(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,11 +254,6 @@ class KVPool:
             return payload[0], payload[1]
         layers, _, heads, dim = self.k_cache.shape
         return payload[0], payload[1].reshape(layers, heads, dim, self.block_size).permute(0, 3, 1, 2)
-
-    def _value_rows(self, block: int) -> torch.Tensor:
-        """A transposed pool's V of the block, [num_layers, num_kv_heads * head_dim, block_size]."""
-        bs = self.block_size
-        return self._values[:, :, block * bs:(block + 1) * bs]
 
     def _staged_payload(self) -> torch.Tensor:
         """The calling thread's memory for a transposed pool's payloads on their way out, allocated once (fresh
@@ -291,15 +285,9 @@ class KVPool:
         """Copy payloads (host memory, contiguous) into the blocks, without waiting on CUDA. There they land by
         one DMA each in a contiguous device buffer (STAGE_BYTES at a time), and one scatter puts each group in
         place; on CPU each is copied straight into its block."""
-        if self.values_transposed:
-            for block, payload in zip(blocks, payloads):
-                self._block_parts(block)[0].copy_(payload[0])
-                rows = self._value_rows(block)
-                rows.copy_(payload[1].reshape(rows.shape[0], -1, self.block_size))
-            return
         if not self.staged_copies:
             for block, payload in zip(blocks, payloads):
-                for part, half in zip(self._block_parts(block), payload):
+                for part, half in zip(self._block_parts(block), self.payload_kv(payload)):
                     part.copy_(half)
             return
         for part in self._stage_parts(len(blocks)):
