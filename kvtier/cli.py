@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="weights: auto keeps a GGUF's quantized blocks on CPU (float32) and multiplies by them "
                             "through ggml; none dequantizes every weight to --dtype; int8/int4 quantize a checkpoint's "
                             "projections at load (Q8_0/Q4_0, groups of 32; CPU) (default: auto)")
+    group.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16"),   # config.KV_CACHE_DTYPES
+                       help="the KV cache's dtype: auto keeps --dtype's; float16 (CPU) halves the cache's memory, its "
+                            "tiers' bytes and a long context's decode reads, as llama.cpp's default cache does "
+                            "(default: auto)")
     group.add_argument("--block-size", type=int, metavar="N",
                        help="tokens per KV block (default: 64, or 16 with --kv-resident-tokens)")
     group.add_argument("--kv-pool-tokens", type=int, metavar="N", help="tokens of KV the device pool holds "

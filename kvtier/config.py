@@ -33,6 +33,7 @@ def default_disk_dir() -> str:
 
 
 QUANTIZE_MODES = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
 SPECULATIVE_METHODS = ("ngram", "draft", "dflash")
 
 
@@ -83,6 +84,9 @@ class Config:
     # weights: auto (a GGUF's quantized tensors kept as they are: on CPU in float32, on CUDA with Triton), none
     # (every weight in dtype), int8 | int4 (every projection quantized at load: Q8_0 / Q4_0 blocks of 32)
     quantize: str = "auto"
+    # the KV pool's dtype (vLLM's --kv-cache-dtype): auto keeps the model's; float16 on CPU halves what the pool, the
+    # tiers and a decode step's reads of the context take, as llama.cpp's default 16-bit cache does
+    kv_cache_dtype: str = "auto"
     block_size: int | None = None         # None → 64, or 16 under bounded residency
     kv_pool_tokens: int | None = None     # None → a share of available device memory (pool.default_pool_tokens)
     # on CUDA, the fraction of the device's memory this engine's weights and pool may take (vLLM's option; several
@@ -149,6 +153,12 @@ class Config:
         if self.quantize in ("int8", "int4") and not self._quantized_kernels(device):
             raise ConfigError(f"--quantize {self.quantize} runs on CPU in float32 (ggml's kernels) or on CUDA "
                               "with Triton installed (kvtier's kernels), with libggml-python installed")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                              f"{self.kv_cache_dtype!r}")
+        if device.type == "cuda" and self.kv_dtype != self.dtype:
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype} is for CPU pools: on CUDA the pool keeps "
+                              f"the model's dtype (--dtype {self.dtype})")
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got "
                               f"{self.speculative!r}")
@@ -275,3 +285,18 @@ class Config:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV pool's dtype: --kv-cache-dtype, else the model's."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.kv_dtype]
+
+    @property
+    def kv_namespace_dtype(self) -> str:
+        """The dtypes a KV namespace names: the model's, and the pool's where it differs (its blocks are no other
+        pool's)."""
+        return self.dtype if self.kv_dtype == self.dtype else f"{self.dtype},kv={self.kv_dtype}"

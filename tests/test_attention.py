@@ -156,3 +156,28 @@ def test_on_cpu_a_context_computes_the_same_wherever_its_blocks_lie(length):
                                  decode=DecodeGroup([chunk], [slot_runs(table, length + chunk + 1, bs)]), block_size=bs)
         outs.append(paged_attention(q, k, v, k_cache, v_cache, meta, scale))
     assert torch.equal(*outs)
+
+
+@pytest.mark.parametrize("split", [16, 23])
+def test_in_a_float16_pool_a_chunk_attends_to_its_own_kv_as_the_next_chunk_reads_them(split):
+    """A float16 pool (--kv-cache-dtype float16) keeps K/V rounded to float16; a prompt chunk attends to its own K/V
+    rounded so too, as the chunk after it reads them from the pool, and as a later decode step (or llama.cpp's batch)
+    does: a prompt computed in one chunk or in two gives its rows alike, to float32's rounding of sums (attending to
+    its own unrounded K/V, the rows differ by float16's rounding: 5-7e-4)."""
+    bs, n, scale = 16, 40, DIM ** -0.5
+    gen = torch.Generator().manual_seed(split)
+    q, k, v = (torch.randn(n, heads, DIM, generator=gen) for heads in (HEADS, KV_HEADS, KV_HEADS))
+    table = [0, 1, 2]
+    outs = []
+    for chunks in ([(0, n)], [(0, split), (split, n)]):
+        k_cache, v_cache = (torch.zeros(4 * bs, KV_HEADS, DIM, dtype=torch.float16) for _ in range(2))
+        out = []
+        for a, b in chunks:
+            meta = AttentionMetadata(positions=torch.arange(a, b), slot_mapping=torch.arange(a, b),
+                                     prefills=[PrefillSeq(0, b - a, slot_runs(table, a, bs), table)], decode=None,
+                                     block_size=bs)
+            out.append(paged_attention(q[a:b], k[a:b], v[a:b], k_cache, v_cache, meta, scale))
+        outs.append(torch.cat(out))
+    one, two = outs
+    assert (one - two).abs().max() < 1e-5
+    assert (one - reference(q, k.half().float(), v.half().float(), scale)).abs().max() < 1e-5

@@ -167,6 +167,7 @@ def test_async_engine_streams_and_cancels(tiny_model_dir):
     ({"model": "HuggingFaceTB/SmolLM2-135M-Instruct"}, "never downloads"),
     ({"kv_pool_tokens": 3}, "at least one block"), ({"gpu_memory_utilization": 1.5}, r"in \(0, 1\]"),
     ({"gpu_memory_utilization": "most"}, "a number"), ({"sse_keepalive": 0}, "sse_keepalive must be positive"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of auto, float32, float16"),
 ])
 def test_config_errors_name_the_problem(kwargs, match):
     with pytest.raises(ConfigError, match=match):

@@ -59,10 +59,10 @@ def decoder(path: str, quantized: bool, packed: bool = False, device: str = "cpu
     return Decoder.from_weights(config, weights, torch.float32, torch.device(device), packed=packed)
 
 
-def pool_for(model: Decoder, tokens: int = 1024, device: str = "cpu") -> KVPool:
+def pool_for(model: Decoder, tokens: int = 1024, device: str = "cpu", dtype: torch.dtype = torch.float32) -> KVPool:
     """A pool for the model's decode steps: ggml's on CPU (V transposed), the decoder's on CUDA."""
     c = model.config
-    return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, tokens, torch.float32, torch.device(device),
+    return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK, tokens, dtype, torch.device(device),
                   values_transposed=device == "cpu")
 
 
@@ -137,11 +137,15 @@ def test_each_type_stays_in_its_blocks_and_scores_as_its_dequantized_weights(tmp
     assert ppl_float < 0.1 * TINY["vocab_size"]        # the text is not noise to the model: types could differ
 
 
-@pytest.mark.parametrize("config_cls, overrides", [(LlamaConfig, {}), (Qwen2Config, {}), (Qwen3Config, {"head_dim": 64})],
-                         ids=["llama", "qwen2-bias", "qwen3-qk-norm"])
-def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, overrides):
+@pytest.mark.parametrize("config_cls, overrides, kv_dtype", [
+    (LlamaConfig, {}, torch.float32), (Qwen2Config, {}, torch.float32), (Qwen3Config, {"head_dim": 64}, torch.float32),
+    (LlamaConfig, {}, torch.float16)], ids=["llama", "qwen2-bias", "qwen3-qk-norm", "llama-float16-cache"])
+def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, overrides, kv_dtype):
+    """In a float16 pool (--kv-cache-dtype float16) too: ggml then rounds the queries and the softmax's weights to
+    float16, where the decoder multiplies the pool's values in float32, and a gathered context is put back in
+    float16 before its products, as its views read it."""
     model = decoder(tiny_gguf(tmp_path / "m.gguf", config_cls, Q.Q4_K, **overrides), quantized=True)
-    pool = pool_for(model)
+    pool = pool_for(model, dtype=kv_dtype)
     steps = GgmlDecodeSteps(model, pool, threads=2)
     texts = [TEXT[:40], TEXT[10:50], TEXT[20:60]]
     cases = {"one sequence in consecutive blocks (read in place)": ([texts[0]], [[3, 4, 5]]),

@@ -32,7 +32,8 @@ def engine_machine(eng) -> str:
     import torch
     return (f"{processors(eng.config.device)}, {os.cpu_count()} cores, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, device {eng.config.device}, {eng.config.dtype}, "
-            f"model {eng.model_name}")
+            + (f"KV cache {eng.config.kv_dtype}, " if eng.config.kv_dtype != eng.config.dtype else "")
+            + f"model {eng.model_name}")
 
 
 def header(section: str, machine: str, command: str) -> list[str]:
@@ -81,14 +82,21 @@ def publish(section: str, args: argparse.Namespace) -> None:
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
-    """--device and --dtype, as `kvtier serve` takes them."""
+    """--device, --dtype and --kv-cache-dtype, as `kvtier serve` takes them."""
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the server's)")
+    add_kv_cache_dtype_arg(p)
+
+
+def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "float16"),  # config.KV_CACHE_DTYPES
+                   help="the KV cache's dtype (kvtier serve --kv-cache-dtype; default: auto, --dtype's)")
 
 
 def device_settings(args: argparse.Namespace) -> dict:
-    """The Config settings of --device and --dtype."""
-    return {"device": args.device, **({"dtype": args.dtype} if args.dtype else {})}
+    """The Config settings of --device, --dtype and --kv-cache-dtype."""
+    return {"device": args.device, "kv_cache_dtype": args.kv_cache_dtype,
+            **({"dtype": args.dtype} if args.dtype else {})}
 
 
 def parse_command(module: str, argv: list[str] | None, parse) -> tuple[argparse.Namespace, str]:

@@ -24,8 +24,8 @@ import time
 import torch
 
 from kvtier.bench import llama_cpp
-from kvtier.bench.report import (add_output_args, header, int_list, parse_command, processors, publish,
-                                 verdict)
+from kvtier.bench.report import (add_kv_cache_dtype_arg, add_output_args, header, int_list, parse_command, processors,
+                                 publish, verdict)
 from kvtier.bench.shapes import add_model_args, resolve_model
 from kvtier.config import DTYPES, QUANTIZE_MODES, Config, default_dtype
 from kvtier.engine.engine import LLMEngine
@@ -378,6 +378,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_model_args(p)
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default="cpu")
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both engines")
     p.add_argument("--prefill-lengths", type=int_list, default=[512, 2048, 4096], help="comma-separated")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per sequence")
@@ -416,7 +417,8 @@ def main(argv: list[str] | None = None) -> None:
     # raw compute: no prefix cache and no tiers, so no run can reuse another's (or an earlier process's) KV
     def engine(quantize: str) -> LLMEngine:
         return LLMEngine(Config(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
-                                kv_pool_tokens=need + 64 * batch, max_num_seqs=batch, quantize=quantize,
+                                kv_cache_dtype=args.kv_cache_dtype, kv_pool_tokens=need + 64 * batch,
+                                max_num_seqs=batch, quantize=quantize,
                                 prefix_cache=False, kv_host_gib=0, kv_disk=False, enforce_eager=args.enforce_eager))
     eng = engine(args.quantize)
     # beside kvtier on quantized weights, kvtier as it was: every weight dequantized

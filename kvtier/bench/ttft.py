@@ -282,9 +282,9 @@ def measure(args: argparse.Namespace) -> dict:
     cold = engine(args, single, prefix_cache=False, kv_host_gib=0, kv_disk=False)
     mc = cold.model_config
     turns = build_turns(cold.tokenizer, args.lengths, args.repeats, cold.max_model_len)
-    results.update(model=cold.model_name, dtype=cold.config.dtype, threads=args.threads, turns=turns,
-                   bytes_per_token=KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                                      cold.config.torch_dtype))
+    results.update(model=cold.model_name, dtype=cold.config.dtype, kv_dtype=cold.config.kv_dtype, threads=args.threads,
+                   turns=turns, bytes_per_token=KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                                                     cold.config.kv_torch_dtype))
     every = 2 * sum(length + NEW_TURN_ROOM for length in args.lengths)   # the device engine keeps all histories
     device = engine(args, every, prefix_cache=True, kv_host_gib=0, kv_disk=False)
     host = engine(args, single, prefix_cache=False, kv_host_gib=4.0, kv_disk=False)
@@ -493,7 +493,8 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
                      f"{', '.join(map(str, row['expected']))} / {', '.join(map(str, row['prompts']))} |")
     machine = (f"{processors(args.device)}, {os.cpu_count()} cores, torch {torch.__version__}, "
                f"{results['threads']} threads, model {results['model']} ({results['dtype']}, "
-               f"{results['bytes_per_token']} bytes of KV per token), disk tier on {filesystem(results['disk_dir'])}")
+               + (f"KV cache {results['kv_dtype']}, " if results["kv_dtype"] != results["dtype"] else "")
+               + f"{results['bytes_per_token']} bytes of KV per token), disk tier on {filesystem(results['disk_dir'])}")
     return "\n".join([
         *header(SECTION, machine, command),
         *table,

@@ -34,7 +34,7 @@ def pool_tokens(config: Config, models: list[ModelConfig], device: torch.device,
     """The tokens each pool holds: --kv-pool-tokens, else a share of free memory split between the model's pool and
     its drafter's (each holds as many tokens: every sequence the model runs fits in both). held: device bytes the
     model's weights take; reserve: those a drafter's weights will take."""
-    per_token = sum(KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
+    per_token = sum(KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.kv_torch_dtype)
                     for mc in models)
     return config.kv_pool_tokens or default_pool_tokens(per_token, device, held, reserve,
                                                         config.gpu_memory_utilization)
@@ -52,9 +52,9 @@ def build_pool(config: Config, mc: ModelConfig, fingerprint: str, device: torch.
     """A model's device pool of pool_tokens tokens. role enters the namespace: the target's exact attention, or a
     drafter's blocks, which never share a key with it. values_transposed: for ggml's decode steps (`decodes_in_ggml`),
     whose payloads keep V transposed as the pool does, under a namespace of their own (`KVPool.layout`)."""
-    ns = namespace(fingerprint, config.dtype, config.block_size, KVPool.layout(values_transposed), role)
+    ns = namespace(fingerprint, config.kv_namespace_dtype, config.block_size, KVPool.layout(values_transposed), role)
     pool = KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size,
-                  pool_tokens, config.torch_dtype, device, ns, config.prefix_cache, values_transposed)
+                  pool_tokens, config.kv_torch_dtype, device, ns, config.prefix_cache, values_transposed)
     log.info("KV pool%s: %d blocks of %d tokens (%.2f GiB)", "" if role == "exact" else f" ({role})",
              pool.num_blocks, config.block_size, pool.num_blocks * pool.block_bytes / 2**30)
     return pool
@@ -69,7 +69,8 @@ def build_pager(config: Config, pool: KVPool, tiers: TierStack, head_dim: int, f
             f"policy={policy},every={config.kv_reselect_every})")
     return Pager(pool, tiers.pinnable_bytes, config.resident_blocks, config.kv_sink_blocks, config.kv_tail_blocks,
                  policy, config.kv_reselect_every, head_dim ** -0.5, pool.namespace,
-                 namespace(fingerprint, config.dtype, config.block_size, KVPool.layout(pool.values_transposed),
+                 namespace(fingerprint, config.kv_namespace_dtype, config.block_size,
+                           KVPool.layout(pool.values_transposed),
                            mode if role == "exact" else f"{role}-{mode}"))
 
 

@@ -175,8 +175,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]. Returns [T, H, D]."""
     if meta.capture_rows is not None:
         meta.captured.append(q.index_select(0, meta.capture_rows))
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    if k_cache.dtype != k.dtype:    # a 16-bit pool's: the chunk attends to its K/V as a later chunk will read them
+        k, v = (x.to(k_cache.dtype).to(x.dtype) for x in (k, v))     # from the pool (warm equals cold)
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     # a graph's decode step runs the kernel on any device (on CPU in Triton's interpreter: how the tests check it)
@@ -228,8 +230,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 skip = set(apart) | chunked
                 rows, kv_slots, mask = meta.kernel_args("gathered", lambda: d.padded(q.device, skip=skip))
                 qs = q[rows].unsqueeze(2)                                 # [B, H, 1, D]
-                ks = k_cache[kv_slots].permute(0, 2, 1, 3)                # [B, KVH, L, D]
-                vs = v_cache[kv_slots].permute(0, 2, 1, 3)
+                ks = k_cache[kv_slots].to(q.dtype).permute(0, 2, 1, 3)    # [B, KVH, L, D]
+                vs = v_cache[kv_slots].to(q.dtype).permute(0, 2, 1, 3)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
                 out[rows] = o.squeeze(2)
     return out
@@ -325,6 +327,7 @@ def _segment_parts_cpu(q, kv_heads: int, segments: list[tuple[torch.Tensor, torc
     folded = q.reshape(1, kv_heads, heads // kv_heads * n, dim)
     parts = []
     for ks, vs in segments:
+        ks, vs = ks.to(q.dtype), vs.to(q.dtype)     # a 16-bit pool's K/V in the queries' dtype (V's layout kept)
         if vs.stride(-1) != 1 and folded.shape[2] <= TRANSPOSED_ROWS:
             o, lse = _attention_over_transposed(folded[0], ks, vs, scale)
         else:

@@ -55,6 +55,9 @@ from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear
 CONTEXT_STEP = 256      # context lengths a graph serves, rounded up: one graph holds 256 decode steps
 KEY_STEP = 64           # keys a sequence's rows attend over, rounded up: ggml's SIMD step of floats (module doc)
 KEPT_GRAPHS = 8         # graphs of the last shapes kept: verify steps of a few lengths take turns with decode steps
+# a pool's K/V as ggml reads them: in float16 its products round the queries and the softmax's weights to float16
+# too (ggml's vec_dot of float16), as llama.cpp's default 16-bit cache does
+CACHE_TYPES = {torch.float32: ggml.F32, torch.float16: ggml.F16}
 
 
 class GgmlDecodeSteps:
@@ -66,9 +69,10 @@ class GgmlDecodeSteps:
 
     def __init__(self, model: Decoder, pool: KVPool, threads: int, feature_layers: tuple[int, ...] = ()):
         cfg = self.config = model.config
-        if pool.dtype != torch.float32 or not pool.values_transposed:
-            raise ValueError("ggml decode steps need a float32 KV pool that keeps V transposed")
+        if pool.dtype not in CACHE_TYPES or not pool.values_transposed:
+            raise ValueError("ggml decode steps need a float32 or float16 KV pool that keeps V transposed")
         self.block_size, self.num_slots = pool.block_size, pool.num_slots
+        self.cache_type, self.cache_bytes = CACHE_TYPES[pool.dtype], pool.dtype.itemsize     # per value
         self.row = cfg.num_kv_heads * cfg.head_dim            # one slot's K (or V) floats across heads
         # where a slot's V values lie in its layer's transposed V (apart by a row of slots), and a block's
         self.value_offsets = np.arange(self.row) * self.num_slots
@@ -327,10 +331,11 @@ class _Step:
         cfg, ctx, row, bs = self.steps.config, self.ctx, self.steps.row, self.steps.block_size
         d, heads, kv_heads = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         if self.gathered:      # K's rows [row, keys], V's per block [block_size, row x blocks], side by side
-            k_gathered = ctx.op("get_rows", k_all, self.inputs["k_gather"])
+            k_gathered = self._in_cache_type(ctx.op("get_rows", k_all, self.inputs["k_gather"]))
             v_blocks = ctx.op("reshape_2d", v_all, bs, self.steps.num_slots // bs * row)
-            v_gathered = ctx.op("get_rows", v_blocks, self.inputs["v_gather"])
+            v_gathered = self._in_cache_type(ctx.op("get_rows", v_blocks, self.inputs["v_gather"]))
         outs, first, k_at, v_at = [], 0, 0, 0
+        es = self.steps.cache_bytes
         for s, (r, (in_place, n)) in enumerate(zip(self.rows, self.layouts)):
             # built for its most keys, computed over its length rounded up (module doc): [d, n, kv_heads] and
             # [n, d, kv_heads], V's rows `stride` apart; in place, built at the pool's first slot and moved to the
@@ -341,11 +346,11 @@ class _Step:
                 stride = self.steps.blocks_for(n) * bs
                 k_source, k_offset, v_source, v_offset = k_gathered, k_at, v_gathered, v_at
                 k_at, v_at = k_at + n, v_at + stride * row
-            keys = ctx.op("view_3d", k_source, d, n, kv_heads, row * 4, d * 4, k_offset * row * 4)
-            values = ctx.op("view_3d", v_source, n, d, kv_heads, stride * 4, d * stride * 4, v_offset * 4)
+            keys = ctx.op("view_3d", k_source, d, n, kv_heads, row * es, d * es, k_offset * row * es)
+            values = ctx.op("view_3d", v_source, n, d, kv_heads, stride * es, d * stride * es, v_offset * es)
             if in_place:
-                self.starts.follow(keys, s, row * 4)
-                self.starts.follow(values, s, 4)
+                self.starts.follow(keys, s, row * es)
+                self.starts.follow(values, s, es)
             own = ctx.op("view_3d", q, d, heads, r, d * 4, d * heads * 4, first * d * heads * 4)     # [d, heads, r]
             queries = ctx.op("permute", own, 0, 2, 1, 3)                                           # [d, r, heads]
             if r > 1:      # contiguous, as one row's is, so the product takes the path a decode's takes
@@ -366,6 +371,13 @@ class _Step:
         while len(outs) > 1:     # side by side in pairs: each output copied log2(batch) times
             outs = [ctx.op("concat", a, b, 2) for a, b in zip(outs[::2], outs[1::2])] + outs[len(outs) // 2 * 2:]
         return ctx.op("reshape_2d", outs[0], heads * d, self.batch)
+
+    def _in_cache_type(self, rows: int) -> int:
+        """Gathered K/V rows (ggml's get_rows gives float32) back in the pool's type, so that a gathered context
+        computes the bits it computes read in place."""
+        if self.steps.cache_type == ggml.F32:
+            return rows
+        return self.ctx.op("cpy", rows, self.ctx.tensor(self.steps.cache_type, *ggml.shape(rows)[0][:2]))
 
     def close(self) -> None:
         self.graph.close()
