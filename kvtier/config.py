@@ -84,8 +84,8 @@ class Config:
     # weights: auto (a GGUF's quantized tensors kept as they are: on CPU in float32, on CUDA with Triton), none
     # (every weight in dtype), int8 | int4 (every projection quantized at load: Q8_0 / Q4_0 blocks of 32)
     quantize: str = "auto"
-    # the KV pool's dtype (vLLM's --kv-cache-dtype): auto keeps the model's; float16 on CPU halves what the pool, the
-    # tiers and a decode step's reads of the context take, as llama.cpp's default 16-bit cache does
+    # the KV pool's dtype (named as vLLM's option): auto keeps the model's; float16, for a float32 model on CPU, halves
+    # what the pool and the tiers take and what ggml's decode steps read of a context, as llama.cpp's default cache
     kv_cache_dtype: str = "auto"
     block_size: int | None = None         # None → 64, or 16 under bounded residency
     kv_pool_tokens: int | None = None     # None → a share of available device memory (pool.default_pool_tokens)
@@ -156,9 +156,10 @@ class Config:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                               f"{self.kv_cache_dtype!r}")
-        if device.type == "cuda" and self.kv_dtype != self.dtype:
-            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype} is for CPU pools: on CUDA the pool keeps "
-                              f"the model's dtype (--dtype {self.dtype})")
+        if self.kv_dtype != self.dtype and (device.type == "cuda" or self.dtype != "float32"):
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype} keeps a float32 model's cache in 16 bits on "
+                              f"CPU; with --dtype {self.dtype} on {device.type} the cache keeps the model's dtype "
+                              "(--kv-cache-dtype auto)")
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got "
                               f"{self.speculative!r}")
@@ -294,6 +295,11 @@ class Config:
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         return DTYPES[self.kv_dtype]
+
+    @property
+    def dtypes(self) -> str:
+        """The model's dtype, and the KV cache's where it differs: as reports name them."""
+        return self.dtype if self.kv_dtype == self.dtype else f"{self.dtype}, KV cache {self.kv_dtype}"
 
     @property
     def kv_namespace_dtype(self) -> str:

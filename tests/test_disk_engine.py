@@ -46,19 +46,21 @@ def test_disk_hit_after_restart_warm_equals_cold(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("quantize", ["none", "int4"], ids=["eager", "ggml-decode"])
 def test_a_float16_cache_restored_after_a_restart_equals_cold(tiny_model_dir, tmp_path, quantize):
-    """--kv-cache-dtype float16: blocks of half the bytes on disk, a restart's restore gives what a cold run
-    computes, and a float32 pool of the same model finds none of them (a namespace of their own)."""
+    """--kv-cache-dtype float16: blocks of half a float32 cache's bytes, in the pool and on disk; a restart's
+    restore gives what a cold run computes; and a float32 pool of the same model keys its blocks in another
+    namespace, so it finds none of them."""
     eng = make_engine(tiny_model_dir, tmp_path, kv_cache_dtype="float16", quantize=quantize)
-    assert eng.pool.dtype == torch.float16
     p = prompt(150)
     cold = run(eng, p)
     eng = restart(eng, tiny_model_dir, tmp_path, kv_cache_dtype="float16", quantize=quantize)
     warm = run(eng, p)
     assert warm.cached == 149 and warm.tokens == cold.tokens
     assert max_logit_diff(cold, warm) < 1e-4
-    assert eng.tiers.disk.bytes_used <= 10 * eng.pool.block_bytes + 2 * 2**20      # float16 blocks, and their headers
+    half, namespace = eng.pool.block_bytes, eng.pool.namespace
+    assert eng.tiers.disk.block_bytes == half and eng.pool.dtype == torch.float16
     eng = restart(eng, tiny_model_dir, tmp_path, quantize=quantize)
-    assert eng.pool.dtype == torch.float32 and run(eng, p).cached == 0
+    assert eng.pool.block_bytes == 2 * half and eng.pool.namespace != namespace
+    assert run(eng, p).cached == 0
 
 
 def test_prefix_spanning_host_and_disk(tiny_model_dir, tmp_path):

@@ -168,6 +168,7 @@ def test_async_engine_streams_and_cancels(tiny_model_dir):
     ({"kv_pool_tokens": 3}, "at least one block"), ({"gpu_memory_utilization": 1.5}, r"in \(0, 1\]"),
     ({"gpu_memory_utilization": "most"}, "a number"), ({"sse_keepalive": 0}, "sse_keepalive must be positive"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of auto, float32, float16"),
+    ({"kv_cache_dtype": "float16", "dtype": "bfloat16"}, "keeps a float32 model's cache in 16 bits on CPU"),
 ])
 def test_config_errors_name_the_problem(kwargs, match):
     with pytest.raises(ConfigError, match=match):

@@ -141,9 +141,10 @@ def test_each_type_stays_in_its_blocks_and_scores_as_its_dequantized_weights(tmp
     (LlamaConfig, {}, torch.float32), (Qwen2Config, {}, torch.float32), (Qwen3Config, {"head_dim": 64}, torch.float32),
     (LlamaConfig, {}, torch.float16)], ids=["llama", "qwen2-bias", "qwen3-qk-norm", "llama-float16-cache"])
 def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, overrides, kv_dtype):
-    """In a float16 pool (--kv-cache-dtype float16) too: ggml then rounds the queries and the softmax's weights to
-    float16, where the decoder multiplies the pool's values in float32, and a gathered context is put back in
-    float16 before its products, as its views read it."""
+    """In a float16 pool (--kv-cache-dtype float16) too, against the decoder over a float16 pool of its own (which
+    multiplies the pool's values in float32, where ggml rounds the queries and the softmax's weights to float16; its
+    batched decodes gather and convert them): a gathered context is put back in float16 before ggml's products, as
+    its views read it, so it computes the bits it does read in place."""
     model = decoder(tiny_gguf(tmp_path / "m.gguf", config_cls, Q.Q4_K, **overrides), quantized=True)
     pool = pool_for(model, dtype=kv_dtype)
     steps = GgmlDecodeSteps(model, pool, threads=2)
@@ -161,7 +162,7 @@ def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, ov
             cache.normal_()
         got[case] = teacher_forced(model, ids, tables, steps, pool)
         graphs.append(len(steps.built))
-        want = teacher_forced(model, ids, tables)
+        want = teacher_forced(model, ids, tables, pool=pool_for(model, dtype=kv_dtype))
         # the same kernels; the op-by-op path merges scattered parts of a context, and the quantized activations
         # of the products magnify such rounding
         assert (got[case] - want).abs().max() <= 0.02 * want.abs().max(), case

@@ -42,7 +42,6 @@ from kvtier.bench.ttft import conversation
 from kvtier.config import BOUNDED_BLOCK_SIZE, KV_POLICIES, Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
-from kvtier.kv.pool import KVPool
 
 SECTION = "## Needle in a haystack (bounded residency)"
 ANSWER_TOKENS = 12            # greedy tokens after the question; the context is capped to leave room for them
@@ -230,10 +229,9 @@ def measure(args: argparse.Namespace) -> dict:
     probe = LLMEngine(Config(model=args.model, num_threads=args.threads, **device_settings(args),
                              kv_pool_tokens=64, prefix_cache=False,
                              kv_disk=False, kv_host_gib=0, block_size=BOUNDED_BLOCK_SIZE))
-    mc, block_size = probe.model_config, probe.config.block_size
-    results = {"model": probe.model_name, "dtype": probe.config.dtype, "threads": torch.get_num_threads(),
-               "block_bytes": block_size * KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                                                 probe.config.torch_dtype),
+    block_size = probe.config.block_size
+    results = {"model": probe.model_name, "dtype": probe.config.dtypes, "threads": torch.get_num_threads(),
+               "block_bytes": probe.pool.block_bytes,
                "block_size": block_size, "max_model_len": probe.max_model_len, "min_budget": min_budget(),
                "lengths": args.lengths, "depths": args.depths, "policies": args.policies, "budgets": budgets(args),
                "chat": bool(probe.tokenizer.hf.chat_template), "cells": {}}

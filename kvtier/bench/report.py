@@ -31,9 +31,8 @@ def engine_machine(eng) -> str:
     """Where an engine's numbers come from: the GPU and CPU, torch, its threads, device, dtype and model."""
     import torch
     return (f"{processors(eng.config.device)}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads, device {eng.config.device}, {eng.config.dtype}, "
-            + (f"KV cache {eng.config.kv_dtype}, " if eng.config.kv_dtype != eng.config.dtype else "")
-            + f"model {eng.model_name}")
+            f"{torch.get_num_threads()} threads, device {eng.config.device}, {eng.config.dtypes}, "
+            f"model {eng.model_name}")
 
 
 def header(section: str, machine: str, command: str) -> list[str]:
@@ -89,7 +88,7 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "float16"),  # config.KV_CACHE_DTYPES
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "float16"),  # config's, torch-free
                    help="the KV cache's dtype (kvtier serve --kv-cache-dtype; default: auto, --dtype's)")
 
 

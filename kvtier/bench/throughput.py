@@ -332,7 +332,7 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     machine = (f"{processors(args.device)}, {os.cpu_count()} cores, torch {torch.__version__}, transformers "
                f"{transformers.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
-               f"{eng.config.dtype}, model {eng.model_name}, kvtier with {weights}, decode {decode_path}; the "
+               f"{eng.config.dtypes}, model {eng.model_name}, kvtier with {weights}, decode {decode_path}; the "
                f"process's peak RSS {peak:.1f} GiB (every engine in it)")
     llama_note = ("llama.cpp is ik_llama.cpp (a fork with faster CPU kernels) through the prebuilt ik-llama-cpp-python "
                   "wheel, on the same file and threads, flash attention "

@@ -282,9 +282,8 @@ def measure(args: argparse.Namespace) -> dict:
     cold = engine(args, single, prefix_cache=False, kv_host_gib=0, kv_disk=False)
     mc = cold.model_config
     turns = build_turns(cold.tokenizer, args.lengths, args.repeats, cold.max_model_len)
-    results.update(model=cold.model_name, dtype=cold.config.dtype, kv_dtype=cold.config.kv_dtype, threads=args.threads,
-                   turns=turns, bytes_per_token=KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                                                     cold.config.kv_torch_dtype))
+    results.update(model=cold.model_name, dtype=cold.config.dtypes, threads=args.threads, turns=turns,
+                   bytes_per_token=KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, cold.pool.dtype))
     every = 2 * sum(length + NEW_TURN_ROOM for length in args.lengths)   # the device engine keeps all histories
     device = engine(args, every, prefix_cache=True, kv_host_gib=0, kv_disk=False)
     host = engine(args, single, prefix_cache=False, kv_host_gib=4.0, kv_disk=False)
@@ -331,7 +330,7 @@ def measure(args: argparse.Namespace) -> dict:
     os.remove(probe[0])
     num_blocks = max(turn["expected"][0] for turn in turns) // cold.config.block_size
     results["layout"] = {"blocks": num_blocks, "run_blocks": cold.config.max_batched_tokens // cold.config.block_size,
-                         **restore_by_layout(disk_dir, cold.pool.block_shape, cold.config.torch_dtype, num_blocks,
+                         **restore_by_layout(disk_dir, cold.pool.block_shape, cold.pool.dtype, num_blocks,
                                              cold.config.max_batched_tokens // cold.config.block_size)}
     print(f"restore of {num_blocks} blocks by file layout: {results['layout']}", flush=True)
     if args.disk_dir is None:
@@ -493,8 +492,7 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
                      f"{', '.join(map(str, row['expected']))} / {', '.join(map(str, row['prompts']))} |")
     machine = (f"{processors(args.device)}, {os.cpu_count()} cores, torch {torch.__version__}, "
                f"{results['threads']} threads, model {results['model']} ({results['dtype']}, "
-               + (f"KV cache {results['kv_dtype']}, " if results["kv_dtype"] != results["dtype"] else "")
-               + f"{results['bytes_per_token']} bytes of KV per token), disk tier on {filesystem(results['disk_dir'])}")
+               f"{results['bytes_per_token']} bytes of KV per token), disk tier on {filesystem(results['disk_dir'])}")
     return "\n".join([
         *header(SECTION, machine, command),
         *table,

@@ -175,10 +175,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_slots, KVH, D]. Returns [T, H, D]."""
     if meta.capture_rows is not None:
         meta.captured.append(q.index_select(0, meta.capture_rows))
-    if k_cache.dtype != k.dtype:    # a 16-bit pool's: the chunk attends to its K/V as a later chunk will read them
-        k, v = (x.to(k_cache.dtype).to(x.dtype) for x in (k, v))     # from the pool (warm equals cold)
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    stored_k, stored_v = k.to(k_cache.dtype), v.to(v_cache.dtype)      # the same tensors where the dtypes agree
+    k_cache.index_copy_(0, meta.slot_mapping, stored_k)
+    v_cache.index_copy_(0, meta.slot_mapping, stored_v)
+    # a float16 pool's: the chunk attends to its K/V as the pool keeps them, as a later chunk reads them (warm = cold)
+    k, v = stored_k.to(k.dtype), stored_v.to(v.dtype)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     # a graph's decode step runs the kernel on any device (on CPU in Triton's interpreter: how the tests check it)

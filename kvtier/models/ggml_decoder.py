@@ -55,9 +55,6 @@ from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear
 CONTEXT_STEP = 256      # context lengths a graph serves, rounded up: one graph holds 256 decode steps
 KEY_STEP = 64           # keys a sequence's rows attend over, rounded up: ggml's SIMD step of floats (module doc)
 KEPT_GRAPHS = 8         # graphs of the last shapes kept: verify steps of a few lengths take turns with decode steps
-# a pool's K/V as ggml reads them: in float16 its products round the queries and the softmax's weights to float16
-# too (ggml's vec_dot of float16), as llama.cpp's default 16-bit cache does
-CACHE_TYPES = {torch.float32: ggml.F32, torch.float16: ggml.F16}
 
 
 class GgmlDecodeSteps:
@@ -69,10 +66,12 @@ class GgmlDecodeSteps:
 
     def __init__(self, model: Decoder, pool: KVPool, threads: int, feature_layers: tuple[int, ...] = ()):
         cfg = self.config = model.config
-        if pool.dtype not in CACHE_TYPES or not pool.values_transposed:
+        if pool.dtype not in (torch.float32, torch.float16) or not pool.values_transposed:
             raise ValueError("ggml decode steps need a float32 or float16 KV pool that keeps V transposed")
         self.block_size, self.num_slots = pool.block_size, pool.num_slots
-        self.cache_type, self.cache_bytes = CACHE_TYPES[pool.dtype], pool.dtype.itemsize     # per value
+        # a float16 pool's products round the queries and the softmax's weights to float16 too (ggml's float16
+        # dot products), as llama.cpp's default cache does
+        self.cache_type, self.cache_bytes = ggml.TORCH_TYPES[pool.dtype], pool.dtype.itemsize
         self.row = cfg.num_kv_heads * cfg.head_dim            # one slot's K (or V) floats across heads
         # where a slot's V values lie in its layer's transposed V (apart by a row of slots), and a block's
         self.value_offsets = np.arange(self.row) * self.num_slots
