@@ -328,12 +328,13 @@ def _segment_parts_cpu(q, kv_heads: int, segments: list[tuple[torch.Tensor, torc
     folded = q.reshape(1, kv_heads, heads // kv_heads * n, dim)
     parts = []
     for ks, vs in segments:
-        ks, vs = ks.to(q.dtype), vs.to(q.dtype)     # a 16-bit pool's K/V in the queries' dtype (V's layout kept)
+        ks = ks.to(q.dtype)     # a float16 pool's K/V in the queries' dtype; V converted as it is laid out for use
         if vs.stride(-1) != 1 and folded.shape[2] <= TRANSPOSED_ROWS:
-            o, lse = _attention_over_transposed(folded[0], ks, vs, scale)
+            o, lse = _attention_over_transposed(folded[0], ks, vs.to(q.dtype), scale)
         else:
-            o, lse = flash(folded, ks.transpose(0, 1).unsqueeze(0), vs.contiguous().transpose(0, 1).unsqueeze(0),
-                           scale=scale)
+            # one copy (`to` leaves a tensor of the same dtype as it lies, whatever the memory format asked)
+            vs = vs.contiguous() if vs.dtype == q.dtype else vs.to(q.dtype, memory_format=torch.contiguous_format)
+            o, lse = flash(folded, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), scale=scale)
         parts.append((o.reshape(1, heads, n, dim), lse.reshape(1, heads, n)))
     return parts
 
