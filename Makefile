@@ -45,22 +45,28 @@ test: $(VENV)/.installed .agents/.installed
 
 # On a GPU machine, with its own CUDA torch and no network: the suite on CUDA and the GPU benchmarks, into one
 # report (kvtier/bench/gpu_check.py), run from the checkout without installing it. `make gpu-wheels`, run here with
-# a network, fetches what a CUDA image usually lacks (../shared/GPU.md) as wheels for that machine's Python into
-# .wheels/ (about 20 MB) and cuts the bundled model into .gpu/ (see gpu-model), to carry there. Calls on one warm
-# machine, in the order the open issues need them (add --report $OUT/gpu-check.md to ARGS: gpu-check.log beside it
-# gets every step's whole output):
-#   1. carry .wheels .gpu/SHA256SUMS .gpu/bundled.gguf.aa:  make gpu-deps gpu-model
-#   2. carry .gpu/SHA256SUMS .gpu/bundled.gguf.ab .gpu/bundled.gguf.ac:
-#      make gpu-model gpu-check ARGS="--only 'test suite'"    (8 pytest-xdist workers share the GPU; at most 9 minutes)
-#   3. make gpu-check ARGS="--only '8B,speculative'"           (issue 23's int4 target, issue 24's benchmark)
-#   4. with time left (another session's, often): ARGS="--only '1B,products,Mistral'", then ARGS="--only 'TTFT,latency'"
+# a network, fetches what a CUDA image usually lacks (../shared/GPU.md; the test suite's clients among it) as wheels
+# for that machine's Python into .wheels/ (about 33 MB) and cuts the bundled model into four parts under .gpu/ (see
+# gpu-model), to carry there. Calls on one warm machine, each sent as the last returns (an idle machine goes back
+# after 30 s), in the order the open issues need them (add --report $OUT/gpu-check.md to ARGS: gpu-check.log
+# beside it gets every step's whole output):
+#   1. carry .wheels .gpu/SHA256SUMS .gpu/bundled.gguf.aa:                   make gpu-deps gpu-model
+#   2. carry .gpu/SHA256SUMS .gpu/bundled.gguf.ab .gpu/bundled.gguf.ac:       make gpu-model
+#   3. carry .gpu/SHA256SUMS .gpu/bundled.gguf.ad:
+#      make gpu-model gpu-check ARGS="--only 'test suite,8B,speculative'"   (about 480 s on an H200)
+#   4. with time left (another session's, often): ARGS="--only 'products,1B throughput'", then
+#      ARGS="--only 'Mistral,TTFT,latency'"
 GPU_PYTHON ?= 3.12
 GPU_WHEELS := gguf fastapi starlette uvicorn h11 click pydantic pydantic-core annotated-types typing-inspection \
 	typing-extensions llguidance prometheus-client xxhash openai distro jiter anthropic docstring-parser httpx \
 	httpcore anyio sniffio certifi idna hypothesis sortedcontainers attrs libggml-python==0.20.2.post1 \
-	annotated-doc opentelemetry-api httpx2 httpcore2 truststore pytest-xdist execnet
+	annotated-doc opentelemetry-api httpx2 httpcore2 truststore pytest-xdist execnet \
+	langchain-core langchain-openai langchain-protocol langsmith jsonpatch jsonpointer tenacity uuid-utils orjson \
+	requests-toolbelt zstandard websockets schemathesis harfile hypothesis-graphql graphql-core jsonschema-rs \
+	pyrate-limiter
 gpu-deps:
-	python3 -c "import fastapi, gguf, llguidance, openai, anthropic, uvicorn, hypothesis, xdist" 2>/dev/null || \
+	python3 -c "import fastapi, gguf, llguidance, openai, anthropic, uvicorn, hypothesis, xdist, langchain_openai, \
+		schemathesis" 2>/dev/null || \
 		python3 -m pip install -q --no-index --no-deps .wheels/*.whl
 
 gpu-check: gpu-deps
@@ -82,7 +88,7 @@ gpu-wheels: $(VENV)/.installed
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
 		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .wheels $(GPU_WHEELS)
 	rm -rf .gpu && mkdir .gpu && cd .gpu && \
-		split -b 40M $$(../$(PY) -c "from kvtier.models.loader import BUNDLED_MODEL; print(BUNDLED_MODEL)") \
+		split -b 24M $$(../$(PY) -c "from kvtier.models.loader import BUNDLED_MODEL; print(BUNDLED_MODEL)") \
 		bundled.gguf. && sha256sum bundled.gguf.* > SHA256SUMS
 
 .PHONY: install serve test gpu-deps gpu-check gpu-model gpu-wheels

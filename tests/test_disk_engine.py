@@ -49,16 +49,17 @@ def test_a_float16_cache_restored_after_a_restart_equals_cold(tiny_model_dir, tm
     """--kv-cache-dtype float16: blocks of half a float32 cache's bytes, in the pool and on disk; a restart's
     restore gives what a cold run computes; and a float32 pool of the same model keys its blocks in another
     namespace, so it finds none of them."""
-    eng = make_engine(tiny_model_dir, tmp_path, kv_cache_dtype="float16", quantize=quantize)
+    half_cache = dict(kv_cache_dtype="float16", quantize=quantize, device="cpu")   # a CPU option only
+    eng = make_engine(tiny_model_dir, tmp_path, **half_cache)
     p = prompt(150)
     cold = run(eng, p)
-    eng = restart(eng, tiny_model_dir, tmp_path, kv_cache_dtype="float16", quantize=quantize)
+    eng = restart(eng, tiny_model_dir, tmp_path, **half_cache)
     warm = run(eng, p)
     assert warm.cached == 149 and warm.tokens == cold.tokens
     assert max_logit_diff(cold, warm) < 1e-4
     half, namespace = eng.pool.block_bytes, eng.pool.namespace
     assert eng.tiers.disk.block_bytes == half and eng.pool.dtype == torch.float16
-    eng = restart(eng, tiny_model_dir, tmp_path, quantize=quantize)
+    eng = restart(eng, tiny_model_dir, tmp_path, quantize=quantize, device="cpu")
     assert eng.pool.block_bytes == 2 * half and eng.pool.namespace != namespace
     assert run(eng, p).cached == 0
 

@@ -203,7 +203,9 @@ def test_a_prompts_last_token_in_a_ggml_step_multiplies_about_as_precisely_as_fl
     (alone,), (eight_bit,) = graph([1], precise=1), graph([1], precise=0)
     error, eight_bit_error, from_eager = ((y - ref).abs().max() / want.abs().max() for y, ref in (
         (alone, want), (eight_bit, want), (alone, eager(model, last=True))))
-    assert error * 5 <= eight_bit_error and from_eager <= 1e-4, (error, eight_bit_error, from_eager)
+    # the eager path attends in float32 where ggml rounds queries and softmax weights to float16 (2^-11 apart),
+    # by SIMD paths that differ by CPU: 1-2e-4 on the EPYC and the GPU machines' Xeons, an 8-bit row ~1e-2
+    assert error * 5 <= eight_bit_error and from_eager <= 5e-4, (error, eight_bit_error, from_eager)
     (plain_alone,) = graph([0], precise=0)
     (first_alone,) = graph([0], precise=1)
     assert all(torch.equal(got, want) for got, want in zip(graph([0, 1], precise=1), (plain_alone, alone)))

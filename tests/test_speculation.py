@@ -390,8 +390,8 @@ def test_bounded_sequences_speculate_with_the_resident_sets_of_their_decode_step
                                                                                   policy, quantize):
     """Under bounded residency (8 blocks of 16 for a 600-token prompt, reselecting every 4 tokens), a verify step's
     rows attend to the blocks the decode steps would, the pager commits them row by row, and the greedy output is
-    the one decoding without speculation, while blocks are paged out and in along the way. With quantized weights
-    ggml's graphs run the bounded decode and verify steps too (handing the pager their queries), so every row
+    the one decoding without speculation, while blocks are paged out and in along the way. With quantized weights on
+    CPU ggml's graphs run the bounded decode and verify steps too (handing the pager their queries), so every row
     scores bitwise as its decode would: the logprobs are the same to the bit."""
     settings = dict(kv_resident_tokens=8 * BS, kv_policy=policy, kv_reselect_every=4, kv_pool_tokens=120 * BS,
                     max_batched_tokens=64, kv_host_gib=1, quantize=quantize)
@@ -407,10 +407,12 @@ def test_bounded_sequences_speculate_with_the_resident_sets_of_their_decode_step
                                                                              verify(seq, n, logits, queries))[1])
     (on,) = run(bounded, [ids], params)
     assert on["tokens"] == off["tokens"]
-    if quantize == "int8":
+    if quantize == "int8" and bounded.runner.device.type == "cpu":
         assert on["logprobs"] == off["logprobs"]
-        if bounded.runner.device.type == "cpu":      # on CUDA Triton's products run them, eagerly
-            assert isinstance(bounded.runner.graphs, GgmlDecodeSteps) and bounded.runner.graphs.steps > 0
+        assert isinstance(bounded.runner.graphs, GgmlDecodeSteps) and bounded.runner.graphs.steps > 0
+    elif quantize == "int8":    # CUDA: a verify step's rows run other kernels than a decode row (within rounding)
+        assert [p.token_id for p in on["logprobs"]] == [p.token_id for p in off["logprobs"]]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(on["logprobs"], off["logprobs"])) < 1e-4
     stats = bounded.stats()["residency"]
     assert stats["page_outs"] > 0 and stats["reselects"] > 0
     assert drafts and max(drafts) < BS and bounded.speculator.stats()["accepted_tokens"] > 0

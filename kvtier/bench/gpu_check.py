@@ -3,11 +3,12 @@
 
     make gpu-check                                   # python3 -m kvtier.bench.gpu_check --report gpu-check.md
 
-Each step runs in its own process under a time limit; `--only` picks steps by name, so that calls of up to 10
-minutes each cover them, in the order the open issues need them: `--only 'test suite'` (spread over 8 processes that
-share the GPU; `--workers 0` runs it a test at a time, which takes longer than one call), `--only '8B,speculative'`,
-then `--only '1B,products,Mistral'` and `--only 'TTFT,latency'`. One that fails or runs out of time is reported and
-the next one runs. The benchmarks write their sections into the report, as they do into docs/BENCHMARKS.md; every
+Each step runs in its own process under a time limit; `--only` picks the steps whose names hold one of its texts
+(a benchmark's name starts with its shape: '8B throughput', '1B speculative decoding', '1B throughput', ...), so that
+calls of up to 10 minutes each cover them, in the order the open issues need them: `--only 'test suite,8B,
+speculative'` (the suite spread over 8 processes that share the GPU, 4-5 minutes; `--workers 0` runs it a test at a
+time, which takes longer than one call; about 480 s in all on an H200), then `--only 'products,1B throughput'` and
+`--only 'Mistral,TTFT,latency'`. One that fails or runs out of time is reported and the next one runs. The benchmarks write their sections into the report, as they do into docs/BENCHMARKS.md; every
 step's whole output goes to the log beside it (gpu-check.log), and the 8B step's profile of its int4 decode at
 batch 1 (torch's profiler: kernels by self time) to profile-8b-int4-decode.txt there. --dry runs the same steps on
 CPU at toy sizes (one test file only collected, the benchmarks on a tiny shape), so that CI keeps the check working.
@@ -75,26 +76,27 @@ def steps(report: str, dry: bool, workers: int = WORKERS, suite_seconds: int = S
     return [suite_on_cuda(workers, suite_seconds),
             # int4 weights (Q4_0 blocks, kvtier's Triton kernels) beside bfloat16 ones (transformers left out: a third
             # 16 GB load in the step's time)
-            Step("throughput, Llama-3.1-8B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.1-8b",
+            Step("8B throughput, Llama-3.1-8B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.1-8b",
                                                     "--quantize", "int4", "--no-transformers", "--prefill-lengths",
                                                     "2048,8192", "--decode-batch", "1,16", *out, "--profile",
                                                     beside(report, "profile-8b-int4-decode.txt")], 240),
-            Step("speculative decoding, Llama-3.2-1B shape", ["kvtier.bench.spec", *cuda, "--shape", "llama-3.2-1b",
+            Step("1B speculative decoding, Llama-3.2-1B shape", ["kvtier.bench.spec", *cuda, "--shape", "llama-3.2-1b",
                                                               "--conversations", "2", *out], 180),
-            Step("throughput, Llama-3.2-1B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.2-1b",
-                                                    "--quantize", "int4", "--prefill-lengths", "512,2048,8192",
-                                                    "--decode-batch", "1,8,64", *out], 100),
+            Step("1B throughput, Llama-3.2-1B shape", ["kvtier.bench.throughput", *cuda, "--shape", "llama-3.2-1b",
+                                                       "--quantize", "int4", "--prefill-lengths", "512,2048,8192",
+                                                       "--decode-batch", "1,8,64", *out], 240),
             Step("products for quantized weights", ["kvtier.bench.kernels", *cuda, "--shapes",
                                                     "4096x4096,4096x14336,14336x4096", "--rows", "1,16,2048", *out],
                  200),
             # a GGUF file's K-quants (Q4_K, Q6_K) kept as they are, beside the same weights dequantized
-            Step("throughput, Mistral-7B Q4_K_M GGUF shape",
+            Step("Mistral-7B throughput, Q4_K_M GGUF shape",
                  ["kvtier.bench.throughput", *cuda, "--shape", "mistral-7b-q4_k_m", "--no-transformers",
                   "--prefill-lengths", "2048", "--decode-batch", "1,16", *out], 180),
-            Step("multi-turn TTFT, Llama-3.2-1B shape", ["kvtier.bench.ttft", *cuda, "--shape", "llama-3.2-1b",
-                                                         "--lengths", "1800,4096,16384", *out], 60),
-            Step("inter-token latency, Llama-3.2-1B shape", ["kvtier.bench.itl", *cuda, "--shape", "llama-3.2-1b",
-                                                             "--streams", "8", "--long-prompt", "16000", *out], 120)]
+            Step("1B multi-turn TTFT, Llama-3.2-1B shape", ["kvtier.bench.ttft", *cuda, "--shape", "llama-3.2-1b",
+                                                            "--lengths", "1800,4096,16384", *out], 150),
+            Step("1B inter-token latency, Llama-3.2-1B shape", ["kvtier.bench.itl", *cuda, "--shape",
+                                                                "llama-3.2-1b", "--streams", "8", "--long-prompt",
+                                                                "16000", *out], 120)]
 
 
 def beside(report: str, name: str) -> str:
