@@ -26,6 +26,21 @@ from kvtier.models.repacked import repacked
 log = logging.getLogger("kvtier.models")
 
 
+@functools.cache
+def _fused_kernels():
+    """The fused elementwise kernels (triton_fused.py), or None where Triton is not installed."""
+    try:
+        from kvtier.models import triton_fused
+    except ImportError:
+        return None
+    return triton_fused
+
+
+def fused_for(x: torch.Tensor):
+    """The fused kernels for x's device: on CUDA one kernel where eager ops launch several; on CPU none."""
+    return _fused_kernels() if x.is_cuda else None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -33,6 +48,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (fused := fused_for(x)) is not None:
+            return fused.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:   # one fused kernel
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # half precision: normalize in float32 like the reference implementations
@@ -80,6 +97,8 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, heads, D] in the Hugging Face rotate_half layout."""
+    if (fused := fused_for(x)) is not None:
+        return fused.rope(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -116,7 +135,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if (fused := fused_for(gate_up)) is not None:
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
