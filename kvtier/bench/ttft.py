@@ -149,22 +149,38 @@ def computed_instead(eng: LLMEngine) -> int:
 
 
 def ttft(eng: LLMEngine, request_id: str, prompt: list[int], salt: str | None = None,
-         settled: bool = True) -> tuple[float, int, float, int]:
+         settled: bool = True) -> tuple[float, int, float, int, list[tuple[float, bool]]]:
     """Seconds from add_request to the first token, the prompt tokens that came from a cache, the seconds
-    the loader spent restoring them from a tier, and the cached tokens computed instead (compute-or-load).
+    the loader spent restoring them from a tier, the cached tokens computed instead (compute-or-load), and the
+    engine's steps until then (seconds, whether it ran a forward): where a turn's time went.
     salt: the request's cache salt; settled: wait for its saves to land before returning."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     loaded, computed = load_seconds(eng), computed_instead(eng)
-    start = time.perf_counter()
-    eng.add_request(request_id, prompt, params, cache_salt=salt)
-    while eng.has_unfinished():
-        done = [out for out in eng.step() if out.finished]
-        if done:
-            elapsed = time.perf_counter() - start
-            cached = done[0].num_cached_tokens
+    forwards, run = [], eng.runner.run
+    eng.runner.run = lambda *args: (forwards.append(1), run(*args))[1]
+    steps, start = [], time.perf_counter()
+    try:
+        eng.add_request(request_id, prompt, params, cache_salt=salt)
+        while eng.has_unfinished():     # until its first token, which ends it
+            began, ran = time.perf_counter(), len(forwards)
+            done = [out for out in eng.step() if out.finished]
+            steps.append((time.perf_counter() - began, len(forwards) > ran))
+            if done:
+                elapsed = time.perf_counter() - start
+                cached = done[0].num_cached_tokens
+    finally:
+        del eng.runner.run
     if settled:
         settle(eng)
-    return elapsed, cached, load_seconds(eng) - loaded, computed_instead(eng) - computed
+    return elapsed, cached, load_seconds(eng) - loaded, computed_instead(eng) - computed, steps
+
+
+def steps_note(steps: list[tuple[float, bool]]) -> str:
+    """Where a turn's time went: its engine steps that computed and those that did not (waiting for a restore)."""
+    computing = [s for s, forward in steps if forward]
+    waiting = [s for s, forward in steps if not forward]
+    return (f"; {len(computing)} steps computing {sum(computing) * 1e3:.1f} ms, {len(waiting)} not "
+            f"{sum(waiting) * 1e3:.1f} ms")
 
 
 def drop_page_cache(directory: str) -> str:
@@ -313,12 +329,13 @@ def measure(args: argparse.Namespace) -> dict:
                     continue
                 if mode == "disk":
                     drop_page_cache(disk_dir)
-                seconds, cached, load, computed = timed_turn(engines, mode, f"{turn['length']}-{rep}", turn, prompt)
+                seconds, cached, load, computed, steps = timed_turn(engines, mode, f"{turn['length']}-{rep}", turn,
+                                                                    prompt)
                 runs[turn["length"]][mode].append((seconds, cached, load, computed))
                 print(f"  history {len(turn['history'])}, repeat {rep + 1}: {mode:6s} {seconds * 1e3:9.1f} ms, "
                       f"{cached} of {len(prompt)} prompt tokens cached"
                       + (f" ({computed} more computed instead)" if computed else "")
-                      + (f", restored in {load * 1e3:.1f} ms" if load else ""), flush=True)
+                      + (f", restored in {load * 1e3:.1f} ms" if load else "") + steps_note(steps), flush=True)
                 if mode == "disk":
                     runs[turn["length"]]["file_read"].append(file_read_bandwidth(*probe))
                     read = runs[turn["length"]]["file_read"][-1]
@@ -339,7 +356,8 @@ def measure(args: argparse.Namespace) -> dict:
     return results
 
 
-def timed_turn(engines: dict, mode: str, tag: str, turn: dict, prompt: list[int]) -> tuple[float, int, float, int]:
+def timed_turn(engines: dict, mode: str, tag: str, turn: dict, prompt: list[int]
+               ) -> tuple[float, int, float, int, list[tuple[float, bool]]]:
     """ttft of the new turn in a mode. back-to-back: the host engine computes the history afresh (its own cache
     salt) and the new turn follows as soon as the history's answer is out, its blocks' saves still in flight."""
     if mode != "back-to-back":
