@@ -9,8 +9,8 @@ from conftest import ggml_quantized
 from gguf import GGMLQuantizationType as Q
 
 pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
-from kvtier.models.int4pack import (INNER_K_TILES, Int4PackWeight, int4packed, quants_scales_zeros,  # noqa: E402
-                                    takes)
+from kvtier.models.int4pack import (INNER_K_TILES, Int4PackWeight, choose_decode_products,  # noqa: E402
+                                    int4packed, quants_scales_zeros, takes)
 from kvtier.models.packed import pack  # noqa: E402
 
 OUT, IN = 256, 1024
@@ -125,3 +125,19 @@ def test_tinygemms_products_are_the_dequantized_weights_products(qtype):
     for rows in (1, 16, 300):
         got = converted.product(x[:rows].to("cuda", torch.bfloat16)).double().cpu()
         assert got.shape == (rows, OUT) and (got - want[:rows]).abs().max() <= 0.02 * want.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+def test_decode_products_are_chosen_per_shape_among_those_that_agree(qtype):
+    """At load each shape's decode rows get tinygemm's product or the split-K one, the one its weights measured
+    faster: every weight of the shape the same one, which multiplies as tinygemm does."""
+    weights = [converted(qtype, "cuda")[0] for _ in range(3)]
+    timings = choose_decode_products(weights)
+    assert set(timings) == {(OUT, IN)} and set(timings[OUT, IN]) == {"tinygemm", "split-K Triton"}
+    assert all(0 < seconds < 1 for seconds in timings[OUT, IN].values())
+    assert len({w.splits for w in weights}) == 1
+    assert (weights[0].splits > 0) == (timings[OUT, IN]["split-K Triton"] < timings[OUT, IN]["tinygemm"])
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
+    want = weights[0].product_with(x, 0).float()
+    assert (weights[0].product(x).float() - want).abs().max() <= 2 ** -6 * want.abs().max()

@@ -21,9 +21,7 @@ do not: the time is a product's as served, reading its weight from memory.
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import time
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +29,9 @@ from gguf import GGMLQuantizationType
 
 from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish
 from kvtier.models import ggml, triton_int4pack
-from kvtier.models.int4pack import Int4PackWeight, int4packed
-from kvtier.models.packed import GROUP, PACKED_TYPES, pack
+from kvtier.models.choice import timed
+from kvtier.models.int4pack import SPLIT_K_WAVES, Int4PackWeight, int4packed
+from kvtier.models.packed import PACKED_TYPES, pack
 from kvtier.models.quantized import QuantizedWeight, dequantized_product
 from kvtier.models.triton_attention import multiprocessors
 
@@ -44,25 +43,6 @@ K_QUANTS = ("q4_k", "q6_k")      # blocks of 256 columns
 REPACKED = ("q4_0", "q4_k")      # ggml's CPU_REPACK layouts for AVX2 (q4_1, q8_0, q6_k have none there)
 DEQUANTIZED = ("q4_1", "q4_k")   # the bundled model's type and the K-quant files' most common one, as prompt rows
 CYCLE_BYTES = 512 << 20          # float32 bytes the copies of a weight span, far past any cache
-SPLIT_K_WAVES = 4                # the split-K candidate's programs for one tile of rows, per multiprocessor
-
-
-def timed(calls: list, device: torch.device, repeats: int = 3) -> float:
-    """Seconds per call, each call on the next copy, best of `repeats` passes over all copies."""
-    best = math.inf
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        for call in calls:
-            call()
-        sync(device)
-        best = min(best, (time.perf_counter() - start) / len(calls))
-    return best
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def candidates(weights: list[torch.Tensor], x: torch.Tensor, threads: int) -> dict[str, tuple[list, int]]:
@@ -120,12 +100,11 @@ def cuda_candidates(weights: list[torch.Tensor], device: torch.device, dtype: to
         tinygemm = [int4packed(p) for p in packed]
         if isinstance(tinygemm[0], Int4PackWeight):
             nbytes = tinygemm[0].nbytes
-            found[f"kvtier tinygemm {kind.name}"] = ([lambda x, p=p: p.product(x) for p in tinygemm], nbytes)
+            found[f"kvtier tinygemm {kind.name}"] = ([lambda x, p=p: p.product_with(x, 0) for p in tinygemm], nbytes)
             if triton_int4pack.takes(*weights[0].shape):
                 splits = triton_int4pack.splits_for(*weights[0].shape, SPLIT_K_WAVES * multiprocessors(device))
                 found[f"split-K Triton {kind.name} (tinygemm's layout)"] = (
-                    [lambda x, p=p: triton_int4pack.product(p.packed, p.scales_and_zeros, GROUP, x, splits)
-                     for p in tinygemm], nbytes)
+                    [lambda x, p=p: p.product_with(x, splits) for p in tinygemm], nbytes)
             found[f"dequantize {kind.name} from tinygemm's layout + dense"] = (_dequantized_then_dense(tinygemm, ids),
                                                                              nbytes)
     return found

@@ -33,6 +33,7 @@ from kvtier.engine.sampling_params import SamplingParams
 from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.gguf_file import GGUFFile
+from kvtier.models.int4pack import DECODE_ROWS
 from kvtier.models.loader import resolve_model_path
 from kvtier.models.quantized import model_weight_bytes, prompt_dtype
 
@@ -327,7 +328,7 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
     prompt = prompt_dtype(eng.config.torch_dtype, torch.device(args.device).type)
     prompt_rows = f", prompt rows in {str(prompt).removeprefix('torch.')}" if prompt != eng.config.torch_dtype else ""
     size = model_weight_bytes(eng.model) / 1e6
-    weights = (f"weights kept quantized ({eng.weights_mode}, {size:.0f} MB{prompt_rows})"
+    weights = (f"weights kept quantized ({eng.weights_mode}, {size:.0f} MB{prompt_rows}{decode_products(eng.model)})"
                if eng.model.quantized else f"{eng.config.dtype} weights")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     machine = (f"{processors(args.device)}, {os.cpu_count()} cores, torch {torch.__version__}, transformers "
@@ -441,6 +442,14 @@ def main(argv: list[str] | None = None) -> None:
     publish(section, args)
     if args.profile:
         profile_decode(eng, args, device)
+
+
+def decode_products(model) -> str:
+    """The int4 decode products chosen at load, per shape, with what each candidate measured; empty elsewhere."""
+    rows = " and ".join(map(str, DECODE_ROWS))
+    return "".join(f"; {k}x{n} decode rows by {min(times, key=times.get)} ("
+                   + ", ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in times.items())
+                   + f" for {rows} rows)" for (n, k), times in model.decode_products.items())
 
 
 def profile_decode(eng: LLMEngine, args: argparse.Namespace, device: torch.device) -> None:

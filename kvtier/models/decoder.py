@@ -18,7 +18,7 @@ from torch import nn
 from kvtier.models.attention import AttentionMetadata, paged_attention
 from kvtier.models.config import ModelConfig
 from kvtier.models.products import Linear
-from kvtier.models.int4pack import TINYGEMM_TYPES, int4packed
+from kvtier.models.int4pack import TINYGEMM_TYPES, Int4PackWeight, choose_decode_products, int4packed
 from kvtier.models.packed import pack, packable
 from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding
 from kvtier.models.repacked import repacked
@@ -220,6 +220,8 @@ class Decoder(nn.Module):
         self.config = cfg
         self.model = Backbone(cfg)
         self.rope = RotaryEmbedding(cfg)
+        # int4 weights on CUDA: per shape, the decode products' seconds by candidate, as measured at load
+        self.decode_products: dict[tuple[int, int], dict[str, float]] = {}
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -272,8 +274,11 @@ class Decoder(nn.Module):
             module = QuantizedEmbedding(parts[0]) if name == "model.embed_tokens" else \
                 QuantizedLinear(parts, None if bias is None else bias.to(device=device, dtype=dtype))
             model.set_submodule(name, module)
-        if packed and device.type == "cuda":     # packing's temporaries: memory the KV pool is sized from
-            torch.cuda.empty_cache()
+        if packed and device.type == "cuda":
+            model.decode_products = choose_decode_products([p for m in model.modules()
+                                                            if isinstance(m, QuantizedLinear)
+                                                            for p in m.parts if isinstance(p, Int4PackWeight)])
+            torch.cuda.empty_cache()    # packing's and the choice's temporaries: memory the KV pool is sized from
         if cfg.tie_word_embeddings:
             embedding = model.model.embed_tokens
             if isinstance(embedding, QuantizedEmbedding):

@@ -12,15 +12,22 @@ d * (q - 8) is scale d, zero 0; Q4_1's d * q + m is scale d, zero m + 8d (the fl
 """
 from __future__ import annotations
 
+import logging
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 from gguf import GGMLQuantizationType as T
 
+from kvtier.models.choice import fastest
 from kvtier.models.packed import GROUP, PackedWeight
 
 INNER_K_TILES = 8      # tinygemm's K tiles per pack: K must be a multiple of 16 of them
 TINYGEMM_TYPES = (T.Q4_0, T.Q4_1)     # the block types that convert to its layout without requantizing
+SPLIT_K_WAVES = 4      # the split-K product's programs for one tile of rows, per multiprocessor
+DECODE_ROWS = (1, 16)  # the rows decode products are chosen by: batch 1, and a bucket of 16 (or a verify step's rows)
+
+log = logging.getLogger("kvtier.models")
 
 
 @dataclass
@@ -31,6 +38,8 @@ class Int4PackWeight:
     out_features: int
     packed: torch.Tensor              # int32, _convert_weight_to_int4pack's
     scales_and_zeros: torch.Tensor    # bfloat16 [in_features / 32, out_features, 2]
+    splits: int = 0                   # decode rows' product: 0 tinygemm's, else the split-K Triton product's in this
+                                      # many parts of K (choose_decode_products)
 
     @property
     def type_name(self) -> str:
@@ -48,6 +57,13 @@ class Int4PackWeight:
         return triton_int4pack.dequantize(self.packed, self.scales_and_zeros, GROUP, ids, out)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product_with(x, self.splits)
+
+    def product_with(self, x: torch.Tensor, splits: int) -> torch.Tensor:
+        """x [M, K] by the weight, by tinygemm (splits 0) or the split-K Triton product."""
+        if splits:
+            from kvtier.models import triton_int4pack
+            return triton_int4pack.product(self.packed, self.scales_and_zeros, GROUP, x, splits)
         return torch.ops.aten._weight_int4pack_mm(x.contiguous(), self.packed, GROUP, self.scales_and_zeros)
 
 
@@ -77,3 +93,29 @@ def int4packed(weight: PackedWeight) -> PackedWeight | Int4PackWeight:
     packed = torch.ops.aten._convert_weight_to_int4pack(quants[:, ::2] << 4 | quants[:, 1::2], INNER_K_TILES)
     scales_and_zeros = torch.stack([scale, zero], -1).to(torch.bfloat16).transpose(0, 1).contiguous()
     return Int4PackWeight(weight.ggml_type, weight.in_features, weight.out_features, packed, scales_and_zeros)
+
+
+def choose_decode_products(weights: list[Int4PackWeight]) -> dict[tuple[int, int], dict[str, float]]:
+    """Per shape, the product its decode rows take: tinygemm's or the split-K Triton product, whichever multiplies
+    DECODE_ROWS rows by every weight of the shape faster on this device with tinygemm's result (`choice.fastest`;
+    on an H100 tinygemm read a 4096x4096 weight at 596 GB/s for one row, a fifth of the card's bandwidth). One product
+    for all of a weight's decode rows, so a row rounds alike in every batch. Returns each shape's seconds per product
+    by candidate (summed over the row counts), as logged."""
+    from kvtier.models import triton_int4pack
+    from kvtier.models.triton_attention import multiprocessors
+    by_shape = defaultdict(list)
+    for weight in weights:
+        by_shape[weight.out_features, weight.in_features].append(weight)
+    timings = {}
+    for (n, k), group in by_shape.items():
+        if not triton_int4pack.takes(n, k):
+            continue
+        splits = triton_int4pack.splits_for(n, k, SPLIT_K_WAVES * multiprocessors(group[0].packed.device))
+        chosen, timings[n, k] = fastest({"tinygemm": lambda w, x: w.product_with(x, 0),
+                                         "split-K Triton": lambda w, x: w.product_with(x, splits)},
+                                        group, k, DECODE_ROWS, torch.bfloat16, group[0].packed.device)
+        for weight in group:
+            weight.splits = splits if chosen == "split-K Triton" else 0
+        log.info("int4 decode products for %dx%d weights: %s (%s)", k, n, chosen,
+                 ", ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in timings[n, k].items()))
+    return timings

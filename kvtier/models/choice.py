@@ -1,0 +1,56 @@
+"""Kernels chosen by measurement, on the device they will run on, at load: among candidate products for the weights
+of one shape, the one that multiplies their rows in the least time, of those that give the first candidate's result
+(a candidate that fails or disagrees on this device is never chosen: the first stays)."""
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Callable
+
+import torch
+
+AGREEMENT = 2 ** -6      # of the reference's largest output: products that round otherwise (bfloat16: 2^-8) still agree
+REPEATS = 3              # passes over the weights per candidate and row count; the best counts
+
+
+def fastest(candidates: dict[str, Callable[[object, torch.Tensor], torch.Tensor]], weights: list, in_features: int,
+            rows: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[str, dict[str, float]]:
+    """The candidate (name → product(weight, x)) that multiplies x of each row count in `rows` by every weight, one
+    after another (so that each reads its weight from memory, not from a cache), in the least time summed over the
+    row counts; and each one's seconds per product, summed so (inf where it failed or disagreed with the first)."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(m, in_features, generator=generator).to(device, dtype) for m in rows]
+    references = [next(iter(candidates.values()))(weights[0], x) for x in inputs]
+    seconds = {}
+    for name, product in candidates.items():
+        try:
+            agrees = all(_agree(product(weights[0], x), ref) for x, ref in zip(inputs, references))
+            seconds[name] = sum(timed([functools.partial(product, w, x) for w in weights], device)
+                                for x in inputs) if agrees else math.inf
+        except Exception:       # a kernel that does not build or run here
+            seconds[name] = math.inf
+    return min(seconds, key=seconds.get), seconds
+
+
+def _agree(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.shape == want.shape and bool((got.float() - want.float()).abs().max()
+                                            <= AGREEMENT * want.float().abs().max())
+
+
+def timed(calls: list[Callable[[], object]], device: torch.device, repeats: int = REPEATS) -> float:
+    """Seconds per call, the calls one after another, best of `repeats` passes over them all."""
+    best = math.inf
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        sync(device)
+        best = min(best, (time.perf_counter() - start) / len(calls))
+    return best
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
