@@ -120,20 +120,27 @@ def test_the_spec_bench_says_what_the_row_costs_allow():
     assert ceiling(speculator) == pytest.approx(2.0)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter runs the CUDA kernels")
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="on CPU Triton's interpreter runs the CUDA kernels")
 def test_the_cuda_kernel_candidates_multiply_as_the_dense_product():
-    """The CUDA candidates of `kvtier bench kernels --device cuda`, here in float32 through Triton's interpreter:
-    each computes the product its row claims (tinygemm, which needs CUDA, is left out here)."""
+    """The candidates of `kvtier bench kernels --device cuda`: each computes the product its row claims. On CUDA in
+    bfloat16, as served (tinygemm and the split-K product over its layout among them); on CPU in float32 through
+    Triton's interpreter (tinygemm, which needs CUDA, left out)."""
     from kvtier.bench import kernels
+    cuda = torch.cuda.is_available()
+    device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(48, 256, generator=gen) for _ in range(2)]
+    weights = [torch.randn(64, 256, generator=gen) for _ in range(2)]
     x = torch.randn(2, 256, generator=gen)
-    found = kernels.cuda_candidates(weights, torch.device("cpu"), torch.float32)
-    assert set(found) >= {kernels.DENSE, "kvtier Triton Q4_0", "kvtier Triton Q4_K", "kvtier Triton Q6_K",
-                          "dequantize Q4_0 + dense"}
+    found = kernels.cuda_candidates(weights, device, dtype)
+    expected = {kernels.DENSE, "kvtier Triton Q4_0", "kvtier Triton Q4_K", "kvtier Triton Q6_K",
+                "dequantize Q4_0 + dense"}
+    if cuda:
+        expected |= {"kvtier tinygemm Q4_0", "split-K Triton Q4_0 (tinygemm's layout)"}
+    assert set(found) >= expected
     want = x @ weights[0].T
     for name, (products, nbytes) in found.items():
-        error = (products[0](x) - want).abs().max() / want.abs().max()
+        error = (products[0](x.to(device, dtype)).float().cpu() - want).abs().max() / want.abs().max()
         assert error < (0.2 if "Q4" in name else 0.05), name
         assert 0 < nbytes <= weights[0].numel() * 4
 
