@@ -181,3 +181,23 @@ def test_in_a_float16_pool_a_chunk_attends_to_its_own_kv_as_the_next_chunk_reads
     one, two = outs
     assert (one - two).abs().max() < 1e-5
     assert (one - reference(q, k.half().float(), v.half().float(), scale)).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_sdpa_on_cuda_takes_no_backend_that_plans_per_shape(dtype):
+    """cuDNN's SDPA builds a plan for each new shape (70-110 ms a first chunk of a new length on an H200): sdpa's
+    choice, for a first chunk's causal call with grouped heads and for a masked one, is another backend, and its
+    result is attention's."""
+    from torch.nn.attention import SDPBackend
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 300, 64, generator=gen).to("cuda", dtype) for heads in (8, 2, 2))
+    mask = torch.ones(300, 300, dtype=torch.bool, device="cuda").tril()
+    for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
+        with attention.plan_free():
+            chosen = torch._fused_sdp_choice(q, k, v, enable_gqa=True, **kwargs)
+        assert chosen != SDPBackend.CUDNN_ATTENTION.value, kwargs
+        want = torch.nn.functional.scaled_dot_product_attention(*(x.double() for x in (q, k, v)), enable_gqa=True,
+                                                                **kwargs)
+        got = attention.sdpa(q, k, v, enable_gqa=True, **kwargs)
+        assert (got.double() - want).abs().max() < (2e-2 if dtype == torch.bfloat16 else 1e-4), kwargs

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 # On CPU a context is attended in segments of this many tokens (the last one shorter), cut at these positions and
@@ -169,6 +170,26 @@ def triton_supports(head_dim: int, block_size: int) -> bool:
     return kernels is not None and kernels.supports(head_dim, block_size)
 
 
+# SDPA's backends on CUDA, all but cuDNN's, which torch prefers on Hopper: cuDNN builds an execution plan for each new
+# shape it sees, and on an H200 every turn whose first chunk had a length not seen before took 70-110 ms longer (all
+# of the 2026-11-28 GPU check's TTFT runs: a 1,859-token prompt 67 ms cold, a 4,151-token one, whose first chunk is
+# 2,048 long every time, 42 ms); FlashAttention and the memory-efficient kernels build nothing per shape
+PLAN_FREE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """F.scaled_dot_product_attention, on CUDA through the backends that build nothing per shape."""
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with plan_free():
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def plan_free():
+    """The context sdpa runs SDPA in on CUDA: PLAN_FREE_BACKENDS only."""
+    return sdpa_kernel(PLAN_FREE_BACKENDS)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -194,7 +215,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qs, ks, vs = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, n, D]
         paged_out = None if seq.paged_out is None else (seq.paged_out[0, meta.layer], seq.paged_out[1, meta.layer])
         if not seq.prefix_runs and paged_out is None:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+            o = sdpa(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         elif q.device.type == "cpu":
             segments = _context_segments(seq.prefix_runs, k_cache, v_cache)
             o = _attention_after_segments_cpu(qs, ks, vs, segments + ([paged_out] if paged_out else []), scale)
@@ -233,7 +254,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 qs = q[rows].unsqueeze(2)                                 # [B, H, 1, D]
                 ks = k_cache[kv_slots].to(q.dtype).permute(0, 2, 1, 3)    # [B, KVH, L, D]
                 vs = v_cache[kv_slots].to(q.dtype).permute(0, 2, 1, 3)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+                o = sdpa(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
                 out[rows] = o.squeeze(2)
     return out
 
@@ -299,8 +320,8 @@ def _attention_after_prefix(q, k, v, k_prefix, v_prefix, scale: float) -> torch.
     """Causal attention of a chunk over [cached prefix | the chunk itself]; tensors [1, heads, len, D]."""
     n, p = q.shape[2], k_prefix.shape[2]
     mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(diagonal=p)
-    return F.scaled_dot_product_attention(q, torch.cat([k_prefix, k], 2), torch.cat([v_prefix, v], 2),
-                                          attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return sdpa(q, torch.cat([k_prefix, k], 2), torch.cat([v_prefix, v], 2), attn_mask=mask, scale=scale,
+                enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _attention_after_segments_cpu(q, k, v, segments: list[tuple[torch.Tensor, torch.Tensor]],

@@ -19,10 +19,10 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from kvtier.models.attention import sdpa
 from kvtier.models.config import ModelConfig
 from kvtier.models.decoder import DecoderLayer, RMSNorm, RotaryEmbedding, apply_rope
 from kvtier.models.loader import _safetensors_files, fingerprint, hf_config
@@ -60,8 +60,8 @@ class DFlashAttention(nn.Module):
         k, v = self.kv(x, rope)
         k, v = torch.cat([context_k, k]), torch.cat([context_v, v])
         group = self.heads // self.kv_heads      # [heads, T, D] over [heads, context + T, D], no causal mask
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
-                                           v.repeat_interleave(group, 1).transpose(0, 1))
+        o = sdpa(q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
+                 v.repeat_interleave(group, 1).transpose(0, 1))       # a new context length every step
         return self.o_proj(o.transpose(0, 1).reshape(len(x), -1))
 
 
