@@ -53,21 +53,22 @@ test: $(VENV)/.installed .agents/.installed
 #   1. carry .wheels .gpu/SHA256SUMS .gpu/bundled.gguf.aa:                   make gpu-deps gpu-model
 #   2. carry .gpu/SHA256SUMS .gpu/bundled.gguf.ab .gpu/bundled.gguf.ac:       make gpu-model
 #   3. carry .gpu/SHA256SUMS .gpu/bundled.gguf.ad:
-#      make gpu-model gpu-check ARGS="--only 'test suite,8B,speculative'"   (about 480 s on an H200)
+#      make gpu-model gpu-check ARGS="--only 'test suite,8B,speculative' --suite-seconds 300"   (about 480 s on an H200)
 #   4. with time left (another session's, often): ARGS="--only 'products,1B throughput'", then
 #      ARGS="--only 'Mistral,TTFT,latency'"
 GPU_PYTHON ?= 3.12
 GPU_WHEELS := gguf fastapi starlette uvicorn h11 click pydantic pydantic-core annotated-types typing-inspection \
 	typing-extensions llguidance prometheus-client xxhash openai distro jiter anthropic docstring-parser httpx \
 	httpcore anyio sniffio certifi idna hypothesis sortedcontainers attrs libggml-python==0.20.2.post1 \
-	annotated-doc opentelemetry-api httpx2 httpcore2 truststore pytest-xdist execnet \
-	langchain-core langchain-openai langchain-protocol langsmith jsonpatch jsonpointer tenacity uuid-utils orjson \
-	requests-toolbelt zstandard websockets schemathesis harfile hypothesis-graphql graphql-core jsonschema-rs \
-	pyrate-limiter
+	annotated-doc opentelemetry-api httpx2 httpcore2 truststore pytest-xdist execnet
+# the suite's clients that image lacks, pinned at the versions the suite runs with here (their needs pin ranges)
+GPU_CLIENT_WHEELS := langchain-core langchain-openai langchain-protocol langsmith jsonpatch jsonpointer tenacity \
+	uuid-utils orjson requests-toolbelt zstandard websockets schemathesis harfile hypothesis-graphql graphql-core \
+	jsonschema-rs pyrate-limiter
+GPU_IMPORTS := fastapi, gguf, llguidance, openai, anthropic, uvicorn, hypothesis, xdist, langchain_openai, schemathesis
 gpu-deps:
-	python3 -c "import fastapi, gguf, llguidance, openai, anthropic, uvicorn, hypothesis, xdist, langchain_openai, \
-		schemathesis" 2>/dev/null || \
-		python3 -m pip install -q --no-index --no-deps .wheels/*.whl
+	python3 -c "import $(GPU_IMPORTS)" 2>/dev/null || \
+		(python3 -m pip install -q --no-index --no-deps .wheels/*.whl && python3 -c "import $(GPU_IMPORTS)")
 
 gpu-check: gpu-deps
 	python3 -m kvtier.bench.gpu_check $(ARGS)
@@ -85,8 +86,10 @@ gpu-model:
 	else echo "bundled model: $$(ls bundled.gguf.* | wc -l) of $$(grep -c bundled SHA256SUMS) parts here"; fi
 
 gpu-wheels: $(VENV)/.installed
-	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
-		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .wheels $(GPU_WHEELS)
+	rm -rf .wheels && $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
+		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .wheels $(GPU_WHEELS) \
+		$$($(PY) -c "import sys; from importlib.metadata import version; \
+		print(*(name + '==' + version(name) for name in sys.argv[1:]))" $(GPU_CLIENT_WHEELS))
 	rm -rf .gpu && mkdir .gpu && cd .gpu && \
 		split -b 24M $$(../$(PY) -c "from kvtier.models.loader import BUNDLED_MODEL; print(BUNDLED_MODEL)") \
 		bundled.gguf. && sha256sum bundled.gguf.* > SHA256SUMS

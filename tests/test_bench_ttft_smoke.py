@@ -7,6 +7,8 @@ import torch
 
 from kvtier.bench import ttft
 from kvtier.bench.report import write_section
+from kvtier.config import Config
+from kvtier.engine.engine import LLMEngine
 
 
 @pytest.fixture
@@ -45,3 +47,14 @@ def test_ttft_bench_measures_every_tier(tiny_model_dir, tmp_path, one_thread):
     assert text.startswith("# Benchmarks\n\n## Throughput (kvtier vs transformers)\n\nkeep me\n\n")
     assert "stale numbers" not in text and text.count(ttft.SECTION) == 1
     assert "(**miss**:" not in text and "not evaluated" in text
+
+
+def test_a_turn_says_which_of_its_steps_computed_and_leaves_the_runner_as_it_was(tiny_model_dir, one_thread):
+    eng = LLMEngine(Config(model=tiny_model_dir, device="cpu", block_size=16, kv_pool_tokens=64 * 16, kv_host_gib=0,
+                           prefix_cache=False, max_batched_tokens=64, num_threads=one_thread))
+    seconds, cached, load, computed, steps = ttft.ttft(eng, "turn", [(7 * i) % 500 + 20 for i in range(180)])
+    assert cached == 0 and load == computed == 0 and 0 < seconds < 30
+    assert [forward for _, forward in steps] == [True] * 3      # three chunks of at most 64 tokens, each computed
+    assert ttft.steps_note(steps).startswith("; 3 steps computing") and ttft.steps_note(steps).endswith("0 not 0.0 ms")
+    assert "run" not in vars(eng.runner)      # the class's run again
+    eng.shutdown()

@@ -9,7 +9,7 @@ from conftest import ggml_quantized
 from gguf import GGMLQuantizationType as Q
 
 pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
-from kvtier.models.int4pack import (INNER_K_TILES, Int4PackWeight, choose_decode_products,  # noqa: E402
+from kvtier.models.int4pack import (INNER_K_TILES, TINYGEMM, Int4PackWeight, choose_decode_products,  # noqa: E402
                                     int4packed, quants_scales_zeros, takes)
 from kvtier.models.packed import pack  # noqa: E402
 
@@ -83,6 +83,11 @@ def test_the_split_k_product_multiplies_the_layouts_weights(qtype):
     for splits in (1, 2, 8):
         got = product(weight.packed, weight.scales_and_zeros, 32, x.to(device), splits).double().cpu()
         assert got.shape == (19, OUT) and (got - want).abs().max() <= tolerance * want.abs().max(), splits
+    # past a launch's 64 rows: the later rows in a second launch (bitwise as alone: the CUDA test below)
+    x = torch.randn(70, IN, generator=torch.Generator().manual_seed(7)).to(dtype)
+    got = product(weight.packed, weight.scales_and_zeros, 32, x.to(device), 2).double().cpu()
+    want = x.double() @ want_weight.double().T
+    assert got.shape == (70, OUT) and (got - want).abs().max() <= tolerance * want.abs().max()
     assert splits_for(OUT, IN, programs=4) == 1 and splits_for(OUT, IN, programs=16) == 2
     assert splits_for(OUT, IN, programs=10**6) == IN // 128      # at most one k_outer a split
     assert splits_for(16, 64, programs=8) == 1                    # no whole tile: a count, not an endless loop
@@ -97,8 +102,8 @@ def test_the_split_k_product_rounds_a_row_alike_in_any_batch(qtype):
     identity needs of whatever multiplies decode rows."""
     from kvtier.models.triton_int4pack import product
     weight, _ = converted(qtype, "cuda")
-    x = torch.randn(40, IN, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
-    alone = torch.cat([product(weight.packed, weight.scales_and_zeros, 32, x[i:i + 1], 4) for i in range(40)])
+    x = torch.randn(70, IN, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)   # two launches
+    alone = torch.cat([product(weight.packed, weight.scales_and_zeros, 32, x[i:i + 1], 4) for i in range(70)])
     assert torch.equal(product(weight.packed, weight.scales_and_zeros, 32, x, 4), alone)
     assert torch.equal(product(weight.packed, weight.scales_and_zeros, 32, x[3:8], 4), alone[3:8])
 
@@ -130,14 +135,15 @@ def test_tinygemms_products_are_the_dequantized_weights_products(qtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
 def test_decode_products_are_chosen_per_shape_among_those_that_agree(qtype):
-    """At load each shape's decode rows get tinygemm's product or the split-K one, the one its weights measured
-    faster: every weight of the shape the same one, which multiplies as tinygemm does."""
+    """At load each shape's decode rows get tinygemm's product or the split-K one, as its weights measured in CUDA
+    graphs: every weight of the shape the same one, which multiplies as tinygemm does."""
     weights = [converted(qtype, "cuda")[0] for _ in range(3)]
-    timings = choose_decode_products(weights)
-    assert set(timings) == {(OUT, IN)} and set(timings[OUT, IN]) == {"tinygemm", "split-K Triton"}
-    assert all(0 < seconds < 1 for seconds in timings[OUT, IN].values())
-    assert len({w.splits for w in weights}) == 1
-    assert (weights[0].splits > 0) == (timings[OUT, IN]["split-K Triton"] < timings[OUT, IN]["tinygemm"])
-    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
-    want = weights[0].product_with(x, 0).float()
+    choices = choose_decode_products(weights)
+    (chosen, seconds), = choices.values()
+    assert set(choices) == {(OUT, IN)} and set(seconds) == {"tinygemm", "split-K Triton"}
+    assert all(0 < s < 1 for s in seconds.values())      # each ran, agreed and was timed
+    splits = {w.splits for w in weights}
+    assert len(splits) == 1 and (splits == {TINYGEMM}) == (chosen == "tinygemm")
+    x = torch.randn(100, IN, generator=torch.Generator().manual_seed(4)).to("cuda", torch.bfloat16)
+    want = weights[0].product_with(x, TINYGEMM).float()
     assert (weights[0].product(x).float() - want).abs().max() <= 2 ** -6 * want.abs().max()

@@ -28,8 +28,8 @@ from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.loader import BUNDLED_MODEL, load_model, read_gguf
 from kvtier.models.products import Linear, many_rows_product
-from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight, dequantized_product,
-                                     model_weight_bytes, prompt_dtype, quantize)
+from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, dequantized_product, model_weight_bytes,
+                                     prompt_dtype, quantize)
 from kvtier.models import ggml, quantized
 from kvtier.models.repacked import RepackedWeight, repacked
 

@@ -6,8 +6,9 @@
 Each step runs in its own process under a time limit; `--only` picks the steps whose names hold one of its texts
 (a benchmark's name starts with its shape: '8B throughput', '1B speculative decoding', '1B throughput', ...), so that
 calls of up to 10 minutes each cover them, in the order the open issues need them:
-`--only 'test suite,8B,speculative'` (the suite spread over 8 processes that share the GPU, 4-5 minutes;
-`--workers 0` runs it a test at a time, which takes longer than one call; about 480 s in all on an H200), then
+`--only 'test suite,8B,speculative' --suite-seconds 300` (the suite spread over 8 processes that share the GPU,
+4-5 minutes; `--workers 0` runs it a test at a time, which takes longer than one call; about 480 s in all on an H200,
+under the device's 600 s a call), then
 `--only 'products,1B throughput'` and `--only 'Mistral,TTFT,latency'`. One that fails or runs out of time is reported
 and the next one runs. The benchmarks write their sections into the report, as they do into docs/BENCHMARKS.md; every
 step's whole output goes to the log beside it (gpu-check.log), and the 8B step's profile of its int4 decode at

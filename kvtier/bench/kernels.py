@@ -30,10 +30,9 @@ from gguf import GGMLQuantizationType
 from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish
 from kvtier.models import ggml, triton_int4pack
 from kvtier.models.choice import timed
-from kvtier.models.int4pack import SPLIT_K_WAVES, Int4PackWeight, int4packed
+from kvtier.models.int4pack import TINYGEMM, Int4PackWeight, int4packed
 from kvtier.models.packed import PACKED_TYPES, pack
 from kvtier.models.quantized import QuantizedWeight, dequantized_product
-from kvtier.models.triton_attention import multiprocessors
 
 SECTION = "## CPU matrix products for quantized weights"
 CUDA_SECTION = "## CUDA matrix products for quantized weights"
@@ -100,9 +99,9 @@ def cuda_candidates(weights: list[torch.Tensor], device: torch.device, dtype: to
         tinygemm = [int4packed(p) for p in packed]
         if isinstance(tinygemm[0], Int4PackWeight):
             nbytes = tinygemm[0].nbytes
-            found[f"kvtier tinygemm {kind.name}"] = ([lambda x, p=p: p.product_with(x, 0) for p in tinygemm], nbytes)
+            found[f"kvtier tinygemm {kind.name}"] = ([lambda x, p=p: p.product_with(x, TINYGEMM) for p in tinygemm], nbytes)
             if triton_int4pack.takes(*weights[0].shape):
-                splits = triton_int4pack.splits_for(*weights[0].shape, SPLIT_K_WAVES * multiprocessors(device))
+                splits = triton_int4pack.decode_splits(*weights[0].shape, device)
                 found[f"split-K Triton {kind.name} (tinygemm's layout)"] = (
                     [lambda x, p=p: p.product_with(x, splits) for p in tinygemm], nbytes)
             found[f"dequantize {kind.name} from tinygemm's layout + dense"] = (_dequantized_then_dense(tinygemm, ids),

@@ -21,6 +21,7 @@ from kvtier.bench.report import (add_device_args, add_output_args, device_settin
                                  parse_command, publish, verdict)
 from kvtier.bench.shapes import add_model_args, resolve_model
 from kvtier.bench.throughput import random_prompts
+from kvtier.bench.watch import forwards_seen
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
@@ -75,15 +76,13 @@ def run_phase(eng: LLMEngine, args: argparse.Namespace, gen: torch.Generator, hi
     streams = [f"stream-{i}" for i in range(args.streams)]
     for rid, prompt in zip(streams, random_prompts(gen, args.streams, 64, vocab)):
         eng.add_request(rid, prompt, SamplingParams(max_tokens=eng.max_model_len - 64, temperature=0.0, ignore_eos=True))
-    decode_only, run = [True], eng.runner.run
+    decode_only = [True]
 
-    def watched(batch, capture=None):
+    def seen(batch):
         decode_only[0] = all(n == 1 and seq.num_computed_tokens > 0 for seq, n in zip(batch.seqs, batch.num_tokens))
-        return run(batch, capture)
-    eng.runner.run = watched
     steps, finished, restore_start, ttft, cached = [], set(), None, None, None
     end = time.perf_counter() + args.seconds
-    try:
+    with forwards_seen(eng, seen):
         while len(finished) < 2 or time.perf_counter() < end:
             if len(steps) == 4:
                 eng.add_request("fresh", fresh, SamplingParams(max_tokens=1))
@@ -99,8 +98,6 @@ def run_phase(eng: LLMEngine, args: argparse.Namespace, gen: torch.Generator, hi
                     finished.add(out.request_id)
                 if out.request_id == "restore" and out.finished:
                     ttft, cached = time.perf_counter() - restore_start, out.num_cached_tokens
-    finally:
-        del eng.runner.run
     for rid in streams:
         eng.abort_request(rid)
     decodes = [s for s, only in steps if only]

@@ -33,7 +33,7 @@ from kvtier.engine.sampling_params import SamplingParams
 from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.gguf_file import GGUFFile
-from kvtier.models.int4pack import DECODE_ROWS
+from kvtier.models.int4pack import CHOICE_ROWS
 from kvtier.models.loader import resolve_model_path
 from kvtier.models.quantized import model_weight_bytes, prompt_dtype
 
@@ -446,10 +446,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def decode_products(model) -> str:
     """The int4 decode products chosen at load, per shape, with what each candidate measured; empty elsewhere."""
-    rows = " and ".join(map(str, DECODE_ROWS))
-    return "".join(f"; {k}x{n} decode rows by {min(times, key=times.get)} ("
+    rows = ", ".join(map(str, CHOICE_ROWS))
+    return "".join(f"; {k}x{n} decode rows by {chosen} ("
                    + ", ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in times.items())
-                   + f" for {rows} rows)" for (n, k), times in model.decode_products.items())
+                   + f" for {rows} rows)" for (n, k), (chosen, times) in model.decode_products.items())
 
 
 def profile_decode(eng: LLMEngine, args: argparse.Namespace, device: torch.device) -> None:

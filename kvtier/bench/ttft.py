@@ -41,6 +41,7 @@ from kvtier.bench.report import (
     verdict,
 )
 from kvtier.bench.shapes import add_model_args, resolve_model
+from kvtier.bench.watch import forwards_seen
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
@@ -156,20 +157,17 @@ def ttft(eng: LLMEngine, request_id: str, prompt: list[int], salt: str | None = 
     salt: the request's cache salt; settled: wait for its saves to land before returning."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     loaded, computed = load_seconds(eng), computed_instead(eng)
-    forwards, run = [], eng.runner.run
-    eng.runner.run = lambda *args: (forwards.append(1), run(*args))[1]
-    steps, start = [], time.perf_counter()
-    try:
+    forwards, steps, elapsed, start = [], [], None, time.perf_counter()
+    with forwards_seen(eng, forwards.append):
         eng.add_request(request_id, prompt, params, cache_salt=salt)
-        while eng.has_unfinished():     # until its first token, which ends it
+        while eng.has_unfinished():     # its first token ends it; then the saves it started land
             began, ran = time.perf_counter(), len(forwards)
             done = [out for out in eng.step() if out.finished]
-            steps.append((time.perf_counter() - began, len(forwards) > ran))
+            if elapsed is None:
+                steps.append((time.perf_counter() - began, len(forwards) > ran))
             if done:
                 elapsed = time.perf_counter() - start
                 cached = done[0].num_cached_tokens
-    finally:
-        del eng.runner.run
     if settled:
         settle(eng)
     return elapsed, cached, load_seconds(eng) - loaded, computed_instead(eng) - computed, steps

@@ -220,8 +220,8 @@ class Decoder(nn.Module):
         self.config = cfg
         self.model = Backbone(cfg)
         self.rope = RotaryEmbedding(cfg)
-        # int4 weights on CUDA: per shape, the decode products' seconds by candidate, as measured at load
-        self.decode_products: dict[tuple[int, int], dict[str, float]] = {}
+        # int4 weights on CUDA: per shape, the decode rows' product and each candidate's seconds, as chosen at load
+        self.decode_products: dict[tuple[int, int], tuple[str, dict[str, float]]] = {}
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -24,8 +24,8 @@ from kvtier.models.packed import GROUP, PackedWeight
 
 INNER_K_TILES = 8      # tinygemm's K tiles per pack: K must be a multiple of 16 of them
 TINYGEMM_TYPES = (T.Q4_0, T.Q4_1)     # the block types that convert to its layout without requantizing
-SPLIT_K_WAVES = 4      # the split-K product's programs for one tile of rows, per multiprocessor
-DECODE_ROWS = (1, 16)  # the rows decode products are chosen by: batch 1, and a bucket of 16 (or a verify step's rows)
+TINYGEMM = 0           # an Int4PackWeight's splits when tinygemm multiplies its decode rows
+CHOICE_ROWS = (1, 16, 64)   # the row counts decode products are chosen by: batch 1, a bucket of 16, a verify step
 
 log = logging.getLogger("kvtier.models")
 
@@ -38,7 +38,7 @@ class Int4PackWeight:
     out_features: int
     packed: torch.Tensor              # int32, _convert_weight_to_int4pack's
     scales_and_zeros: torch.Tensor    # bfloat16 [in_features / 32, out_features, 2]
-    splits: int = 0                   # decode rows' product: 0 tinygemm's, else the split-K Triton product's in this
+    splits: int = TINYGEMM            # decode rows' product: tinygemm's, else the split-K Triton product's in this
                                       # many parts of K (choose_decode_products)
 
     @property
@@ -60,8 +60,8 @@ class Int4PackWeight:
         return self.product_with(x, self.splits)
 
     def product_with(self, x: torch.Tensor, splits: int) -> torch.Tensor:
-        """x [M, K] by the weight, by tinygemm (splits 0) or the split-K Triton product."""
-        if splits:
+        """x [M, K] by the weight, by tinygemm (splits TINYGEMM) or the split-K Triton product."""
+        if splits != TINYGEMM:
             from kvtier.models import triton_int4pack
             return triton_int4pack.product(self.packed, self.scales_and_zeros, GROUP, x, splits)
         return torch.ops.aten._weight_int4pack_mm(x.contiguous(), self.packed, GROUP, self.scales_and_zeros)
@@ -95,27 +95,30 @@ def int4packed(weight: PackedWeight) -> PackedWeight | Int4PackWeight:
     return Int4PackWeight(weight.ggml_type, weight.in_features, weight.out_features, packed, scales_and_zeros)
 
 
-def choose_decode_products(weights: list[Int4PackWeight]) -> dict[tuple[int, int], dict[str, float]]:
+def choose_decode_products(weights: list[Int4PackWeight]) -> dict[tuple[int, int], tuple[str, dict[str, float]]]:
     """Per shape, the product its decode rows take: tinygemm's or the split-K Triton product, whichever multiplies
-    DECODE_ROWS rows by every weight of the shape faster on this device with tinygemm's result (`choice.fastest`;
-    on an H100 tinygemm read a 4096x4096 weight at 596 GB/s for one row, a fifth of the card's bandwidth). One product
-    for all of a weight's decode rows, so a row rounds alike in every batch. Returns each shape's seconds per product
-    by candidate (summed over the row counts), as logged."""
+    CHOICE_ROWS rows by every weight of the shape faster on this device with tinygemm's result (`choice.fastest`, in
+    CUDA graphs as decode steps run; on an H100 tinygemm read a 4096x4096 weight at 596 GB/s for one row, a fifth of
+    the card's bandwidth). One product for all of a weight's decode rows, so a row rounds alike in every batch.
+    Returns each shape's choice and the seconds per product each candidate measured (summed over the row counts),
+    as logged."""
     from kvtier.models import triton_int4pack
-    from kvtier.models.triton_attention import multiprocessors
     by_shape = defaultdict(list)
     for weight in weights:
         by_shape[weight.out_features, weight.in_features].append(weight)
-    timings = {}
+    choices = {}
     for (n, k), group in by_shape.items():
         if not triton_int4pack.takes(n, k):
             continue
-        splits = triton_int4pack.splits_for(n, k, SPLIT_K_WAVES * multiprocessors(group[0].packed.device))
-        chosen, timings[n, k] = fastest({"tinygemm": lambda w, x: w.product_with(x, 0),
-                                         "split-K Triton": lambda w, x: w.product_with(x, splits)},
-                                        group, k, DECODE_ROWS, torch.bfloat16, group[0].packed.device)
+        device = group[0].packed.device
+        splits = triton_int4pack.decode_splits(n, k, device)
+        chosen, seconds = fastest({"tinygemm": lambda w, x: w.product_with(x, TINYGEMM),
+                                   "split-K Triton": lambda w, x: w.product_with(x, splits)},
+                                  group, k, CHOICE_ROWS, torch.bfloat16, device)
         for weight in group:
-            weight.splits = splits if chosen == "split-K Triton" else 0
-        log.info("int4 decode products for %dx%d weights: %s (%s)", k, n, chosen,
-                 ", ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in timings[n, k].items()))
-    return timings
+            weight.splits = splits if chosen == "split-K Triton" else TINYGEMM
+        choices[n, k] = chosen, seconds
+        log.info("int4 decode products for %dx%d weights: %s (%s, for %s rows)", k, n, chosen,
+                 ", ".join(f"{name} {s * 1e3:.3f} ms" for name, s in seconds.items()),
+                 ", ".join(map(str, CHOICE_ROWS)))
+    return choices

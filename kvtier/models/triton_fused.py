@@ -1,7 +1,7 @@
 """A decoder layer's elementwise work on CUDA, one Triton kernel each where eager torch launches several: RMSNorm
 (four kernels in half precision: to float32, normalize, back, weight), RoPE (five: two products, a negation, a cat and
-a sum) and SiLU(gate) * up (two). In a batch-1 decode step of the Llama-3.1-8B shape on an H200 such kernels were
-~620 of a step's launches, 1.07 ms of its 4.1 ms of GPU time (docs/BENCHMARKS.md, the GPU check of 2026-11-28).
+a sum) and SiLU(gate) * up (two): 11 of the ~19 small launches a layer that took 1.07 ms of a batch-1 decode step's
+4.1 ms of GPU time in the Llama-3.1-8B shape on an H200 (docs/BENCHMARKS.md, the GPU check of 2026-11-28).
 
 Each rounds where the eager ops round (RMSNorm normalizes in float32, rounds, then weighs; RoPE rounds each product,
 then their sum; SiLU's output is rounded before the product), so half-precision results stay within a rounding of
@@ -36,6 +36,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over x's last dimension: in float32, and in half precision rounded before the weight, as
     `decoder.RMSNorm` does eagerly."""
     rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if len(rows):
         _rms_norm_kernel[(len(rows),)](rows, weight, out, rows.shape[1], rows.stride(0), out.stride(0), eps,
@@ -70,18 +72,19 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, s_xt, s_xh, s_ct, HALF
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] (any strides but the last) rotated in the rotate_half layout by cos and sin [T, 1, D] (as
-    `decoder.apply_rope`), into a new contiguous tensor."""
+    """x [T, heads, D] (any strides) rotated in the rotate_half layout by cos and sin [T, 1, D] in x's dtype (as
+    `decoder.apply_rope` is given them), into a new contiguous tensor."""
     t, heads, dim = x.shape
     if x.stride(2) != 1:
         x = x.contiguous()
     out = torch.empty((t, heads, dim), dtype=x.dtype, device=x.device)
-    cos, sin = cos.reshape(t, dim), sin.reshape(t, dim)
+    cos, sin = (table.reshape(t, dim).contiguous() for table in (cos, sin))
     if t:
         block_h = min(triton.next_power_of_2(heads), 16)
         _rope_kernel[(t, triton.cdiv(heads, block_h))](x, cos, sin, out, heads, x.stride(0), x.stride(1),
                                                        cos.stride(0), HALF=dim // 2,
-                                                       BLOCK_D=triton.next_power_of_2(dim // 2), BLOCK_H=block_h)
+                                                       BLOCK_D=triton.next_power_of_2(dim // 2), BLOCK_H=block_h,
+                                                       enable_fp_fusion=False)    # a product and a sum, as eager
     return out
 
 

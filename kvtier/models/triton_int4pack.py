@@ -22,7 +22,7 @@ import triton.language as tl
 
 from kvtier.models.int4pack import INNER_K_TILES
 from kvtier.models.packed import GROUP
-from kvtier.models.triton_attention import dot_precision
+from kvtier.models.triton_attention import dot_precision, multiprocessors
 
 BLOCK_N, BLOCK_K = 16, 128
 
@@ -66,6 +66,9 @@ def dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
 # product's tiles: NT tiles of 8 rows of the weight, a k_outer (128 weights along K, tinygemm's 8 inner K tiles: the
 # kernel's index arithmetic is written for them) per step, BLOCK_M activation rows (tensor cores multiply 16 at least)
 NT, BLOCK_M, K_OUTER = 4, 16, 16 * INNER_K_TILES
+SPLIT_K_WAVES = 4        # programs for one tile of rows, per multiprocessor: what decode_splits splits K for
+ROWS_PER_LAUNCH = 64     # rows one launch multiplies: its float32 partial sums [splits, rows, N] stay a few MB in any
+                         # batch (a verify step's graph takes up to 512 rows)
 
 
 @triton.jit
@@ -120,6 +123,11 @@ def splits_for(n: int, k: int, programs: int) -> int:
     return splits
 
 
+def decode_splits(n: int, k: int, device: torch.device) -> int:
+    """The parts `product` splits K into for a weight of N rows and K columns on this device (splits_for)."""
+    return splits_for(n, k, SPLIT_K_WAVES * multiprocessors(device))
+
+
 def takes(n: int, k: int) -> bool:
     """Whether `product` multiplies a weight of N rows and K columns (whole tiles of its programs)."""
     return n % (NT * 8) == 0 and k % K_OUTER == 0
@@ -136,11 +144,15 @@ def product(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int, x:
         raise ValueError(f"product takes groups of 32, 8 inner K tiles, N a multiple of {NT * 8} and K of "
                          f"{K_OUTER * splits}")
     x = x.contiguous()
-    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    grid = (n // (NT * 8), splits, triton.cdiv(m, BLOCK_M))
-    _product_kernel[grid](x, packed, scales_and_zeros, partial, m, n, k, x.stride(0), k // (K_OUTER * splits),
-                          NT=NT, BLOCK_M=BLOCK_M, PRECISION=dot_precision(x), enable_fp_fusion=False)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    size = m * n
-    _sum_splits_kernel[(triton.cdiv(size, 1024),)](partial, out, size, splits, BLOCK=1024)
+    partial = torch.empty(splits, min(m, ROWS_PER_LAUNCH), n, dtype=torch.float32, device=x.device)
+    for first in range(0, m, ROWS_PER_LAUNCH):      # each row computed alike in whichever launch it falls
+        rows = x[first:first + ROWS_PER_LAUNCH]
+        grid = (n // (NT * 8), splits, triton.cdiv(len(rows), BLOCK_M))
+        _product_kernel[grid](rows, packed, scales_and_zeros, partial, len(rows), n, k, rows.stride(0),
+                              k // (K_OUTER * splits), NT=NT, BLOCK_M=BLOCK_M, PRECISION=dot_precision(x),
+                              enable_fp_fusion=False)
+        size = len(rows) * n
+        _sum_splits_kernel[(triton.cdiv(size, 1024),)](partial, out[first:first + len(rows)], size, splits,
+                                                       BLOCK=1024)
     return out
