@@ -49,7 +49,7 @@ def _seconds_per_product(product: Callable, weights: list, x: torch.Tensor) -> f
     if x.device.type != "cuda":
         return timed(calls, x.device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):     # a tier mover's copies meanwhile are not in it
         for call in calls:
             call()
     return timed([graph.replay], x.device) / len(calls)
