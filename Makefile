@@ -86,10 +86,10 @@ gpu-model:
 	else echo "bundled model: $$(ls bundled.gguf.* | wc -l) of $$(grep -c bundled SHA256SUMS) parts here"; fi
 
 gpu-wheels: $(VENV)/.installed
-	rm -rf .wheels && $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
-		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .wheels $(GPU_WHEELS) \
-		$$($(PY) -c "import sys; from importlib.metadata import version; \
-		print(*(name + '==' + version(name) for name in sys.argv[1:]))" $(GPU_CLIENT_WHEELS))
+	pins=$$($(PY) -c "import sys; from importlib.metadata import version; \
+		print(*(name + '==' + version(name) for name in sys.argv[1:]))" $(GPU_CLIENT_WHEELS)) && rm -rf .wheels && \
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
+		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .wheels $(GPU_WHEELS) $$pins
 	rm -rf .gpu && mkdir .gpu && cd .gpu && \
 		split -b 24M $$(../$(PY) -c "from kvtier.models.loader import BUNDLED_MODEL; print(BUNDLED_MODEL)") \
 		bundled.gguf. && sha256sum bundled.gguf.* > SHA256SUMS

@@ -183,20 +183,36 @@ def test_in_a_float16_pool_a_chunk_attends_to_its_own_kv_as_the_next_chunk_reads
     assert (one - reference(q, k.half().float(), v.half().float(), scale)).abs().max() < 1e-5
 
 
+def test_where_only_math_takes_grouped_heads_each_kv_head_is_repeated_for_its_group():
+    """A masked or float32 call with grouped heads gets each K/V head repeated for its query heads, which computes
+    what enable_gqa does; a bfloat16 causal call keeps its grouped heads (FlashAttention takes them)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 10, 16, generator=gen) for heads in (6, 2, 2))
+    mask = torch.ones(10, 10, dtype=torch.bool).tril()
+    *inputs, gqa = attention.plan_free_inputs(q, k, v, True, {"attn_mask": mask})
+    assert not gqa and inputs[1].shape[1] == inputs[2].shape[1] == 6
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(torch.nn.functional.scaled_dot_product_attention(*inputs, attn_mask=mask), want, atol=1e-6)
+    halves = [x.bfloat16() for x in (q, k, v)]
+    *same, gqa = attention.plan_free_inputs(*halves, True, {"is_causal": True})
+    assert gqa and all(a is b for a, b in zip(same, halves))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_sdpa_on_cuda_takes_no_backend_that_plans_per_shape(dtype):
     """cuDNN's SDPA builds a plan for each new shape (70-110 ms a first chunk of a new length on an H200): sdpa's
-    choice, for a first chunk's causal call with grouped heads and for a masked one, is another backend, and its
-    result is attention's."""
+    choice, for a first chunk's causal call with grouped heads and for a masked one, is FlashAttention or the
+    memory-efficient kernel (not math, which builds the whole score matrix), and its result is attention's."""
     from torch.nn.attention import SDPBackend
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, 300, 64, generator=gen).to("cuda", dtype) for heads in (8, 2, 2))
     mask = torch.ones(300, 300, dtype=torch.bool, device="cuda").tril()
     for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
+        *inputs, gqa = attention.plan_free_inputs(q, k, v, True, kwargs)
         with attention.plan_free():
-            chosen = torch._fused_sdp_choice(q, k, v, enable_gqa=True, **kwargs)
-        assert chosen != SDPBackend.CUDNN_ATTENTION.value, kwargs
+            chosen = torch._fused_sdp_choice(*inputs, enable_gqa=gqa, **kwargs)
+        assert chosen in (SDPBackend.FLASH_ATTENTION.value, SDPBackend.EFFICIENT_ATTENTION.value), kwargs
         want = torch.nn.functional.scaled_dot_product_attention(*(x.double() for x in (q, k, v)), enable_gqa=True,
                                                                 **kwargs)
         got = attention.sdpa(q, k, v, enable_gqa=True, **kwargs)

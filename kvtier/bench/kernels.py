@@ -103,7 +103,7 @@ def cuda_candidates(weights: list[torch.Tensor], device: torch.device, dtype: to
             if triton_int4pack.takes(*weights[0].shape):
                 splits = triton_int4pack.decode_splits(*weights[0].shape, device)
                 found[f"split-K Triton {kind.name} (tinygemm's layout)"] = (
-                    [lambda x, p=p: p.product_with(x, splits) for p in tinygemm], nbytes)
+                    [lambda x, p=p, s=splits: p.product_with(x, s) for p in tinygemm], nbytes)
             found[f"dequantize {kind.name} from tinygemm's layout + dense"] = (_dequantized_then_dense(tinygemm, ids),
                                                                              nbytes)
     return found

@@ -177,12 +177,25 @@ def triton_supports(head_dim: int, block_size: int) -> bool:
 PLAN_FREE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """F.scaled_dot_product_attention, on CUDA through the backends that build nothing per shape."""
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False, **kwargs) -> torch.Tensor:
+    """F.scaled_dot_product_attention ([batch, heads, len, D] each), on CUDA through the backends that build nothing
+    per shape."""
     if q.device.type != "cuda":
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa, **kwargs)
+    q, k, v, enable_gqa = plan_free_inputs(q, k, v, enable_gqa, kwargs)
     with plan_free():
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa, **kwargs)
+
+
+def plan_free_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool, kwargs: dict
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """q, k, v and enable_gqa as a plan-free backend other than math takes them: FlashAttention takes neither a mask
+    nor float32, and torch 2.11's memory-efficient kernel no grouped heads, so there each K/V head is repeated for
+    its group of query heads (the math backend would build the whole score matrix)."""
+    if enable_gqa and (kwargs.get("attn_mask") is not None or q.dtype == torch.float32):
+        group = q.shape[1] // k.shape[1]
+        return q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False
+    return q, k, v, enable_gqa
 
 
 def plan_free():

@@ -16,6 +16,7 @@ AGREEMENT = 2 ** -6      # of the reference's largest output: products that roun
 MARGIN = 0.9             # another candidate is chosen over the first only at this fraction of its time or less, so
                          # that a near tie does not flip from start to start (each rounds a little otherwise)
 REPEATS = 3              # passes over the weights per candidate and row count; the best counts
+REPLAYS = 8              # a CUDA graph's replays a pass: one sync's cost spread (a shape may have one weight)
 
 
 def fastest(candidates: dict[str, Callable[[object, torch.Tensor], torch.Tensor]], weights: list, in_features: int,
@@ -49,10 +50,11 @@ def _seconds_per_product(product: Callable, weights: list, x: torch.Tensor) -> f
     if x.device.type != "cuda":
         return timed(calls, x.device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):     # a tier mover's copies meanwhile are not in it
+    # thread-local: another thread's CUDA calls meanwhile (a tier mover's) do not invalidate the capture
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for call in calls:
             call()
-    return timed([graph.replay], x.device) / len(calls)
+    return timed([graph.replay] * REPLAYS, x.device) / len(calls)
 
 
 def timed(calls: list[Callable[[], object]], device: torch.device, repeats: int = REPEATS) -> float:
