@@ -99,7 +99,8 @@ def cuda_candidates(weights: list[torch.Tensor], device: torch.device, dtype: to
         tinygemm = [int4packed(p) for p in packed]
         if isinstance(tinygemm[0], Int4PackWeight):
             nbytes = tinygemm[0].nbytes
-            found[f"kvtier tinygemm {kind.name}"] = ([lambda x, p=p: p.product_with(x, TINYGEMM) for p in tinygemm], nbytes)
+            found[f"kvtier tinygemm {kind.name}"] = ([lambda x, p=p: p.product_with(x, TINYGEMM) for p in tinygemm],
+                                                     nbytes)
             if triton_int4pack.takes(*weights[0].shape):
                 splits = triton_int4pack.decode_splits(*weights[0].shape, device)
                 found[f"split-K Triton {kind.name} (tinygemm's layout)"] = (

@@ -14,6 +14,7 @@ when Triton is missing, is gathered and masked. On CPU the context is read where
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass, field
 
 import torch
@@ -155,18 +156,18 @@ def _padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tenso
 
 
 @functools.cache
-def _triton_kernels():
-    """The Triton kernels, or None where Triton is not installed (CUDA builds of torch ship it)."""
+def triton_module(name: str):
+    """kvtier.models.<name>, a module of Triton kernels, or None where Triton is not installed (CUDA builds of torch
+    ship it)."""
     try:
-        from kvtier.models import triton_attention
+        return importlib.import_module(f"kvtier.models.{name}")
     except ImportError:
         return None
-    return triton_attention
 
 
 def triton_supports(head_dim: int, block_size: int) -> bool:
     """Whether Triton is installed and its kernels tile this head size and block size."""
-    kernels = _triton_kernels()
+    kernels = triton_module("triton_attention")
     return kernels is not None and kernels.supports(head_dim, block_size)
 
 
@@ -219,7 +220,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # a graph's decode step runs the kernel on any device (on CPU in Triton's interpreter: how the tests check it)
     graphed = meta.decode is not None and meta.decode.tensors is not None
     use_kernels = (q.device.type == "cuda" or graphed) and triton_supports(q.shape[-1], meta.block_size)
-    kernels = _triton_kernels() if use_kernels else None
+    kernels = triton_module("triton_attention") if use_kernels else None
     prefills = meta.prefills
     if kernels is not None:
         prefills = _prefills_by_kernel(kernels, q, k_cache, v_cache, out, meta, scale)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvtier.models.attention import AttentionMetadata, paged_attention
+from kvtier.models.attention import AttentionMetadata, paged_attention, triton_module
 from kvtier.models.config import ModelConfig
 from kvtier.models.products import Linear
 from kvtier.models.int4pack import TINYGEMM_TYPES, Int4PackWeight, choose_decode_products, int4packed
@@ -26,19 +26,10 @@ from kvtier.models.repacked import repacked
 log = logging.getLogger("kvtier.models")
 
 
-@functools.cache
-def _fused_kernels():
-    """The fused elementwise kernels (triton_fused.py), or None where Triton is not installed."""
-    try:
-        from kvtier.models import triton_fused
-    except ImportError:
-        return None
-    return triton_fused
-
-
 def fused_for(x: torch.Tensor):
-    """The fused kernels for x's device: on CUDA one kernel where eager ops launch several; on CPU none."""
-    return _fused_kernels() if x.is_cuda else None
+    """The fused elementwise kernels (triton_fused.py) for x's device: on CUDA one kernel where eager ops launch
+    several; on CPU, or without Triton, none."""
+    return triton_module("triton_fused") if x.is_cuda else None
 
 
 class RMSNorm(nn.Module):
