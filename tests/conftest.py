@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -65,9 +66,15 @@ def bundled_tokenizer() -> Tokenizer:
 @pytest.fixture(scope="session")
 def bundled_transformers():
     """transformers' own model of the bundled GGUF (it dequantizes and un-permutes the file itself), float32, eval:
-    the reference kvtier's loader and engine are held to (loading it takes ~15 s on 2 cores: once a session)."""
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(BUNDLED_MODEL),
-                                                 gguf_file=os.path.basename(BUNDLED_MODEL), dtype=torch.float32)
+    the reference kvtier's loader and engine are held to (loading it takes ~10 s on one core: once a session)."""
+    import gguf
+    # transformers parses the file's metadata twice (config, then weights) and builds gguf's tensor-name map once
+    # per tensor, 18 of the load's 27 s on one core: each once here (both pure: the same model either way)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(BUNDLED_MODEL),
+                                                     gguf_file=os.path.basename(BUNDLED_MODEL), dtype=torch.float32)
     return model.eval()
 
 
@@ -251,7 +258,7 @@ def agent_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent-server")
     # float32 weights: the agents' replies (whether a 135M model closes a tool call within its budget) stay the
     # ones these tests were written against; quantized weights serve the other server tests
-    args = ["--kv-pool-tokens", "16384", "--max-model-len", "4096", "--kv-disk-dir", str(tmp / "kv"),
+    args = ["--kv-pool-tokens", "16384", "--max-model-len", "2048", "--kv-disk-dir", str(tmp / "kv"),
             "--api-key", API_KEY, "--quantize", "none"]
     with kvtier_server(args, tmp / "server.log") as url:
         yield url, tmp / "server.log"

@@ -22,7 +22,6 @@ from kvtier.bench.agents import (
     API_KEY,
     CACHED_SHARE_TARGET,
     SHELL_TOOLS,
-    TURNS,
     Agent,
     Session,
     script,
@@ -76,8 +75,9 @@ def test_agent_session(name, server, tmp_path):
 
 
 def test_opencode_on_the_bundled_model(tmp_path):
-    """The bundled SmolLM2's 8K context holds opencode's prompt (about 7.7K tokens) with room for three turns;
-    Claude Code (about 12K), Qwen Code (about 18K) and Codex (about 9K) need a longer context (README)."""
+    """The bundled SmolLM2's 8K context holds opencode's prompt (about 7.7K tokens) and a turn's tool round trip;
+    Claude Code (about 12K), Qwen Code (about 18K) and Codex (about 9K) need a longer context (README). One turn:
+    its first prompt is most of this test's two minutes on one core (later turns' reuse is test_agent_session's)."""
     script_path = tmp_path / "script.json"
     script_path.write_text(json.dumps(script()))
     args = ["--max-model-len", "8192", "--kv-pool-tokens", "16384", "--kv-disk-dir", str(tmp_path / "kv"),
@@ -86,8 +86,8 @@ def test_opencode_on_the_bundled_model(tmp_path):
     with kvtier_server(args, log_path, env={"KVTIER_TEST_SCRIPT": str(script_path)}) as url:
         agent_dir = tmp_path / "agent"
         agent_dir.mkdir()
-        session = Session(Agent("opencode", url, agent_dir, model=_bundled_name(url)), log_path).run()
-        assert len(session.turns) == len(TURNS)
+        session = Session(Agent("opencode", url, agent_dir, model=_bundled_name(url)), log_path).run(turns=1)
+        assert len(session.turns[0]) >= 2       # the call, and the answer after the tool's result
         assert client_errors(url) == {}
 
 

@@ -85,7 +85,7 @@ def hands_the_drafter_its_features(monkeypatch, engine, plain, graphs, params=GR
         observe(seq, start, features)
         lost.update(engine.drafter.lost)      # a request's entry goes when it ends
     monkeypatch.setattr(engine.drafter, "observe", observing)
-    prompts = [prompt(0), prompt(1), prompt(2, length=400)]
+    prompts = [prompt(0), prompt(1), prompt(2, length=300)]
     assert [o["tokens"] for o in run(engine, prompts, params)] == [o["tokens"] for o in run(plain, prompts, params)]
     assert graphs.steps > 0 and observed.count(0) < len(observed)     # features from the graphs' steps too
     assert counts(engine)[1] > 0 and not lost

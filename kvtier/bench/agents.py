@@ -139,16 +139,16 @@ def finished_requests(log_text: str) -> list[tuple[int, int]]:
 
 
 class Session:
-    """One agent's three turns against a server whose log is log_path: per turn, its requests (prompt tokens,
-    cached) and wall time."""
+    """One agent's turns (TURNS, or the first few) against a server whose log is log_path: per turn, its requests
+    (prompt tokens, cached) and wall time."""
 
     def __init__(self, agent: Agent, log_path: Path):
         self.agent, self.log_path = agent, log_path
         self.turns: list[list[tuple[int, int]]] = []
         self.seconds: list[float] = []
 
-    def run(self) -> "Session":
-        for turn, prompt in enumerate(TURNS):
+    def run(self, turns: int = len(TURNS)) -> "Session":
+        for turn, prompt in enumerate(TURNS[:turns]):
             before = len(self._requests())
             start = time.perf_counter()
             proc = self.agent.run(turn, prompt)
