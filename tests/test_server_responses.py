@@ -75,12 +75,12 @@ def test_codex_shaped_requests(agent_client, agent_model):
                  reasoning={"summary": "auto"}, text={"verbosity": "low"},
                  client_metadata={"session_id": "thread-1"}, service_tier="auto", parallel_tool_calls=True)
     tools = [WEATHER, PATCH, GROUP, {"type": "web_search", "external_web_access": True}]
-    first = agent_client.responses.create(model=agent_model, instructions=INSTRUCTIONS, input="Fix the bug.",
+    first = agent_client.responses.create(model=agent_model, instructions=INSTRUCTIONS, input="Fix the bug in main.py.",
                                           tools=tools, tool_choice={"type": "custom", "name": "apply_patch"},
                                           max_output_tokens=48, temperature=0, extra_body=hints)
     call, = first.output
     assert call.type == "custom_tool_call" and call.name == "apply_patch" and isinstance(call.input, str)
-    history = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix the bug."}]},
+    history = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix the bug in main.py."}]},
                {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "A patch."}],
                 "encrypted_content": "opaque"},
                {"type": "custom_tool_call", "call_id": call.call_id, "name": "apply_patch", "input": call.input},

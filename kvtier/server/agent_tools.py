@@ -26,7 +26,8 @@ HOSTED_CALLS = frozenset({"web_search_call", "file_search_call", "computer_call"
 # Anthropic's server tools and its schema-less client tools are named by a versioned type, e.g. web_search_20250305
 ANTHROPIC_HOSTED_PREFIXES = ("web_search_", "web_fetch_", "code_execution_", "computer_", "bash_", "text_editor_",
                              "memory_", "tool_search_tool_", "mcp_toolset")
-FREEFORM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+FREEFORM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
+                       "additionalProperties": False}
 
 
 @dataclass
