@@ -256,8 +256,12 @@ def agent_server(tmp_path_factory):
     """One `kvtier serve` (bundled model, disk tier, API key API_KEY) shared by the agent-API tests:
     (url, path of its log)."""
     tmp = tmp_path_factory.mktemp("agent-server")
+    # float32 weights: the agents' replies (whether a 135M model closes a tool call within its budget) stay the
+    # ones these tests were written against, whatever the cache held when a request came (quantized weights'
+    # decode rows round their activations to 8 bits, so a reply can change with what other tests left in the
+    # cache); quantized weights serve the other server tests
     args = ["--kv-pool-tokens", "16384", "--max-model-len", "2048", "--kv-disk-dir", str(tmp / "kv"),
-            "--api-key", API_KEY]
+            "--api-key", API_KEY, "--quantize", "none"]
     with kvtier_server(args, tmp / "server.log") as url:
         yield url, tmp / "server.log"
 
