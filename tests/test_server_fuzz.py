@@ -16,7 +16,7 @@ MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGAT
 
 @pytest.fixture(scope="module")
 def server_url(tiny_model_dir, tmp_path_factory):
-    args = ["--model", tiny_model_dir, "--max-model-len", "256", "--kv-pool-tokens", "4096", "--api-key", API_KEY,
+    args = ["--model", tiny_model_dir, "--max-model-len", "128", "--kv-pool-tokens", "4096", "--api-key", API_KEY,
             "--kv-host-gib", "0.05", "--kv-disk-dir", str(tmp_path_factory.mktemp("fuzz-kv"))]
     with kvtier_server(args, tmp_path_factory.mktemp("fuzz") / "server.log") as url:
         yield url
