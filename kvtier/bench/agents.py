@@ -139,16 +139,16 @@ def finished_requests(log_text: str) -> list[tuple[int, int]]:
 
 
 class Session:
-    """One agent's turns (TURNS, or the first few) against a server whose log is log_path: per turn, its requests
-    (prompt tokens, cached) and wall time."""
+    """One agent's three turns against a server whose log is log_path: per turn, its requests (prompt tokens,
+    cached) and wall time."""
 
     def __init__(self, agent: Agent, log_path: Path):
         self.agent, self.log_path = agent, log_path
         self.turns: list[list[tuple[int, int]]] = []
         self.seconds: list[float] = []
 
-    def run(self, turns: int = len(TURNS)) -> "Session":
-        for turn, prompt in enumerate(TURNS[:turns]):
+    def run(self) -> "Session":
+        for turn, prompt in enumerate(TURNS):
             before = len(self._requests())
             start = time.perf_counter()
             proc = self.agent.run(turn, prompt)
@@ -189,8 +189,12 @@ def measure(args: argparse.Namespace) -> dict[str, Session]:
 
 
 def render(sessions: dict[str, Session], args: argparse.Namespace, command: str) -> str:
-    model = f"random-weight `{args.shape}`" if args.shape else f"`{args.model}`"
-    lines = header(SECTION, cpu_model(), command)
+    if args.shape:
+        model, section = f"random-weight `{args.shape}`", SECTION
+    else:       # a model of the user's: a section of its own beside the tiny shape's
+        name = os.path.basename(os.path.normpath(args.model))
+        model, section = f"`{name}`", f"{SECTION[:-1]}, {name})"
+    lines = header(section, cpu_model(), command)
     lines += [f"Model: {model}, {args.max_model_len}-token context, replies scripted by constrained decoding "
               "(a tool call, then a short answer, each turn); the requests are the agents' own. Each turn is one "
               "headless run of the agent (a new process resuming the session).", "",
