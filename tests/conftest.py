@@ -66,10 +66,10 @@ def bundled_tokenizer() -> Tokenizer:
 @pytest.fixture(scope="session")
 def bundled_transformers():
     """transformers' own model of the bundled GGUF (it dequantizes and un-permutes the file itself), float32, eval:
-    the reference kvtier's loader and engine are held to (loading it takes ~10 s on one core: once a session)."""
+    the reference kvtier's loader and engine are held to (loading it takes ~12 s on one core: once a session)."""
     import gguf
     # transformers parses the file's metadata twice (config, then weights) and builds gguf's tensor-name map once
-    # per tensor, 18 of the load's 27 s on one core: each once here (both pure: the same model either way)
+    # per submodule, 18 of the load's 27 s on one core: each once here (both pure: the same model either way)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
@@ -259,7 +259,7 @@ def agent_server(tmp_path_factory):
     # float32 weights: the agents' replies (whether a 135M model closes a tool call within its budget) stay the
     # ones these tests were written against, whatever the cache held when a request came (quantized weights'
     # decode rows round their activations to 8 bits, so a reply can change with what other tests left in the
-    # cache); quantized weights serve the other server tests
+    # cache); quantized weights serve most other server tests
     args = ["--kv-pool-tokens", "16384", "--max-model-len", "2048", "--kv-disk-dir", str(tmp / "kv"),
             "--api-key", API_KEY, "--quantize", "none"]
     with kvtier_server(args, tmp / "server.log") as url:

@@ -8,6 +8,7 @@ a short answer. Every turn must pass with no 4xx, run its tool, and every reques
 least 90% of its prompt in the cache."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -63,6 +64,9 @@ def client_errors(url: str) -> dict[str, float]:
                 if k.startswith("kvtier_request_errors_total") and 'status="4' in k}
 
 
+REPLY_ROOM = 64     # tokens left for a reply (the scripted ones take 38)
+
+
 @pytest.mark.parametrize("name", list(SHELL_TOOLS))
 def test_agent_session(name, server, tmp_path):
     """Three turns, each with a tool round trip (Session.run checks the answer and the tool's mark), no 4xx;
@@ -76,13 +80,11 @@ def test_agent_session(name, server, tmp_path):
     assert min(shares) >= CACHED_SHARE_TARGET, f"{name}: cached shares of the later turns' prompts {shares}"
     # the tiny model has the bundled tokenizer and chat template: of the four, only opencode's three turns fit the
     # bundled SmolLM2's context with room for a reply (README; `kvtier bench agents --model` runs them on it)
-    longest = max(prompt for turn in session.turns for prompt, _ in turn)
-    assert (longest + REPLY_ROOM <= bundled_context()) == (name == "opencode"), f"{name}: {longest} prompt tokens"
+    longest, context = max(prompt for turn in session.turns for prompt, _ in turn), bundled_context()
+    assert (longest + REPLY_ROOM <= context) == (name == "opencode"), f"{name}: {longest} of {context} tokens"
 
 
-REPLY_ROOM = 64     # the scripted replies take 38 tokens
-
-
+@functools.cache
 def bundled_context() -> int:
     return GGUFFile(BUNDLED_MODEL).fields["llama.context_length"]
 

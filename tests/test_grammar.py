@@ -15,6 +15,8 @@ import torch
 from kvtier.engine import grammar
 from kvtier.engine.grammar import GrammarCompiler
 from kvtier.models.tokenizer import _byte_level_tokens
+from kvtier.server.agent_tools import responses_functions
+from kvtier.server.tools import tool_call_grammar
 
 LLMatcher, fill_next_token_bitmask = llguidance.LLMatcher, llguidance.numpy.fill_next_token_bitmask
 
@@ -101,6 +103,26 @@ def test_a_forced_call_reads_the_bundled_vocabulary_as_bytes(bundled_tokenizer):
         constraint.masked(torch.zeros(hf.vocab_size))
         constraint.accept(token)
     assert constraint.done
+
+
+def test_a_forced_freeform_call_writes_its_input_and_nothing_more(bundled_tokenizer):
+    """A custom (freeform) tool is offered as a function of one string, `input`: a forced call's arguments are
+    that key alone (a forced call once wrote keys after it until its tokens ran out)."""
+    functions = responses_functions([{"type": "custom", "name": "apply_patch"}]).functions
+    grammar = tool_call_grammar(functions, "hermes", parallel=False, tokens=bundled_tokenizer.added_tokens)
+    call = '<tool_call>\n{"name":"apply_patch","arguments":{"input":"a"%s}}\n</tool_call>'
+    assert writes(bundled_tokenizer.hf, grammar, call % "")
+    assert not writes(bundled_tokenizer.hf, grammar, call % ',"type":"object"')
+
+
+def writes(hf, grammar: str, text: str) -> bool:
+    """Whether constrained decoding may write text, token by token as the tokenizer splits it."""
+    constraint = GrammarCompiler(hf).constraint(grammar)
+    for token in hf.encode(text):
+        if constraint.masked(torch.zeros(len(hf)))[token] == float("-inf"):
+            return False
+        constraint.accept(token)
+    return constraint.done
 
 
 def test_a_byte_level_vocabulary_converted_as_byte_fallback_is_read_as_bytes(bundled_tokenizer):

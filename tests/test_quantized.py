@@ -460,7 +460,7 @@ def test_the_bundled_model_in_its_blocks(device, dtype, steps, tie, gap_allowed)
                "Explain in two sentences why the sky is blue.", "List three prime numbers and say why they are prime."]
     prompt_ids = [engines["auto"].tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     outputs = {}
-    for mode, engine in engines.items():     # the prompts side by side: each row decodes as it would alone
+    for mode, engine in engines.items():     # the prompts side by side (a near-tie's rounding is allowed below)
         outputs[mode] = {str(i): [] for i in range(len(prompts))}
         for i, ids in enumerate(prompt_ids):
             engine.add_request(str(i), ids, SamplingParams(max_tokens=24, temperature=0))

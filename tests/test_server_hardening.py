@@ -26,7 +26,8 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hardening")
     (tmp / "keys").write_text("# one key per line\n" + "\n".join(KEYS) + "\n")
     args = ["--kv-pool-tokens", "16384", "--max-model-len", "2048", "--api-key-file", str(tmp / "keys"),
-            "--cache-salt-from-api-key", "--max-request-bytes", str(32 << 20), "--kv-disk-dir", str(tmp / "kv")]
+            "--cache-salt-from-api-key", "--max-request-bytes", str(32 << 20), "--kv-disk-dir", str(tmp / "kv"),
+            "--quantize", "none"]      # greedy replies equal to the token whether their prompt was cached or not
     started = {}
     with kvtier_server(args, tmp / "server.log", env={"KVTIER_API_KEY": ENV_KEY},
                        on_start=lambda proc: started.update(pid=proc.pid)) as url:

@@ -68,6 +68,10 @@ GROUP = {"type": "namespace", "name": "agents", "description": "Sub-agents.", "t
     {"type": "function", "name": "spawn_agent", "parameters": {"type": "object", "properties": {}}}]}
 
 
+# a task the bundled model answers with a short patch (its freeform call ends within max_output_tokens)
+TASK = "Fix the bug in main.py."
+
+
 def test_codex_shaped_requests(agent_client, agent_model):
     """What Codex CLI sends: a freeform tool (called, and answered as a custom tool call), a namespace of
     functions, a hosted web search (left out), and its hints; then the call's output and a reasoning item."""
@@ -75,12 +79,12 @@ def test_codex_shaped_requests(agent_client, agent_model):
                  reasoning={"summary": "auto"}, text={"verbosity": "low"},
                  client_metadata={"session_id": "thread-1"}, service_tier="auto", parallel_tool_calls=True)
     tools = [WEATHER, PATCH, GROUP, {"type": "web_search", "external_web_access": True}]
-    first = agent_client.responses.create(model=agent_model, instructions=INSTRUCTIONS, input="Fix the bug in main.py.",
+    first = agent_client.responses.create(model=agent_model, instructions=INSTRUCTIONS, input=TASK,
                                           tools=tools, tool_choice={"type": "custom", "name": "apply_patch"},
                                           max_output_tokens=48, temperature=0, extra_body=hints)
     call, = first.output
     assert call.type == "custom_tool_call" and call.name == "apply_patch" and isinstance(call.input, str)
-    history = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix the bug in main.py."}]},
+    history = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": TASK}]},
                {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "A patch."}],
                 "encrypted_content": "opaque"},
                {"type": "custom_tool_call", "call_id": call.call_id, "name": "apply_patch", "input": call.input},
