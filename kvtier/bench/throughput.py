@@ -30,10 +30,11 @@ from kvtier.bench.shapes import add_model_args, resolve_model
 from kvtier.config import DTYPES, QUANTIZE_MODES, Config, default_dtype
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
+from kvtier.models.choice import sync
 from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.gguf_file import GGUFFile
-from kvtier.models.int4pack import CHOICE_ROWS
+from kvtier.models.int4pack import described
 from kvtier.models.loader import resolve_model_path
 from kvtier.models.quantized import model_weight_bytes, prompt_dtype
 
@@ -50,11 +51,6 @@ QUANTIZED_GPU_TARGET = 2.0  # kvtier batch 1 with quantized weights / with bfloa
 # seconds between two engines' runs: the threads of the one that ran (llama.cpp's poll for work, torch's spin after
 # a parallel region) go idle before the next is timed on the same cores
 PAUSE = 0.3
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def random_prompts(gen: torch.Generator, num: int, length: int, vocab_size: int) -> list[list[int]]:
@@ -446,10 +442,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def decode_products(model) -> str:
     """The int4 decode products chosen at load, per shape, with what each candidate measured; empty elsewhere."""
-    rows = ", ".join(map(str, CHOICE_ROWS))
-    return "".join(f"; {k}x{n} decode rows by {chosen} ("
-                   + ", ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in times.items())
-                   + f" for {rows} rows)" for (n, k), (chosen, times) in model.decode_products.items())
+    return "".join(f"; {described(n, k, chosen, times)}" for (n, k), (chosen, times) in model.decode_products.items())
 
 
 def profile_decode(eng: LLMEngine, args: argparse.Namespace, device: torch.device) -> None:

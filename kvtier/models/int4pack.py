@@ -111,14 +111,18 @@ def choose_decode_products(weights: list[Int4PackWeight]) -> dict[tuple[int, int
         if not triton_int4pack.takes(n, k):
             continue
         device = group[0].packed.device
-        splits = triton_int4pack.decode_splits(n, k, device)
-        chosen, seconds = fastest({"tinygemm": lambda w, x: w.product_with(x, TINYGEMM),
-                                   "split-K Triton": lambda w, x: w.product_with(x, splits)},
+        options = {"tinygemm": TINYGEMM, "split-K Triton": triton_int4pack.decode_splits(n, k, device)}
+        chosen, seconds = fastest({name: lambda w, x, splits=splits: w.product_with(x, splits)
+                                   for name, splits in options.items()},
                                   group, k, CHOICE_ROWS, torch.bfloat16, device)
         for weight in group:
-            weight.splits = splits if chosen == "split-K Triton" else TINYGEMM
+            weight.splits = options[chosen]
         choices[n, k] = chosen, seconds
-        log.info("int4 decode products for %dx%d weights: %s (%s, for %s rows)", k, n, chosen,
-                 ", ".join(f"{name} {s * 1e3:.3f} ms" for name, s in seconds.items()),
-                 ", ".join(map(str, CHOICE_ROWS)))
+        log.info("int4 decode products: %s", described(n, k, chosen, seconds))
     return choices
+
+
+def described(n: int, k: int, chosen: str, seconds: dict[str, float]) -> str:
+    """One shape's choice of decode product, with what each candidate measured (the log's and the benchmark's)."""
+    times = ", ".join(f"{name} {s * 1e3:.3f} ms" for name, s in seconds.items())
+    return f"{k}x{n} decode rows by {chosen} ({times} for {', '.join(map(str, CHOICE_ROWS))} rows)"
