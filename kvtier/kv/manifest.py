@@ -33,7 +33,7 @@ log = logging.getLogger("kvtier.kv.manifest")
 MAGIC, VERSION, SUFFIX = "kvtier-manifest", 1, ".kvm"
 MAX_FILES = 1024
 MAX_HEADER_BYTES = 16 << 20    # a manifest header (mostly its block keys) is far smaller
-MAX_IN_MEMORY = 8       # each holds its key summaries: ~11 MiB for an 8K-token float32 sequence
+MAX_IN_MEMORY = 8       # each holds its key summaries: ~34 MiB for an 8K-token sequence of SmolLM2's shape
 
 
 class ManifestError(ValueError):
