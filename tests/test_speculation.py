@@ -26,18 +26,23 @@ def test_ngram_proposes_what_followed_the_longest_earlier_match():
     # "3 4" last occurred before the ending at 9..10 (followed by 6 7 8); "2 3 4" does not end the sequence
     assert lookup.propose(tokens, 3) == [6, 7, 8]
     tokens += [6, 7]
-    # the longest ending that occurred before: "3 4 6 7" at 8..12, followed by 8 3 4 6 7 (what was appended since)
-    assert lookup.propose(tokens, 8) == [8, 3, 4, 6, 7]
+    # the longest ending that occurred before: "3 4 6 7" at 8..12, followed by 8 3 4 6 7 (what was appended since),
+    # and then by what the copy itself wrote: 8 3 4 again
+    assert lookup.propose(tokens, 8) == [8, 3, 4, 6, 7, 8, 3, 4]
     assert lookup.propose(tokens + [42], 4) == []          # nothing ends in 42 earlier
 
 
 def longest_earlier_match(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Prompt lookup written out: for n from max_n down to min_n, the last earlier window equal to the ending."""
+    """Prompt lookup written out: for n from max_n down to min_n, the last earlier window equal to the ending, and
+    the k tokens after it, copied one at a time from the sequence and the copy so far."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         ending = tokens[len(tokens) - n:]
         for end in range(len(tokens) - 1, n - 1, -1):
             if tokens[end - n:end] == ending:
-                return tokens[end:end + k]
+                copied = list(tokens)
+                for i in range(k):
+                    copied.append(copied[end + i])
+                return copied[len(tokens):]
     return []
 
 
@@ -50,6 +55,13 @@ def test_ngram_search_grown_step_by_step_finds_the_longest_last_match(bounds):
     lookup = PromptLookup(*bounds)
     for end in range(1, len(tokens) + 1, 3):
         assert lookup.propose(tokens[:end], 6) == longest_earlier_match(tokens[:end], 6, *bounds), end
+
+
+def test_ngram_proposes_a_loop_going_on():
+    """A model caught in a loop of two tokens: the proposal repeats them for all k tokens, not only the two that
+    followed the ending's last earlier occurrence."""
+    tokens = [7, 8, 9] + [40, 41] * 6
+    assert PromptLookup().propose(tokens, 7) == [40, 41, 40, 41, 40, 41, 40]
 
 
 def test_ngram_looks_up_endings_of_the_lengths_it_is_given():

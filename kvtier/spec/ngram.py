@@ -3,7 +3,9 @@
 An editing agent repeats a file with a change, quotes a tool result, copies a JSON argument from its prompt: what
 it writes next has usually been written before in the same context. `PromptLookup` finds the longest ending of the
 sequence, LOOKUP_MIN to LOOKUP_MAX tokens (`--speculative-config`'s prompt_lookup_min and _max), that occurred
-before, and proposes what followed its last earlier occurrence. One-token endings are right too rarely to pay for the
+before, and proposes what followed its last earlier occurrence, copied on past the sequence's end as an overlapping
+copy goes on (a loop the model has fallen into, a run of repeated separators or rows: a 2-token loop's proposals
+were 2 tokens long before, 8 since). One-token endings are right too rarely to pay for the
 rows they add; an ending of 12 tokens picks the place a copy continues from where one of 5 often picks another
 (measured on the editing workload: docs/BENCHMARKS.md).
 
@@ -27,7 +29,7 @@ class PromptLookup:
         self.length = 0
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the last earlier occurrence of tokens' longest matching ending."""
+        """k tokens that followed the last earlier occurrence of tokens' longest matching ending (none without one)."""
         t = self._grown(tokens)
         n, m = len(t), self.min_n
         if n <= m:
@@ -46,8 +48,10 @@ class PromptLookup:
             ends = longer
         if not len(ends):
             return []
+        # what followed, copied on past the sequence's end as from its own copy (LZ77's overlapping copy): an ending
+        # that last occurred p tokens back repeats with period p, so the proposal goes on repeating those p tokens
         end = int(ends[-1])
-        return t[end:end + k].tolist()
+        return np.resize(t[end:end + k], k).tolist()     # repeats t[end:n] where it is shorter than k
 
     def _grown(self, tokens: list[int]) -> np.ndarray:
         """The sequence's tokens as an array, appending those added since the last call (a sequence only grows)."""
