@@ -578,7 +578,8 @@ def load_peak(load: str, warm_up: str, path: str, weights_file: str | None = Non
     glibc's allocator is held to its fixed mmap threshold: by default it raises the threshold as large blocks are
     freed (the warm-up frees many), after which freed weights' copies may stay in its heap or not, and the same
     load peaked at 1.23x or 1.37x the bundled file from one run to the next here (1.61x once on CI). With the threshold
-    fixed, every large block goes back when freed, so the peak is what the load holds (1.23-1.24x, six runs)."""
+    fixed, every large block goes back when freed, so the peak is what the load's live allocations hold (1.23-1.24x,
+    six runs), not what a server's default allocator may keep besides."""
     script = "\n".join([
         "import os, sys, torch",
         "from kvtier.models.decoder import Decoder",
@@ -599,7 +600,7 @@ def load_peak(load: str, warm_up: str, path: str, weights_file: str | None = Non
 
 def test_loading_a_gguf_holds_about_one_copy_of_its_weights(tmp_path):
     """The file's pages leave the process once copied, and each weight's loaded copy goes once its fused or
-    repacked copy is made: 2.25x the file before, ~1.3x now (the rest: the vocabulary's strings and the decoder's
+    repacked copy is made: 2.25x the file before, ~1.25x now (the rest: the vocabulary's strings and the decoder's
     objects; a 7B Q4_0 file of 4.2 GB peaks at 1.06x)."""
     load = ("Decoder.from_weights(*read_gguf(path, torch.float32, quantize='gguf')[:2], torch.float32, "
             "torch.device('cpu'))")

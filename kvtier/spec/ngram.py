@@ -4,8 +4,8 @@ An editing agent repeats a file with a change, quotes a tool result, copies a JS
 it writes next has usually been written before in the same context. `PromptLookup` finds the longest ending of the
 sequence, LOOKUP_MIN to LOOKUP_MAX tokens (`--speculative-config`'s prompt_lookup_min and _max), that occurred
 before, and proposes what followed its last earlier occurrence, copied on past the sequence's end as an overlapping
-copy goes on (a loop the model has fallen into, a run of repeated separators or rows: a 2-token loop's proposals
-were 2 tokens long before, 8 since). One-token endings are right too rarely to pay for the
+copy goes on (a loop the model has fallen into, a run of repeated separators or rows: a 2-token loop proposes k
+tokens, not 2). One-token endings are right too rarely to pay for the
 rows they add; an ending of 12 tokens picks the place a copy continues from where one of 5 often picks another
 (measured on the editing workload: docs/BENCHMARKS.md).
 
@@ -51,7 +51,7 @@ class PromptLookup:
         # what followed, copied on past the sequence's end as from its own copy (LZ77's overlapping copy): an ending
         # that last occurred p tokens back repeats with period p, so the proposal goes on repeating those p tokens
         end = int(ends[-1])
-        return np.resize(t[end:end + k], k).tolist()     # repeats t[end:n] where it is shorter than k
+        return np.resize(t[end:end + k], k).tolist()
 
     def _grown(self, tokens: list[int]) -> np.ndarray:
         """The sequence's tokens as an array, appending those added since the last call (a sequence only grows)."""
