@@ -49,6 +49,17 @@ def test_ttft_bench_measures_every_tier(tiny_model_dir, tmp_path, one_thread):
     assert "(**miss**:" not in text and "not evaluated" in text
 
 
+def test_a_rewritten_section_keeps_its_notes(tmp_path):
+    """A benchmark's new run replaces its table, not what was written by hand under the section's notes."""
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text("# Benchmarks\n\n## A (one)\n\nold table\n\n### Notes\n\ntried X: slower\n\n## B\n\nkeep me\n")
+    write_section(str(out), "## A (one)\n\nnew table\n")
+    assert out.read_text() == ("# Benchmarks\n\n## A (one)\n\nnew table\n\n### Notes\n\ntried X: slower\n\n"
+                               "## B\n\nkeep me\n")
+    write_section(str(out), "## B\n\nnew B\n")      # a section without notes is replaced whole, to the file's end
+    assert out.read_text().endswith("tried X: slower\n\n## B\n\nnew B\n")
+
+
 def test_a_turn_says_which_of_its_steps_computed_and_leaves_the_runner_as_it_was(tiny_model_dir, one_thread):
     eng = LLMEngine(Config(model=tiny_model_dir, device="cpu", block_size=16, kv_pool_tokens=64 * 16, kv_host_gib=0,
                            prefix_cache=False, max_batched_tokens=64, num_threads=one_thread))

@@ -45,8 +45,12 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
+NOTES = "### Notes"     # a section's notes, from this line to its end, outlive the runs that rewrite it
+
+
 def write_section(path: str, section: str) -> None:
-    """Replace the section headed by section's first line (or append it), keeping the rest of the document."""
+    """Replace the section headed by section's first line (or append it), keeping the rest of the document, and the
+    old section's NOTES (its hand-written record of earlier runs and what was tried) after the new one."""
     heading = section.splitlines()[0]
     text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
     lines = text.splitlines(keepends=True)
@@ -55,6 +59,9 @@ def write_section(path: str, section: str) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     else:
         end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        notes = next((i for i in range(start + 1, end) if lines[i].rstrip() == NOTES), end)
+        if notes < end:
+            section = section.rstrip("\n") + "\n\n" + "".join(lines[notes:end]).rstrip("\n") + "\n"
         rest = "".join(lines[end:])
         text = "".join(lines[:start]) + section + ("\n" + rest if rest else "")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
