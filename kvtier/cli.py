@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import signal
 import sys
 
 log = logging.getLogger("kvtier")
@@ -191,18 +192,35 @@ def _serve(args) -> int:
     from kvtier.server.app import build_app
 
     engine = AsyncEngine(config)
+    terminated = False
     try:
         app = build_app(engine, config)
-        # on Ctrl-C, give open streams a few seconds, then cancel them (which aborts their requests). Idle
+        # on Ctrl-C or SIGTERM, give open streams a few seconds, then cancel them (which aborts their requests). Idle
         # connections stay open longer than clients keep them (httpx, so the OpenAI and Anthropic SDKs: 5 s; node: 4 s),
         # so a client never sends a request on a connection the server is closing at that moment
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, timeout_graceful_shutdown=5,
                                                timeout_keep_alive=KEEP_ALIVE_SECONDS))
         name = ", ".join(config.served_model_names or [engine.model_name])
+        # uvicorn raises the signal that stopped it again once it has stopped serving: SIGTERM's default action
+        # (docker stop, systemd, kill) would end the process there, before the engine's saves in flight land
+        signal.signal(signal.SIGTERM, _raise_terminated)
         asyncio.run(_serve_until_stopped(server, f"http://{config.host}:{config.port}/v1", name))
+    except _Terminated:
+        terminated = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)     # a second one ends the process at once
     finally:
         engine.shutdown()
+    if terminated:        # then die of it, as uvicorn meant to
+        signal.raise_signal(signal.SIGTERM)
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised again by uvicorn once it has stopped serving."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
 
 
 async def _serve_until_stopped(server, url: str, name: str) -> None:

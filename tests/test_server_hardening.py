@@ -160,6 +160,28 @@ def test_short_concurrent_load_returns_to_idle(http, model):
     assert metrics["kvtier_kv_tier_bytes_used{tier=\"host\"}"] <= metrics["kvtier_kv_tier_budget_bytes{tier=\"host\"}"]
 
 
+def test_sigterm_lets_the_saves_in_flight_land_before_the_process_ends(tmp_path):
+    """docker stop, systemd and kill send SIGTERM: the server stops serving, its engine's queued saves land (uvicorn
+    raises the signal again once it stops, which would otherwise end the process there), and then it dies of the
+    signal. A restart finds every full block of the last prompt on disk, and no temp file is left."""
+    args = ["--kv-pool-tokens", "8192", "--max-model-len", "4096", "--kv-disk-dir", str(tmp_path / "kv")]
+    messages = [{"role": "user", "content": "Ledger: " + " ".join(f"entry {i} holds {i * 7 % 1000} coins." for i in
+                                                                   range(300)) + " Which entry holds the most?"}]
+    procs = {}
+    with kvtier_server(args, tmp_path / "first.log", on_start=lambda p: procs.update(first=p)) as url:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            body = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0}
+            prompt_tokens = client.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+        procs["first"].send_signal(signal.SIGTERM)     # as the answer arrives: its blocks are still being saved
+        assert procs["first"].wait(30) == -signal.SIGTERM
+    assert not list(tmp_path.glob("kv/**/*.tmp"))
+    with kvtier_server(args, tmp_path / "second.log") as url:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+    assert prompt_tokens > 1500 and usage["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens // 64 * 64
+
+
 def test_kill_during_disk_writes_then_restart_answers_as_cold(tmp_path):
     """kill -9 while long prompts are being prefilled and their blocks written through to disk; the restart
     serves what landed and recomputes the rest, and every answer equals a cold computation."""
