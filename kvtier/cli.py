@@ -192,7 +192,7 @@ def _serve(args) -> int:
     from kvtier.server.app import build_app
 
     engine = AsyncEngine(config)
-    terminated = False
+    terminated: list[int] = []
     try:
         app = build_app(engine, config)
         # on Ctrl-C or SIGTERM, give open streams a few seconds, then cancel them (which aborts their requests). Idle
@@ -201,26 +201,21 @@ def _serve(args) -> int:
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, timeout_graceful_shutdown=5,
                                                timeout_keep_alive=KEEP_ALIVE_SECONDS))
         name = ", ".join(config.served_model_names or [engine.model_name])
-        # uvicorn raises the signal that stopped it again once it has stopped serving: SIGTERM's default action
-        # (docker stop, systemd, kill) would end the process there, before the engine's saves in flight land
-        signal.signal(signal.SIGTERM, _raise_terminated)
+        # SIGTERM (docker stop, systemd, kill) is noted and stops the server; uvicorn, which takes it while serving,
+        # raises it again once it stops, where its default action would end the process before the engine's saves in
+        # flight land: it ends the process only after they have (below)
+        signal.signal(signal.SIGTERM, lambda signum, frame: (terminated.append(signum),
+                                                             setattr(server, "should_exit", True)))
         asyncio.run(_serve_until_stopped(server, f"http://{config.host}:{config.port}/v1", name))
-    except _Terminated:
-        terminated = True
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)     # a second one ends the process at once
     finally:
+        if terminated:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)     # a second one ends the process at once
         engine.shutdown()
+        log.info("kvtier stopped: the engine's queued saves have landed")
     if terminated:        # then die of it, as uvicorn meant to
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)
     return 0
-
-
-class _Terminated(Exception):
-    """SIGTERM, raised again by uvicorn once it has stopped serving."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
 
 
 async def _serve_until_stopped(server, url: str, name: str) -> None:
