@@ -579,15 +579,22 @@ def load_peak(load: str, warm_up: str, path: str, weights_file: str | None = Non
     freed (the warm-up frees many), after which freed weights' copies may stay in its heap or not, and the same
     load peaked at 1.23x or 1.37x the bundled file from one run to the next here (1.61x once on CI). With the threshold
     fixed, every large block goes back when freed, so the peak is what the load's live allocations hold (1.23-1.24x,
-    six runs), not what a server's default allocator may keep besides."""
+    six runs), not what a server's default allocator may keep besides.
+
+    What the process has mapped after the warm-up is locked in memory (mlockall, MCL_CURRENT: about 700 MB, mostly
+    libraries' pages shared with other processes) for the child's few seconds: else pages of its libraries that
+    memory pressure evicted fault back in during the load and count as the load's (CI, with a busy machine beside
+    it, measured 1.65x so, with the allocator's threshold fixed; evicting them on purpose here gave 1.42x, 17 MB
+    more). Where the process may not lock (no CAP_IPC_LOCK, a low RLIMIT_MEMLOCK) it goes on unlocked."""
     script = "\n".join([
-        "import os, sys, torch",
+        "import ctypes, os, sys, torch",
         "from kvtier.models.decoder import Decoder",
         "from kvtier.models.loader import read_gguf, read_hf_dir",
         "def kib(field):",
         "    return next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith(field + ':'))",
         f"def load(path):\n    return {load}",
         "load(sys.argv[1])",
+        "ctypes.CDLL(None).mlockall(1)",
         "open('/proc/self/clear_refs', 'w').write('5')",
         "before = kib('VmRSS')",
         "kept = load(sys.argv[2])",
