@@ -45,7 +45,7 @@ def tiny_gguf(path, config_cls=LlamaConfig, qtype=Q.Q8_0, types: dict[str, Q] | 
     """A random model whose logits are peaked enough (LM head scaled up) for perplexity to tell types apart; every
     matrix in qtype, or as `types` says by module name."""
     torch.manual_seed(0)
-    hf_cfg = config_cls(**TINY, tie_word_embeddings=False, **overrides)
+    hf_cfg = config_cls(**(TINY | overrides), tie_word_embeddings=False)
     weights = {n: w.detach() for n, w in AutoModelForCausalLM.from_config(hf_cfg).state_dict().items()}
     weights["lm_head.weight"] *= 10
     types = dict.fromkeys(("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -54,9 +54,10 @@ def tiny_gguf(path, config_cls=LlamaConfig, qtype=Q.Q8_0, types: dict[str, Q] | 
     return str(path)
 
 
-def decoder(path: str, quantized: bool, packed: bool = False, device: str = "cpu") -> Decoder:
+def decoder(path: str, quantized: bool, packed: bool = False, device: str = "cpu", positions: int = 0) -> Decoder:
     config, weights, _ = read_gguf(path, torch.float32, quantize="gguf" if quantized else "none")
-    return Decoder.from_weights(config, weights, torch.float32, torch.device(device), packed=packed)
+    return Decoder.from_weights(config, weights, torch.float32, torch.device(device), packed=packed,
+                                positions=positions)
 
 
 def pool_for(model: Decoder, tokens: int = 1024, device: str = "cpu", dtype: torch.dtype = torch.float32) -> KVPool:
@@ -141,13 +142,15 @@ def test_each_type_stays_in_its_blocks_and_scores_as_its_dequantized_weights(tmp
 
 @pytest.mark.parametrize("config_cls, overrides, kv_dtype", [
     (LlamaConfig, {}, torch.float32), (Qwen2Config, {}, torch.float32), (Qwen3Config, {"head_dim": 64}, torch.float32),
-    (LlamaConfig, {}, torch.float16)], ids=["llama", "qwen2-bias", "qwen3-qk-norm", "llama-float16-cache"])
+    (LlamaConfig, {}, torch.float16), (LlamaConfig, {"max_position_embeddings": 16}, torch.float32)],
+    ids=["llama", "qwen2-bias", "qwen3-qk-norm", "llama-float16-cache", "llama-past-its-context"])
 def test_a_ggml_decode_step_equals_the_decoder_op_by_op(tmp_path, config_cls, overrides, kv_dtype):
     """In a float16 pool (--kv-cache-dtype float16) too, against the decoder over a float16 pool of its own (which
     multiplies the pool's values in float32, where ggml rounds the queries and the softmax's weights to float16; its
     batched decodes gather and convert them): a gathered context is put back in float16 before ggml's products, as
-    its views read it, so it computes the bits it does read in place."""
-    model = decoder(tiny_gguf(tmp_path / "m.gguf", config_cls, Q.Q4_K, **overrides), quantized=True)
+    its views read it, so it computes the bits it does read in place. And past a model's context (a --max-model-len
+    beyond it): ggml rotates those positions as the decoder's tables, which cover them, do."""
+    model = decoder(tiny_gguf(tmp_path / "m.gguf", config_cls, Q.Q4_K, **overrides), quantized=True, positions=64)
     pool = pool_for(model, dtype=kv_dtype)
     steps = GgmlDecodeSteps(model, pool, threads=2)
     texts = [TEXT[:40], TEXT[10:50], TEXT[20:60]]

@@ -70,12 +70,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, positions: int = 0):
+        """Tables for the model's context, or for `positions` where that is more (a --max-model-len past it)."""
         super().__init__()
         # computed on the CPU, then moved where modules are being built: on the meta device (Decoder.from_weights)
         # arange would import torch's decompositions, ~2 s of every start
         with torch.device("cpu"):
-            freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), rope_inv_freq(cfg))
+            length = max(positions, cfg.max_position_embeddings)
+            freqs = torch.outer(torch.arange(length, dtype=torch.float64), rope_inv_freq(cfg))
             emb = torch.cat([freqs, freqs], dim=-1)
         device = torch.get_default_device()
         self.register_buffer("cos", emb.cos().float().to(device), persistent=False)
@@ -219,13 +221,15 @@ class Decoder(nn.Module):
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device: torch.device,
-                     packed: bool | None = None) -> "Decoder":
+                     packed: bool | None = None, positions: int = 0) -> "Decoder":
         """Build on the meta device, then adopt the checkpoint tensors (no random init, no copy twice). Quantized
         weights replace their modules with quantized ones: ggml's blocks on CPU (float32 activations; Q4_0
         projections interleaved as ggml's faster kernels want them: repacked.py), packed for Triton's kernels
         elsewhere (packed=True takes those on CPU too, in Triton's interpreter: how the tests check them). There, a
         block type no kernel multiplies is dequantized to dtype, and so is an untied LM head outside tinygemm's types
         (`_kernel_ready`).
+
+        positions: how many RoPE covers, where that is more than the model's context (`RotaryEmbedding`).
 
         Takes the tensors out of `weights` as it goes (left empty, unless a ValueError stops it): a weight's loaded
         copy is dropped once its fused, repacked or packed copy is made, so loading holds about one copy of the
@@ -277,7 +281,7 @@ class Decoder(nn.Module):
             else:
                 model.lm_head.weight = embedding.weight
         with torch.device(device):
-            model.rope = RotaryEmbedding(cfg)
+            model.rope = RotaryEmbedding(cfg, positions)
         return model.eval()
 
     @functools.cached_property

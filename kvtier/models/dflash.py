@@ -101,8 +101,9 @@ class DFlash(nn.Module):
 
 
 def load_dflash(path: str, target: ModelConfig, dtype: torch.dtype, device: torch.device,
-                digest_cache: str | None = None) -> tuple[DFlash, str]:
-    """The drafter of a DFlash checkpoint directory, checked against its target, and its fingerprint."""
+                digest_cache: str | None = None, positions: int = 0) -> tuple[DFlash, str]:
+    """The drafter of a DFlash checkpoint directory, checked against its target, and its fingerprint; its RoPE
+    covers `positions` where that is more than its context (`RotaryEmbedding`)."""
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
     layers = hf_config(path)
@@ -130,5 +131,5 @@ def load_dflash(path: str, target: ModelConfig, dtype: torch.dtype, device: torc
         raise ValueError(f"{path}: does not match a DFlash drafter: missing {missing[:5]}, unexpected "
                          f"{unexpected[:5]}")
     with torch.device(device):
-        model.rope = RotaryEmbedding(layers)
+        model.rope = RotaryEmbedding(layers, positions)
     return model.eval(), fingerprint(layers, files, digest_cache)
