@@ -1,9 +1,11 @@
 """Engine behaviour on a tiny random-weight model: batching, paging, preemption, sampling, aborts."""
 import asyncio
+import logging
 
 import pytest
 import torch
-from conftest import until_nothing_runs
+from conftest import run_greedy, tiny_llama, until_nothing_runs
+from transformers import AutoModelForCausalLM
 
 from kvtier.config import Config, ConfigError
 from kvtier.engine.async_engine import AsyncEngine
@@ -76,6 +78,25 @@ def test_requests_that_can_never_fit_are_rejected(engine):
     with pytest.raises(RequestRejected, match="empty"):
         engine.add_request("empty", [], SamplingParams())
     assert not engine.has_unfinished()
+
+
+def test_a_max_model_len_past_the_models_context_is_served_with_a_warning(make_tiny_model, bundled_tokenizer,
+                                                                         caplog):
+    """As llama.cpp's -c: --max-model-len past the model's context (64 here) is taken, not cut back to it without a
+    word, the log says so, and positions past it rotate as transformers rotates them (RoPE's tables cover them)."""
+    path = make_tiny_model(tiny_llama(bundled_tokenizer.vocab_size, context=64))
+    with caplog.at_level(logging.WARNING, logger="kvtier.engine"):
+        long = LLMEngine(Config(model=path, block_size=BS, kv_pool_tokens=16 * BS, max_model_len=160,
+                                max_batched_tokens=64))
+    assert long.max_model_len == 160
+    assert "past the model's context of 64 tokens" in caplog.text
+    prompt = prompts(1, lengths=(120,))[0]
+    got = run_greedy(long, prompt, max_tokens=40)
+    assert len(got.tokens) == 40
+    reference = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    with torch.inference_mode():
+        expected = reference(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(got.first_logits, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_seed_reproduces_sampling_and_differs_across_seeds(engine):

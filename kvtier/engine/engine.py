@@ -35,6 +35,16 @@ from kvtier.spec.speculator import Speculator
 log = logging.getLogger("kvtier.engine")
 
 
+def context_length(asked: int | None, trained: int) -> int:
+    """--max-model-len, or the model's context. Past the model's context it is taken as llama.cpp takes -c, with a
+    warning: positions the model was never trained on rotate as any other (RoPE covers them) and its answers there
+    may lose their way."""
+    if asked and asked > trained:
+        log.warning("--max-model-len %d is past the model's context of %d tokens: it was never trained on positions "
+                    "beyond that, and its answers there may degrade", asked, trained)
+    return asked or trained
+
+
 class LLMEngine:
     def __init__(self, config: Config):
         self.config = config
@@ -53,12 +63,12 @@ class LLMEngine:
         if config.chat_template:
             with open(config.chat_template) as f:
                 self.tokenizer.use_chat_template(f.read())
+        self.max_model_len = context_length(config.max_model_len, loaded.config.max_position_embeddings)
         # the model takes the weights it runs (fused, repacked) out of loaded.weights: the loaded copies are gone
         # before free memory sizes the pool
-        self.model = Decoder.from_weights(loaded.config, loaded.weights, config.torch_dtype, self.device)
+        self.model = Decoder.from_weights(loaded.config, loaded.weights, config.torch_dtype, self.device,
+                                          positions=self.max_model_len)
         mc = loaded.config
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
         dflash = config.speculative == "dflash"
         draft = load_draft(config, loaded, self.max_model_len) if config.speculative == "draft" else None
         drafter_path = config.draft_model and os.path.expanduser(config.draft_model)

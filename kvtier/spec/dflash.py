@@ -56,7 +56,7 @@ class DFlashDrafter(ShadowDrafter):
     def __init__(self, config: Config, target: Decoder, fingerprint: str, share: float, device: torch.device,
                  pool_tokens: int, max_model_len: int):
         self.model, own = load_dflash(os.path.expanduser(config.draft_model), target.config, config.torch_dtype,
-                                      device, digest_cache(config))
+                                      device, digest_cache(config), max_model_len)
         self.target = target
         cfg = self.model.config
         self.block_size, self.mask_token_id, self.feature_layers = cfg.block_size, cfg.mask_token_id, \
@@ -186,9 +186,9 @@ class DFlashDrafter(ShadowDrafter):
     @torch.inference_mode()
     def _block(self, shadow: Sequence, seq: Sequence, k: int) -> list[int]:
         """The block's first k proposals (the LM head reads those rows only); a block shortened where it would pass
-        the drafter's positions."""
+        the positions the drafter's RoPE covers."""
         n, bs = shadow.num_computed_tokens, self.pool.block_size
-        size = min(self.block_size, self.model.config.layers.max_position_embeddings - n)
+        size = min(self.block_size, len(self.model.rope.cos) - n)
         if size < 2:
             return []
         # its context where it is resident (under bounded residency a window: keys carry their positions' RoPE)

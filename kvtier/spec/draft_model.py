@@ -21,6 +21,7 @@ manager hashes), whose `draft` is the target's last token and then the tokens it
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -39,12 +40,14 @@ from kvtier.models.packed import packable, packed_bytes
 from kvtier.models.quantized import QuantizedWeight
 from kvtier.spec.drafter import ShadowDrafter
 
+log = logging.getLogger("kvtier.spec")
+
 CATCH_UP_ROWS = 8      # a shadow this close to the end feeds the rest as decode rows of its first round
 
 
 def load_draft(config: Config, target: LoadedModel, max_model_len: int) -> LoadedModel:
-    """The draft model's weights, checked against the target's tokenizer (a draft proposes token ids) and context (it
-    decodes wherever the target does)."""
+    """The draft model's weights, checked against the target's tokenizer (a draft proposes token ids); it decodes
+    wherever the target does, past its own context too (with a warning)."""
     path = os.path.expanduser(config.draft_model)
     loaded = load_model(path, config.torch_dtype, digest_cache(config), config.weights_mode(path),
                         packs_weights(torch.device(config.device)))
@@ -52,9 +55,9 @@ def load_draft(config: Config, target: LoadedModel, max_model_len: int) -> Loade
         raise ValueError(f"the draft model {config.draft_model} has another tokenizer than the model it drafts for: "
                          "its proposals would be other tokens")
     if loaded.config.max_position_embeddings < max_model_len:
-        raise ValueError(f"the draft model {config.draft_model} takes {loaded.config.max_position_embeddings} tokens "
-                         f"of context, the model {max_model_len}: pass --max-model-len "
-                         f"{loaded.config.max_position_embeddings} or a draft model of a longer context")
+        log.warning("the draft model %s was trained on %d tokens of context, the model serves %d: past that it "
+                    "still proposes (its RoPE covers every position) and the model checks each proposal, but fewer "
+                    "may be accepted", config.draft_model, loaded.config.max_position_embeddings, max_model_len)
     return loaded
 
 
@@ -74,7 +77,8 @@ class DraftModel(ShadowDrafter):
                  max_model_len: int, vocab_size: int):
         """share: of the host and disk budgets; pool_tokens: as many as the target's pool holds, so that every
         sequence the target runs fits; vocab_size: the target's (a draft's padded rows are never proposed)."""
-        self.model = Decoder.from_weights(loaded.config, loaded.weights, config.torch_dtype, device)
+        self.model = Decoder.from_weights(loaded.config, loaded.weights, config.torch_dtype, device,
+                                          positions=max_model_len)
         self.pool = build_pool(config, loaded.config, loaded.fingerprint, device, pool_tokens, "draft",
                                decodes_in_ggml(config, self.model, device))
         self.kv = build_kv(config, self.pool, max_model_len, share, loaded.config.head_dim, loaded.fingerprint,
