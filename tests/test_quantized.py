@@ -584,24 +584,33 @@ def load_peak(load: str, warm_up: str, path: str, weights_file: str | None = Non
     fixed, every large block goes back when freed, so the peak is what the load's live allocations hold (1.23-1.24x,
     six runs), not what a server's default allocator may keep besides.
 
-    What the process has mapped after the warm-up is locked in memory (mlockall, MCL_CURRENT: about 700 MB, mostly
-    libraries' pages shared with other processes) for the child's few seconds: else pages of its libraries that
-    memory pressure evicted fault back in during the load and count as the load's (CI, with a busy machine beside
-    it, measured 1.65x so, with the allocator's threshold fixed; evicting them on purpose here gave 1.42x, 17 MB
-    more). Where the process may not lock (no CAP_IPC_LOCK, a low RLIMIT_MEMLOCK) it goes on unlocked."""
+    Pages of other mapped files (the libraries') that come into memory during the load do not count as the load's:
+    memory pressure may have evicted them before it, and they fault back in as the load runs its code (CI, with a busy
+    machine beside it, measured 1.65x so with the allocator's threshold fixed; evicting them on purpose here gave
+    1.42x, 17 MB more, and 1.23x less them). The weights' own file map counts."""
     script = "\n".join([
-        "import ctypes, os, sys, torch",
+        "import os, re, sys, torch",
         "from kvtier.models.decoder import Decoder",
         "from kvtier.models.loader import read_gguf, read_hf_dir",
         "def kib(field):",
         "    return next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith(field + ':'))",
+        "def other_files_kib(weights):",
+        "    total, counted = 0, False",
+        "    for line in open('/proc/self/smaps'):",
+        "        if re.match(r'[0-9a-f]+-[0-9a-f]+ ', line):",
+        "            fields = line.split(None, 5)",
+        "            counted = len(fields) == 6 and fields[5].startswith('/') and fields[5].strip() != weights",
+        "        elif counted and line.startswith('Rss:'):",
+        "            total += int(line.split()[1])",
+        "    return total",
         f"def load(path):\n    return {load}",
+        "weights = os.path.realpath(sys.argv[3])",
         "load(sys.argv[1])",
-        "ctypes.CDLL(None).mlockall(1)",
         "open('/proc/self/clear_refs', 'w').write('5')",
-        "before = kib('VmRSS')",
+        "before, files_before = kib('VmRSS'), other_files_kib(weights)",
         "kept = load(sys.argv[2])",
-        "print((kib('VmHWM') - before) * 1024 / os.path.getsize(sys.argv[3]))"])
+        "refaulted = max(0, other_files_kib(weights) - files_before)",
+        "print((kib('VmHWM') - before - refaulted) * 1024 / os.path.getsize(weights))"])
     proc = subprocess.run([sys.executable, "-c", script, warm_up, path, weights_file or path], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", **(env or {})})
     assert proc.returncode == 0, proc.stderr[-2000:]
