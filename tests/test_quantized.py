@@ -573,10 +573,12 @@ def test_a_prompts_last_token_beside_other_sequences_answers_as_alone(tiny_model
     engine.shutdown()
 
 
-def load_peak(load: str, warm_up: str, path: str, weights_file: str | None = None, env: dict | None = None) -> float:
+def load_peak(load: str, warm_up: str, path: str, weights_file: str | None = None, env: dict | None = None
+              ) -> tuple[float, str]:
     """Run, in a process of its own, `load` (Python over `path`: a load) once over `warm_up` (which brings in every
     library and cache a load uses), then over `path`, after resetting the process's peak resident memory: that
-    load's peak over the size of its weights' file (`path` itself unless given). Linux only (/proc/self).
+    load's peak over the size of its weights' file (`path` itself unless given), and its parts in words (for a failing
+    assertion's message). Linux only (/proc/self).
 
     glibc's allocator is held to its fixed mmap threshold: by default it raises the threshold as large blocks are
     freed (the warm-up frees many), after which freed weights' copies may stay in its heap or not, and the same
@@ -610,11 +612,15 @@ def load_peak(load: str, warm_up: str, path: str, weights_file: str | None = Non
         "before, files_before = kib('VmRSS'), other_files_kib(weights)",
         "kept = load(sys.argv[2])",
         "refaulted = max(0, other_files_kib(weights) - files_before)",
-        "print((kib('VmHWM') - before - refaulted) * 1024 / os.path.getsize(weights))"])
+        "print((kib('VmHWM') - before - refaulted) * 1024 / os.path.getsize(weights))",
+        "print(f\"MiB: peak {kib('VmHWM') // 1024}, before the load {before // 1024}, libraries' pages faulted back "
+        "{refaulted // 1024}; after it anonymous {kib('RssAnon') // 1024}, files {kib('RssFile') // 1024}; weights' "
+        "file {os.path.getsize(weights) >> 20}\")"])
     proc = subprocess.run([sys.executable, "-c", script, warm_up, path, weights_file or path], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", **(env or {})})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return float(proc.stdout.split()[-1])
+    ratio, parts = proc.stdout.splitlines()[-2:]
+    return float(ratio), parts
 
 
 def test_loading_a_gguf_holds_about_one_copy_of_its_weights(tmp_path):
@@ -623,7 +629,8 @@ def test_loading_a_gguf_holds_about_one_copy_of_its_weights(tmp_path):
     objects; a 7B Q4_0 file of 4.2 GB peaks at 1.06x)."""
     load = ("Decoder.from_weights(*read_gguf(path, torch.float32, quantize='gguf')[:2], torch.float32, "
             "torch.device('cpu'))")
-    assert load_peak(load, tiny_gguf(tmp_path / "tiny.gguf"), BUNDLED_MODEL) < 1.6
+    peak, parts = load_peak(load, tiny_gguf(tmp_path / "tiny.gguf"), BUNDLED_MODEL)
+    assert peak < 1.6, parts
 
 
 def test_quantizing_a_checkpoint_at_load_never_holds_it_in_floats(tmp_path):
@@ -642,9 +649,9 @@ def test_quantizing_a_checkpoint_at_load_never_holds_it_in_floats(tmp_path):
         save_file({n: torch.randn(shape, generator=generator).to(torch.bfloat16)
                    for n, shape in expected_shapes(hf_config(str(path))).items()}, path / "model.safetensors")
     model = tmp_path / "model"
-    peak = load_peak("read_hf_dir(path, torch.float32, quantize='int4')", str(tmp_path / "warm"), str(model),
-                     str(model / "model.safetensors"), env={"XDG_CACHE_HOME": str(tmp_path)})
-    assert peak < 2.0
+    peak, parts = load_peak("read_hf_dir(path, torch.float32, quantize='int4')", str(tmp_path / "warm"), str(model),
+                            str(model / "model.safetensors"), env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert peak < 2.0, parts
 
 
 def test_quantized_blocks_are_kept_for_the_next_start(tiny_model_dir, monkeypatch):
