@@ -102,6 +102,25 @@ def test_another_draft_model_changes_nothing_but_the_steps(plain, tiny_model_dir
             [o["tokens"] for o in run(plain, prompts, params)]
 
 
+def test_a_draft_of_a_shorter_context_drafts_past_it_with_a_warning(plain, tiny_model_dir, tmp_path, caplog):
+    """A draft model trained on 32 tokens of context drafting for a target of 2,048 (it was refused, so a draft cut the
+    target's context to its own): its RoPE covers every position the target serves, it still proposes past its
+    context (here, being the target's weights, tokens the target accepts), and the output is the target's."""
+    import json
+    import shutil
+    short = tmp_path / "short-draft"
+    shutil.copytree(tiny_model_dir, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))
+    prompts = [prompt(i) for i in range(2)]     # 60 tokens, 40 more decoded
+    with caplog.at_level("WARNING", logger="kvtier.spec"):
+        engine = drafting(tiny_model_dir, str(short))
+    assert "trained on 32 tokens of context, the model serves 2048" in caplog.text
+    assert [o["tokens"] for o in run(engine, prompts, GREEDY)] == [o["tokens"] for o in run(plain, prompts, GREEDY)]
+    accepted, proposed = counts(engine)
+    assert proposed > 0 and accepted >= 0.9 * proposed
+
+
 def test_only_the_targets_tokens_become_draft_cache(monkeypatch, tiny_model_dir, other_draft_dir):
     """Every block the draft model seals holds the conversation's own tokens under the draft namespace: the K/V of
     its rejected proposals is never published."""
