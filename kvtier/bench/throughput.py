@@ -30,7 +30,7 @@ from kvtier.bench.shapes import add_model_args, resolve_model
 from kvtier.config import DTYPES, QUANTIZE_MODES, Config, default_dtype
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
-from kvtier.models.choice import sync
+from kvtier.models.choice import sync, timed
 from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.gguf_file import GGUFFile
@@ -125,14 +125,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
     """Bytes/s one device copy moves (read plus write), the best of 5: what bounds reading weights and KV."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
+    return 2 * nbytes / timed([lambda: dst.copy_(src)], device, repeats=5)
 
 
 def read_bytes_per_step(model: Decoder, batch: int, context: int, kv_bytes_per_token: int) -> int:

@@ -47,6 +47,7 @@ from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.warmup import warm_up
 from kvtier.kv.pool import KVPool
+from kvtier.models.choice import timed
 
 SECTION = "## Multi-turn TTFT (cold vs warm tiers)"
 TARGET_LENGTH = 4096          # the targets on TTFT are read at this history length
@@ -205,14 +206,8 @@ def copy_bandwidth(nbytes: int, device: torch.device) -> tuple[float, str]:
     cuda = device.type == "cuda"
     src = torch.ones(nbytes // 4, pin_memory=cuda)
     dst = torch.empty(nbytes // 4, device=device)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        dst.copy_(src, non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9, "pinned host-to-device copy" if cuda else "memcpy"
+    seconds = timed([lambda: dst.copy_(src, non_blocking=cuda)], device, repeats=3)
+    return nbytes / seconds / 1e9, "pinned host-to-device copy" if cuda else "memcpy"
 
 
 def write_probe(directory: str, nbytes: int) -> tuple[str, torch.Tensor]:

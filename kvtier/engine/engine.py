@@ -24,7 +24,6 @@ from kvtier.engine.sequence import Sequence
 from kvtier.engine.verify import choose
 from kvtier.kv.keys import salt_root
 from kvtier.kv.pager import CAPTURE_ROWS, PinRefused
-from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.decoder import Decoder, packs_weights
 from kvtier.models.loader import hf_config, load_model, resolve_model_path
 from kvtier.models.quantized import model_weight_bytes
@@ -176,9 +175,7 @@ class LLMEngine:
         self.kv.shutdown()
         if self.drafter:
             self.drafter.shutdown()
-        if isinstance(self.runner.graphs, GgmlDecodeSteps):
-            self.runner.graphs.close()
-            self.runner.graphs = None
+        self.runner.close()
 
     def step(self) -> list[RequestOutput]:
         for state in self.kv.poll():       # loads aborted meanwhile, now released

@@ -9,7 +9,8 @@ from kvtier.engine.sampling_params import SamplingParams
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int,
                    eos_token_ids: frozenset[int]) -> torch.Tensor:
-    """One sequence's next-token logits [vocab] after its parameters (a new tensor; `logits` is left as is)."""
+    """One sequence's next-token logits [vocab] after its parameters (a new tensor where they change any; `logits`
+    itself is never changed)."""
     if not params.adjusts_logits:
         return logits
     logits = logits.clone()

@@ -166,6 +166,12 @@ class ModelRunner:
             self.features = features
         return logits, queries
 
+    def close(self) -> None:
+        """Free ggml's decode graphs (their memory is ggml's, not torch's); later steps run eagerly."""
+        if isinstance(self.graphs, GgmlDecodeSteps):
+            self.graphs.close()
+            self.graphs = None
+
     def restore_threads(self) -> None:
         """torch's own thread count back, after a step's sampling."""
         if torch.get_num_threads() != self.torch_threads:

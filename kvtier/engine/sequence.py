@@ -25,7 +25,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.detokenizer = detokenizer
-        self.arrival = arrival                  # admission order; the newest is preempted first
+        self.arrival = arrival                  # arrival order, kept through preemption; the newest is preempted first
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0            # tokens whose K/V are in the pool
         self.kv: KVState | None = None          # its KV state, owned by the KV manager

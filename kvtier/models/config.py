@@ -24,7 +24,6 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False      # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False             # RMSNorm on q and k per head before RoPE (Qwen3)
-    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):

@@ -140,7 +140,7 @@ def _quantizer(weights_fingerprint: str, dtype: torch.dtype, quantize: str, floa
 def fingerprint(config: ModelConfig, files: list[str], digest_cache: str | None) -> str:
     """Hash the architecture and every byte of every weight file (digests remembered in digest_cache)."""
     h = xxhash.xxh3_128()
-    arch = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("bos_token_id", "eos_token_ids")}
+    arch = {k: v for k, v in dataclasses.asdict(config).items() if k != "eos_token_ids"}
     h.update(json.dumps(arch, sort_keys=True).encode())
     for file in files:
         h.update(file_digest(file, digest_cache).encode())
@@ -216,7 +216,6 @@ def hf_config(path: str) -> ModelConfig:
         # Qwen2 always has q/k/v biases; Llama and Qwen3 say so with attention_bias
         attention_bias=arch == "qwen2" or cfg.get("attention_bias", False),
         qk_norm=arch == "qwen3",
-        bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(eos)),
     )
 
@@ -356,7 +355,6 @@ def gguf_config(fields: dict, tensors: dict, path: str) -> ModelConfig:
         tie_word_embeddings="lm_head.weight" not in tensors,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
         qk_norm=arch == "qwen3",
-        bos_token_id=meta("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
     )
 

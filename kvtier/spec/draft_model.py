@@ -35,7 +35,6 @@ from kvtier.engine.sequence import Sequence, SequenceStatus
 from kvtier.kv.state import NOT_RESIDENT
 from kvtier.models.decoder import Decoder, packs_weights
 from kvtier.models.loader import LoadedModel, load_model
-from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.packed import packable, packed_bytes
 from kvtier.models.quantized import QuantizedWeight
 from kvtier.spec.drafter import ShadowDrafter
@@ -201,7 +200,5 @@ class DraftModel(ShadowDrafter):
 
     def shutdown(self) -> None:
         self.kv.shutdown()
-        if isinstance(self.runner.graphs, GgmlDecodeSteps):
-            self.runner.graphs.close()
-            self.runner.graphs = None
+        self.runner.close()
 

@@ -32,8 +32,8 @@ class Tier(Protocol):
     def release(self, keys: list[bytes]) -> None:
         """The reader is done with what read_run gave it."""
 
-    def get_run(self, keys: list[bytes]) -> list[torch.Tensor] | None:
-        """Payloads of all keys that the caller owns (nothing to release), or None."""
+    def get_run(self, keys: list[bytes], staging=None) -> list[torch.Tensor] | None:
+        """Payloads of all keys that the caller owns (nothing to release), or None (`staging` as read_run's)."""
 
     def put_run(self, keys: list[bytes], payloads: list[torch.Tensor]) -> None:
         """Store a run of blocks, evicting least recently used ones to stay within the budget."""

@@ -152,10 +152,6 @@ class HostTier:
         finally:
             self.release(keys)
 
-    def get(self, key: bytes) -> torch.Tensor | None:
-        got = self.get_run([key])
-        return got[0] if got else None
-
     def _take_slot(self) -> int | None:
         """(Under the lock.) A free slot, evicting the least recently used unpinned block if none is."""
         if self._free_slots:
