@@ -98,7 +98,7 @@ def test_a_pool_keeping_v_transposed_moves_payloads_of_its_own_layout():
     transposed.blocks_in([7, 8], payloads)
     transposed.copy_block(7, 11)
     assert torch.equal(transposed.read_blocks([7, 8, 11]), torch.stack([*payloads, payloads[0]]))
-    assert all(torch.equal(a, b) for a, b in zip(transposed._block_parts(7), plain._block_parts(2)))
+    assert all(torch.equal(a, b) for a, b in zip(transposed.block_kv(7), plain.block_kv(2)))
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["plain", "transposed"])
@@ -112,7 +112,7 @@ def test_paged_out_blocks_gathered_from_the_host_tier_are_their_kv(transposed):
     keys, blocks = chain_keys(list(range(3 * BS)), BS, b"ns"), [5, 2, 9]
     for key, payload in zip(keys, pool.read_blocks(blocks)):
         assert host.put(key, payload, pin=True)
-    gathered, empty = mover.gather([keys, []])
+    gathered, empty = mover.gather([keys, []], {})
     slots = torch.cat([torch.arange(b * BS, (b + 1) * BS) for b in blocks])
     assert empty is None and torch.equal(gathered, pool.slots_kv(slots))
     mover.shutdown()

@@ -474,3 +474,38 @@ def test_failed_page_outs_and_page_ins_leave_every_count_true(tiny_model_dir, ex
     assert "unpinning" not in caplog.text                                  # no unpin of what was never pinned
     assert host.pinned_bytes == 0 and engine.pager.host_reserved == 0
     assert pool.num_free_blocks == pool.num_blocks and not kv.paging_out
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_a_bounded_prompts_numbers_do_not_depend_on_when_its_page_outs_land(tiny_model_dir, quantize):
+    """A prompt chunk attends to its earlier blocks, resident or paged out. Whether a page-out has landed by then
+    is timing (the mover's thread), so it must not change a bit: here every page-out lands before the next step in
+    one engine and none before the first token in the other (their blocks still lie on the device), and the first
+    token's logits are the same to the bit (they came out ~1e-6 apart, once, the blocks in flight read as segments
+    of their own)."""
+    config = Config(model=tiny_model_dir, kv_resident_tokens=BUDGET * BS, kv_policy="lru", kv_reselect_every=4,
+                    kv_host_gib=1, quantize=quantize, **BASE)
+    landing, held = LLMEngine(config), LLMEngine(config)
+    release = threading.Event()
+    page_out = held.kv.mover._paged_out
+    held.kv.mover._paged_out = lambda job: release.wait(60) and page_out(job)
+    first = []
+    try:
+        for engine in (landing, held):
+            run_model = engine.runner.run
+            logits = []
+            engine.runner.run = lambda batch, capture=None: (out := run_model(batch, capture), logits.append(
+                out[0][0][-1].clone()))[0]
+            engine.add_request("r", prompt(600), SamplingParams(max_tokens=1, temperature=0.0))
+            while not any(out.new_token_ids for out in engine.step()):
+                while engine is landing and engine.kv.num_paging:      # every page-out lands before the next step
+                    time.sleep(0.001)
+                    engine.kv.poll()
+            first.append(logits[-1])
+        assert held.stats()["residency"]["page_outs"] > 0 and held.kv.num_paging > 0     # still in flight
+    finally:
+        release.set()
+    assert torch.equal(*first)
+    for engine in (landing, held):
+        step_all(engine)
+        engine.shutdown()

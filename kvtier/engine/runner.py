@@ -95,7 +95,6 @@ class ModelRunner:
                 if n > 1:
                     verify.append((len(decode_rows) - n, n, slot_runs(table, start, self.pool.block_size)))
             else:
-                table = self.kv.step_table(seq.kv)        # blocks whose page-out is in flight are still read in place
                 prefix = slot_runs(table, start, self.pool.block_size)
                 alone = self._runs_last_alone(seq, n)      # AttentionMetadata.alone_rows
                 prefills.append(PrefillSeq(row, n - alone, prefix, table[:self.pool.blocks_for(end)]))

@@ -321,21 +321,14 @@ class KVManager:
         self.mover.page_in(job)
         return True
 
-    def step_table(self, state: KVState) -> list[int]:
-        """The block table a prompt chunk reads this step: a block whose page-out is still in flight is read where
-        it lies (its device block is held until the copy lands, after this step's forward)."""
-        if not state.residency or not self.paging_out:
-            return state.block_table
-        return [self.paging_out.get(state.block_keys[i], b) if b == NOT_RESIDENT else b
-                for i, b in enumerate(state.block_table)]
-
     def paged_out_kv(self, chunks: list[tuple[KVState, list[int]]]) -> list[torch.Tensor | None]:
-        """Per prompt chunk (a bounded sequence, and its `step_table` before the chunk): K/V [2, layers, tokens,
+        """Per prompt chunk (a bounded sequence, and its block table before the chunk): K/V [2, layers, tokens,
         kv_heads, head_dim] of the blocks that table leaves off the device, in block order (exact prefill attends to
-        them too), or None: gathered by the mover from host memory (`Mover.gather`). Call `forward_done` after the
-        forward that reads them."""
+        them too), or None: gathered by the mover (`Mover.gather`) from host memory, or from the device block of one
+        whose page-out is still in flight, so that a chunk attends to the same parts in the same order however fast
+        the copies ran. Call `forward_done` after the forward that reads them."""
         runs = [[state.block_keys[i] for i, b in enumerate(blocks) if b == NOT_RESIDENT] for state, blocks in chunks]
-        return self.mover.gather(runs)
+        return self.mover.gather(runs, self.paging_out)
 
     def forward_done(self) -> None:
         """The step's forward, which read what `paged_out_kv` gave, is queued: its buffer may be reused after it."""

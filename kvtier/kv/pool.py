@@ -230,7 +230,7 @@ class KVPool:
         """A CPU copy of the block's payload, shaped [2, num_layers, block_size, num_kv_heads, head_dim]."""
         return self.read_blocks([block])[0]
 
-    def _block_parts(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def block_kv(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's slots in the K and the V cache, [num_layers, block_size, num_kv_heads, head_dim] each."""
         bs = self.block_size
         return self.k_cache[:, block * bs:(block + 1) * bs], self.v_cache[:, block * bs:(block + 1) * bs]
@@ -243,7 +243,7 @@ class KVPool:
 
     def _transposed_payload(self, block: int, out: torch.Tensor) -> torch.Tensor:
         """A transposed pool's block copied into out as its payload (V as the pool keeps it: runs of slots)."""
-        for half, part in zip(self.payload_kv(out), self._block_parts(block)):
+        for half, part in zip(self.payload_kv(out), self.block_kv(block)):
             half.copy_(part)
         return out
 
@@ -287,7 +287,7 @@ class KVPool:
         place; on CPU each is copied straight into its block."""
         if not self.staged_copies:
             for block, payload in zip(blocks, payloads):
-                for part, half in zip(self._block_parts(block), self.payload_kv(payload)):
+                for part, half in zip(self.block_kv(block), self.payload_kv(payload)):
                     part.copy_(half)
             return
         for part in self._stage_parts(len(blocks)):
@@ -304,7 +304,7 @@ class KVPool:
         return (slice(i, i + step) for i in range(0, count, step))
 
     def copy_block(self, src: int, dst: int) -> None:
-        for to, part in zip(self._block_parts(dst), self._block_parts(src)):
+        for to, part in zip(self.block_kv(dst), self.block_kv(src)):
             to.copy_(part)
 
     def _blocked(self) -> torch.Tensor:

@@ -180,35 +180,40 @@ class Mover:
         """Unpin these host copies once the page-outs queued before have pinned them."""
         self._pages.put(("unpin", keys))
 
-    def gather(self, runs: list[list[bytes]]) -> list[torch.Tensor | None]:
+    def gather(self, runs: list[list[bytes]], in_flight: dict[bytes, int]) -> list[torch.Tensor | None]:
         """(The engine's thread.) Per run of a bounded prompt chunk's paged-out keys: their K/V [2, layers, tokens,
         kv_heads, head_dim] side by side, or None for an empty run, from the host tier's slots, where each is pinned
         (a page-out pins its blocks before it lands; a restore pins all it leaves off the device, or is a miss): no
-        tier below the host is read here. Into the gather buffer, reused step after step, or fresh memory where it
-        is too small."""
+        tier below the host is read here. A key whose page-out is in flight (`in_flight`: key → its device block,
+        held until the copy lands) is copied from the device. Into the gather buffer, reused step after step, or
+        fresh memory where it is too small."""
         self.copier.wait(self._gather_read)     # the last forward's copies out of it are done
         buffers = self.stack.gather.split([len(keys) * self.pool.block_bytes for keys in runs])
-        return [self._gathered(keys, buffer) if keys else None for keys, buffer in zip(runs, buffers)]
+        return [self._gathered(keys, buffer, in_flight) if keys else None for keys, buffer in zip(runs, buffers)]
 
     def gather_read(self) -> None:
         """(The engine's thread, after a forward that read what `gather` gave.) Its buffer may be reused after this."""
         self._gather_read = self.copier.ready()
 
-    def _gathered(self, keys: list[bytes], buffer: torch.Tensor | None) -> torch.Tensor:
+    def _gathered(self, keys: list[bytes], buffer: torch.Tensor | None, in_flight: dict[bytes, int]) -> torch.Tensor:
         host = self.stack.host
-        payloads = host.lease(keys)
+        landed = [key for key in keys if key not in in_flight]
+        payloads = host.lease(landed) if landed else []
         if payloads is None:
-            raise RuntimeError(f"a paged-out block of {len(keys)} is not in the host tier")
+            raise RuntimeError(f"a paged-out block of {len(landed)} is not in the host tier")
         try:
             two, layers, block, heads, dim = self.pool.block_shape
             shape, dtype = (two, layers, block * len(keys), heads, dim), self.pool.dtype
             out = torch.empty(shape, dtype=dtype) if buffer is None else buffer.view(dtype).view(shape)
-            for j, payload in enumerate(payloads):
-                for half, part in zip(out[:, :, j * block:(j + 1) * block], self.pool.payload_kv(payload)):
+            leased = iter(payloads)
+            for j, key in enumerate(keys):
+                parts = self.pool.block_kv(in_flight[key]) if key in in_flight else self.pool.payload_kv(next(leased))
+                for half, part in zip(out[:, :, j * block:(j + 1) * block], parts):
                     half.copy_(part)
             return out
         finally:
-            host.release(keys)
+            if landed:
+                host.release(landed)
 
     # --- workers ---------------------------------------------------------------------------------
 
