@@ -71,7 +71,8 @@ def watched_engine(tiny_model_dir, tmp_path, pool_blocks=48) -> tuple[LLMEngine,
         token_ids, meta, last_rows = prepare(batch, capture)
         reading, writing = copier.in_flight()
         written = set((meta.slot_mapping // BS).tolist())
-        read = {b for seq in batch.seqs for b in engine.kv.step_table(seq.kv) if b >= 0}
+        # its resident blocks, and the device blocks of page-outs in flight, which a prompt chunk's gather reads
+        read = {b for seq in batch.seqs for b in seq.kv.block_table if b >= 0} | set(engine.kv.paging_out.values())
         if written & (reading | writing):
             violations.append(f"a step writes {sorted(written & (reading | writing))} while a copy uses them")
         if read & writing:

@@ -119,6 +119,7 @@ def test_a_draft_of_a_shorter_context_drafts_past_it_with_a_warning(plain, tiny_
     assert [o["tokens"] for o in run(engine, prompts, GREEDY)] == [o["tokens"] for o in run(plain, prompts, GREEDY)]
     accepted, proposed = counts(engine)
     assert proposed > 0 and accepted >= 0.9 * proposed
+    engine.shutdown()
 
 
 def test_only_the_targets_tokens_become_draft_cache(monkeypatch, tiny_model_dir, other_draft_dir):

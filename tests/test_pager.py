@@ -492,10 +492,9 @@ def test_a_bounded_prompts_numbers_do_not_depend_on_when_its_page_outs_land(tiny
     first = []
     try:
         for engine in (landing, held):
-            run_model = engine.runner.run
             logits = []
-            engine.runner.run = lambda batch, capture=None: (out := run_model(batch, capture), logits.append(
-                out[0][0][-1].clone()))[0]
+            engine.runner.run = lambda batch, capture=None, run=engine.runner.run, logits=logits: (
+                out := run(batch, capture), logits.append(out[0][0][-1].clone()))[0]
             engine.add_request("r", prompt(600), SamplingParams(max_tokens=1, temperature=0.0))
             while not any(out.new_token_ids for out in engine.step()):
                 while engine is landing and engine.kv.num_paging:      # every page-out lands before the next step
