@@ -68,6 +68,10 @@ class LoadPlanner:
         partial = None
         if limit is None and (front < count or count == 0):
             partial = self._partial_in_tiers(state, exact[:on_device] + keys[:count], on_device_too=count == 0)
+        elif limit is None:     # the whole prefix is computed, and a partial block a tier holds after it with it
+            computed = self._partial_in_tiers(state, exact[:on_device] + keys[:count], on_device_too=True)
+            if computed is not None:
+                self.rates.count_computed(computed[0], computed[2])
         if front == count and partial is None:
             return None
         # blocks for the whole prompt, so that a restored request never waits for more while holding some

@@ -86,8 +86,12 @@ class Rates:
             self.computed_whole += 1
             front -= self.computed_whole % EXPLORE_EVERY == 0     # measure the tiers again with one block
         for tier in tiers[:front]:
-            self.computed_instead[tier] = self.computed_instead.get(tier, 0) + block_tokens
+            self.count_computed(tier, block_tokens)
         return front
+
+    def count_computed(self, tier: str, tokens: int) -> None:
+        """Cached tokens the tier holds that are computed rather than loaded."""
+        self.computed_instead[tier] = self.computed_instead.get(tier, 0) + tokens
 
     def stats(self) -> dict:
         return {"tier_bytes_per_s": dict(self.tier_bytes_per_s), "prefill_tokens_per_s": self.prefill_tokens_per_s,
