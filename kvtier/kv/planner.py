@@ -66,12 +66,11 @@ class LoadPlanner:
         if limit is not None and front:      # a bounded sequence's restore is all or nothing
             front = count
         partial = None
-        if limit is None and (front < count or count == 0):
-            partial = self._partial_in_tiers(state, exact[:on_device] + keys[:count], on_device_too=count == 0)
-        elif limit is None:     # the whole prefix is computed, and a partial block a tier holds after it with it
-            computed = self._partial_in_tiers(state, exact[:on_device] + keys[:count], on_device_too=True)
-            if computed is not None:
-                self.rates.count_computed(computed[0], computed[2])
+        if limit is None:
+            partial = self._partial_in_tiers(state, exact[:on_device] + keys[:count], on_device_too=front == count)
+            if partial is not None and 0 < front == count:    # computed with the whole prefix before it
+                self.rates.count_computed(partial[0], partial[2])
+                partial = None
         if front == count and partial is None:
             return None
         # blocks for the whole prompt, so that a restored request never waits for more while holding some
