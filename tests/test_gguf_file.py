@@ -1,6 +1,7 @@
 """kvtier's GGUF reader against the gguf package's: the same metadata and tensors; a damaged file is a ValueError."""
 from __future__ import annotations
 
+import re
 import struct
 import time
 
@@ -111,3 +112,33 @@ def test_a_damaged_header_is_a_value_error_at_once(tmp_path, damage):
     with pytest.raises(ValueError):
         GGUFFile(str(path))
     assert time.monotonic() - start < 1.0
+
+
+def test_released_tensors_leave_none_of_the_files_pages_mapped(tmp_path):
+    """Reading a tensor maps its neighbours' pages too (the kernel's fault-around): released in turn, as the loader
+    does, no page of the file stays in the process (its own pages only: 1.8 MB of these 6.4 MB stayed here)."""
+    path = tmp_path / "many.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(0)
+    for i in range(64):
+        writer.add_tensor(f"t{i}.weight", rng.standard_normal(25_000, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    gguf = GGUFFile(str(path))
+    for t in gguf.tensors:
+        assert float(np.abs(t.data).sum()) > 0
+        gguf.release(t)
+    assert mapped_kib(str(path)) == 0, f"{mapped_kib(str(path))} KiB"
+
+
+def mapped_kib(path: str) -> int:
+    """KiB of the file's pages mapped in this process (/proc/self/smaps: Linux)."""
+    total, counted = 0, False
+    for line in open("/proc/self/smaps"):
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+            counted = line.rstrip("\n").endswith(" " + path)
+        elif counted and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total

@@ -587,9 +587,10 @@ def load_peak(load: str, warm_up: str, path: str, weights_file: str | None = Non
     six runs), not what a server's default allocator may keep besides.
 
     Pages of other mapped files (the libraries') that come into memory during the load do not count as the load's:
-    memory pressure may have evicted them before it, and they fault back in as the load runs its code (CI, with a busy
-    machine beside it, measured 1.65x so with the allocator's threshold fixed; evicting them on purpose here gave
-    1.42x, 17 MB more, and 1.23x less them). The weights' own file map counts."""
+    memory pressure may have evicted them before it, and they fault back in as the load runs its code (evicting them
+    on purpose here gave 1.42x, 17 MB more, and 1.23x less them). The weights' own file map counts: CI measured 1.63x
+    with no library pages faulted back, on a kernel that maps 70 MB more of the same libraries' pages than this one,
+    the likeliest cause: it left more of the weights' pages mapped as each tensor was read (GGUFFile.release)."""
     script = "\n".join([
         "import os, re, sys, torch",
         "from kvtier.models.decoder import Decoder",
