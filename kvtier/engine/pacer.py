@@ -16,6 +16,8 @@ the growing decodes would be charged to the prompt tokens, shrinking their budge
 """
 from __future__ import annotations
 
+from kvtier.averages import moving_average
+
 SMOOTHING = 0.3          # weight of the newest decode-only step
 FIRST_BUDGET = 64        # prompt tokens of the first step beside decodes
 MIN_BUDGET = 4           # a prompt always advances
@@ -41,8 +43,7 @@ class Pacer:
         if not num_decodes or seconds <= 0:
             return
         if not num_prompt_tokens:
-            old = self.decode_seconds
-            self.decode_seconds = seconds if old is None else (1 - SMOOTHING) * old + SMOOTHING * seconds
+            self.decode_seconds = moving_average(self.decode_seconds, seconds, SMOOTHING)
             self.steps_since_pace = 0
             return
         self.steps_since_pace += 1

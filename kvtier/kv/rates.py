@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from kvtier.averages import moving_average
 from kvtier.kv.tiers.files import atomic_write, read_regular
 
 log = logging.getLogger("kvtier.kv.rates")
@@ -64,11 +65,11 @@ class Rates:
 
     def observe_tier(self, tier: str, nbytes: int, seconds: float) -> None:
         if nbytes and seconds > 0:
-            self.tier_bytes_per_s[tier] = _smoothed(self.tier_bytes_per_s.get(tier), nbytes / seconds)
+            self.tier_bytes_per_s[tier] = moving_average(self.tier_bytes_per_s.get(tier), nbytes / seconds, SMOOTHING)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens >= MIN_PREFILL_TOKENS and seconds > 0:
-            self.prefill_tokens_per_s = _smoothed(self.prefill_tokens_per_s, tokens / seconds)
+            self.prefill_tokens_per_s = moving_average(self.prefill_tokens_per_s, tokens / seconds, SMOOTHING)
 
     def blocks_to_compute(self, tiers: list[str], block_tokens: int) -> int:
         """How many leading blocks of a prefix below the device to compute while the others load (tiers: the
@@ -143,6 +144,3 @@ class Rates:
 def _rate(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
-
-def _smoothed(old: float | None, new: float) -> float:
-    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new

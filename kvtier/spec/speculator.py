@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.averages import moving_average
 from kvtier.spec.ngram import LOOKUP_MAX, LOOKUP_MIN, PromptLookup
 
 PROBE_EVERY = 16       # decode steps a sequence sits out when no proposal pays, before it probes with one token
@@ -148,13 +149,11 @@ class Speculator:
         self.steps_since_plain = self.steps_since_plain + 1 if drafted else 0
         if not drafted:
             per_sequence = seconds / decodes
-            self.decode_seconds = per_sequence if self.decode_seconds is None else \
-                (1 - SMOOTHING) * self.decode_seconds + SMOOTHING * per_sequence
+            self.decode_seconds = moving_average(self.decode_seconds, per_sequence, SMOOTHING)
         elif self.decode_seconds is not None and drafted <= self.max_tokens:
             # against the latest decode-only steps: both grow with the context
             cost = max(0.0, seconds - decodes * self.decode_seconds) / self.decode_seconds
-            old = self.draft_costs.get(drafted)
-            self.draft_costs[drafted] = cost if old is None else (1 - SMOOTHING) * old + SMOOTHING * cost
+            self.draft_costs[drafted] = moving_average(self.draft_costs.get(drafted), cost, SMOOTHING)
 
     def stats(self) -> dict:
         return {"method": self.method, "proposed_tokens": self.proposed, "accepted_tokens": self.accepted,
