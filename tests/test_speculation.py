@@ -1,6 +1,7 @@
 """Speculative decoding (--speculative ngram): proposals verified in one step, output exactly the target's, and only
 accepted tokens ever becoming cache."""
 import asyncio
+import time
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from kvtier.engine.async_engine import AsyncEngine
 from kvtier.engine.engine import LLMEngine
 from kvtier.engine.sampler import probabilities
 from kvtier.engine.sampling_params import SamplingParams
+from kvtier.models import ggml_decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.engine.verify import choose
 from kvtier.kv.keys import chain_keys
@@ -668,3 +670,34 @@ def test_a_model_drafter_that_does_not_pay_probes_less_and_less_often(method):
     for _ in range(30):
         spec.observe_step(1, 1, 0.0101)  # rounds became cheap: a k pays, and the pauses start over
     assert spec.plan(state, room=100) > 0 and state.backoff == 0
+
+
+def test_building_a_graph_for_a_new_step_shape_is_not_what_its_rows_cost(monkeypatch, tiny_model_dir):
+    """ggml's decode graphs are built on a step shape's first use: a first verify step of k rows pays a build, which
+    the speculator must not learn as what k rows cost (it would not propose k rows again), nor the pacer as a decode
+    step's time. Here each build takes 0.2 s more, a hundred of the tiny model's decode steps."""
+    settings = dict(quantize="int8", device="cpu")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [prompt(5, 40)]
+    off = run(engine_for(tiny_model_dir, None, **settings), prompts, params)
+    engine = engine_for(tiny_model_dir, "ngram", **settings)
+    assert isinstance(engine.runner.graphs, GgmlDecodeSteps)
+    oracle(monkeypatch, engine, prompts, [o["tokens"] for o in off])
+    proposals, steps = engine.speculator.propose, []
+
+    def every_other_step(state, tokens, room, batch=1):
+        """Decode steps between verify steps of 1-4 rows, so that the speculator measures both."""
+        steps.append(len(tokens))
+        return [] if len(steps) % 2 else proposals(state, tokens, room, batch)[:len(steps) // 2 % 4 + 1]
+    monkeypatch.setattr(engine.speculator, "propose", every_other_step)
+    build = ggml_decoder._Step.__init__
+
+    def slow_build(*args):
+        time.sleep(0.2)
+        build(*args)
+    monkeypatch.setattr(ggml_decoder._Step, "__init__", slow_build)
+    assert run(engine, prompts, params)[0]["tokens"] == off[0]["tokens"]
+    spec = engine.speculator
+    assert len(spec.draft_costs) >= 2 and engine.runner.graphs.building >= 0.2 * len(spec.draft_costs)
+    assert max(spec.draft_costs.values()) < 20, spec.draft_costs
+    assert spec.decode_seconds < 0.05 and engine.scheduler.pacer.decode_seconds < 0.05

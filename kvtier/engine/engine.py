@@ -191,6 +191,7 @@ class LLMEngine:
             for seq in batch.preempted:
                 self.drafter.preempted(seq)
         writing = self.drafter.writing if self.drafter else 0.0
+        building = self.runner.building
         start = time.perf_counter()
         results = self._forward(batch) if batch else []
         due = []       # sequences whose next token is to be sampled, with their logits
@@ -218,7 +219,9 @@ class LLMEngine:
             except Exception as e:     # it belongs to this request: fail it alone, the others go on
                 self._fail(seq, e)
         outputs = [self._output(seq) for seq in self._append_tokens(due) + verified]
-        seconds = time.perf_counter() - start      # sampling synchronized the device
+        # sampling synchronized the device; a graph built for a new step shape is a one-off (a first verify step of k
+        # rows would otherwise teach the speculator that k rows cost a decode step more than they do)
+        seconds = time.perf_counter() - start - (self.runner.building - building)
         # the DFlash drafter writing rows that waited (WRITE_AFTER of them, or a request's end) is its own work,
         # whatever the step computed: not the model's rate, nor what draft rows cost; the streams wait for it all
         computing = seconds - (self.drafter.writing - writing if self.drafter else 0.0)

@@ -39,6 +39,7 @@ graphs and the eager decoder do.
 """
 from __future__ import annotations
 
+import time
 import weakref
 from collections import OrderedDict
 
@@ -95,6 +96,7 @@ class GgmlDecodeSteps:
         self.queries: torch.Tensor | None = None
         self.built: OrderedDict[tuple, _Step] = OrderedDict()     # the graphs of the last shapes, least recent first
         self.steps = 0
+        self.building = 0.0      # seconds spent building graphs, over its life
         self._finalizer = weakref.finalize(self, _close, self.weights, self.__dict__)
 
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
@@ -114,7 +116,9 @@ class GgmlDecodeSteps:
         if step is None:
             if len(self.built) == KEPT_GRAPHS:
                 self.built.popitem(last=False)[1].close()
+            building = time.perf_counter()
             step = self.built[key] = _Step(self, *key)
+            self.building += time.perf_counter() - building
         self.built.move_to_end(key)
         step.starts.set(np.array([start or 0 for start in starts]))
         step.ids.numpy()[:] = token_ids
