@@ -59,9 +59,9 @@ class DFlashAttention(nn.Module):
         q = apply_rope(self.q_norm(self.q_proj(x).view(len(x), self.heads, self.head_dim)), *rope)
         k, v = self.kv(x, rope)
         k, v = torch.cat([context_k, k]), torch.cat([context_v, v])
-        group = self.heads // self.kv_heads      # [heads, T, D] over [heads, context + T, D], no causal mask
-        o = sdpa(q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
-                 v.repeat_interleave(group, 1).transpose(0, 1))       # a new context length every step
+        # [1, heads, T, D] over [1, kv_heads, context + T, D], no causal mask, a new context length every step (four
+        # dimensions: CUDA's plan-free kernels take no other)
+        o = sdpa(*(t.transpose(0, 1)[None] for t in (q, k, v)), enable_gqa=True)[0]
         return self.o_proj(o.transpose(0, 1).reshape(len(x), -1))
 
 
