@@ -40,12 +40,18 @@ from kvtier.models.tokenizer import Tokenizer
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu need CUDA: skipped (and reported as skipped) without it."""
-    if torch.cuda.is_available():
+    """Tests marked gpu need CUDA, and the suite on it (KVTIER_DEVICE=cuda): skipped (and reported as skipped)
+    without them. On a GPU without the switch, Triton's kernels would run in its interpreter, copying each tensor to
+    the host and back, and a gpu test would pass without compiling a kernel, or fail inside a graph capture."""
+    if not torch.cuda.is_available():
+        reason = "needs CUDA"
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        reason = "runs with the suite on the GPU: KVTIER_DEVICE=cuda make test"
+    else:
         return
     for item in items:
         if "gpu" in item.keywords:
-            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)

@@ -30,7 +30,7 @@ from kvtier.models.loader import BUNDLED_MODEL, load_model, read_gguf
 from kvtier.models.products import Linear, many_rows_product
 from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, dequantized_product, model_weight_bytes,
                                      prompt_dtype, quantize)
-from kvtier.models import ggml, quantized
+from kvtier.models import ggml, int4pack, quantized
 from kvtier.models.repacked import RepackedWeight, repacked
 
 pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
@@ -488,6 +488,36 @@ def test_the_bundled_model_in_its_blocks(device, dtype, steps, tie, gap_allowed)
         if first is not None:     # a near-tie, which the quantized activations' rounding decides
             top2 = next_logits(engines["none"], ids + want[:first]).topk(2)
             assert top2.values[0] - top2.values[1] < tie and got[first] in top2.indices, (prompt, first)
+
+
+@pytest.mark.integration
+@pytest.mark.gpu
+def test_the_split_k_product_decodes_in_cuda_graphs_as_tinygemm_does(monkeypatch):
+    """Whichever product the load-time choice takes for the bundled model's int4 decode rows (tinygemm's, or the
+    split-K Triton product over its layout), forced here: captured in the decode graphs, they decode the same greedy
+    text but where the top two tokens are near-tied."""
+    prompts = ["Write a haiku about the sea.", "List three prime numbers and say why they are prime."]
+    outputs, engines = {}, {}
+    for product in ("tinygemm", "split-K Triton"):
+        monkeypatch.setattr(int4pack, "fastest", lambda candidates, *args, product=product:
+                            (product, dict.fromkeys(candidates, 0.0)))
+        engine = engines[product] = LLMEngine(Config(device="cuda", dtype="bfloat16", kv_pool_tokens=4096,
+                                                     kv_disk=False, kv_host_gib=0))
+        assert isinstance(engine.runner.graphs, DecodeGraphs)
+        assert engine.model.decode_products and {c for c, _ in engine.model.decode_products.values()} == {product}
+        ids = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        for i, prompt_ids in enumerate(ids):
+            engine.add_request(str(i), prompt_ids, SamplingParams(max_tokens=32, temperature=0))
+        outputs[product] = {str(i): [] for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs[product][out.request_id] += out.new_token_ids
+    for i, prompt_ids in enumerate(ids):
+        got, want = outputs["split-K Triton"][str(i)], outputs["tinygemm"][str(i)]
+        first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if first is not None:
+            top2 = next_logits(engines["tinygemm"], prompt_ids + want[:first]).topk(2)
+            assert top2.values[0] - top2.values[1] < 0.5 and got[first] in top2.indices, (prompts[i], first)
 
 
 def next_logits(engine, ids: list[int]) -> torch.Tensor:
