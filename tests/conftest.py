@@ -40,13 +40,13 @@ from kvtier.models.tokenizer import Tokenizer
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu need CUDA, and the suite on it (KVTIER_DEVICE=cuda): skipped (and reported as skipped)
-    without them. On a GPU without the switch, Triton's kernels would run in its interpreter, copying each tensor to
-    the host and back, and a gpu test would pass without compiling a kernel, or fail inside a graph capture."""
+    """Tests marked gpu need CUDA, and Triton's kernels compiled: skipped (and reported as skipped) without them. On a
+    GPU, Triton's interpreter (TRITON_INTERPRET=1, which the suite sets unless KVTIER_DEVICE=cuda) copies each tensor
+    to the host and back, and a gpu test would pass without compiling a kernel, or fail inside a graph capture."""
     if not torch.cuda.is_available():
         reason = "needs CUDA"
     elif os.environ.get("TRITON_INTERPRET") == "1":
-        reason = "runs with the suite on the GPU: KVTIER_DEVICE=cuda make test"
+        reason = "Triton runs in its interpreter (TRITON_INTERPRET=1): KVTIER_DEVICE=cuda make test, that unset"
     else:
         return
     for item in items:

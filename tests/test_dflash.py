@@ -15,7 +15,10 @@ from test_speculation import BS, engine_for, prompt, run
 from kvtier.config import Config, ConfigError
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.kv.keys import chain_keys
+from kvtier.models.decoder import apply_rope
+from kvtier.models.dflash import load_dflash
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
+from kvtier.models.loader import hf_config
 from kvtier.spec.dflash import WRITE_AFTER
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -340,3 +343,24 @@ def test_a_failing_drafter_costs_a_request_its_proposals_not_its_answer(monkeypa
     ids = prompt(11)
     assert run(engine, [ids], GREEDY)[0]["tokens"] == run(plain, [ids], GREEDY)[0]["tokens"]
     assert counts(engine)[1] == 0 and engine.drafter.pool.num_free_blocks == engine.drafter.pool.num_blocks
+
+
+def test_the_drafters_attention_is_softmax_attention_over_its_context_and_block(dflash_dir, tiny_model_dir):
+    """Each query head over its K/V head's keys (the context's, then the block's own), unmasked, as written out."""
+    drafter, _ = load_dflash(dflash_dir, hf_config(tiny_model_dir), torch.float32, torch.device("cpu"))
+    attention = drafter.layers[0].self_attn
+    g = torch.Generator().manual_seed(0)
+    x, context = torch.randn(BLOCK, drafter.config.layers.hidden_size, generator=g), torch.randn(
+        7, drafter.config.layers.hidden_size, generator=g)
+    positions = torch.arange(7 + BLOCK)
+    rope = drafter.rope(positions[7:], x.dtype)
+    context_k, context_v = attention.kv(context, drafter.rope(positions[:7], x.dtype))
+    with torch.no_grad():
+        got = attention(x, rope, context_k, context_v)
+        q = apply_rope(attention.q_norm(attention.q_proj(x).view(BLOCK, attention.heads, attention.head_dim)), *rope)
+        k, v = attention.kv(x, rope)
+        group = attention.heads // attention.kv_heads
+        k, v = (torch.cat([c, t]).repeat_interleave(group, 1) for c, t in ((context_k, k), (context_v, v)))
+        weights = torch.softmax(torch.einsum("thd,shd->hts", q, k) * attention.head_dim ** -0.5, -1)
+        want = attention.o_proj(torch.einsum("hts,shd->thd", weights, v).reshape(BLOCK, -1))
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)

@@ -672,10 +672,28 @@ def test_a_model_drafter_that_does_not_pay_probes_less_and_less_often(method):
     assert spec.plan(state, room=100) > 0 and state.backoff == 0
 
 
+def slow_builds_and_learned_times(monkeypatch, engine) -> dict[str, list[float]]:
+    """Each ggml graph built from here on takes 1 s more; the step times the speculator and the pacer learn from,
+    recorded as they are handed over."""
+    build = ggml_decoder._Step.__init__
+
+    def slow_build(*args):
+        time.sleep(1.0)
+        build(*args)
+    monkeypatch.setattr(ggml_decoder._Step, "__init__", slow_build)
+    learned = {"speculator": [], "pacer": []}
+    for name, learner, method in (("speculator", engine.speculator, "observe_step"),
+                                  ("pacer", engine.scheduler.pacer, "observe")):
+        monkeypatch.setattr(learner, method, lambda *args, name=name, observe=getattr(learner, method):
+                            (learned[name].append(args[-1]), observe(*args))[1])
+    return learned
+
+
 def test_building_a_graph_for_a_new_step_shape_is_not_what_its_rows_cost(monkeypatch, tiny_model_dir):
     """ggml's decode graphs are built on a step shape's first use: a first verify step of k rows pays a build, which
     the speculator must not learn as what k rows cost (it would not propose k rows again), nor the pacer as a decode
-    step's time. Here each build takes 0.2 s more, a hundred of the tiny model's decode steps."""
+    step's time. Here each build takes 1 s more, hundreds of the tiny model's decode steps, and no step time either
+    learns comes near it (a first step, or one beside a busy worker, may take a tenth of it)."""
     settings = dict(quantize="int8", device="cpu")
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [prompt(5, 40)]
@@ -686,18 +704,23 @@ def test_building_a_graph_for_a_new_step_shape_is_not_what_its_rows_cost(monkeyp
     proposals, steps = engine.speculator.propose, []
 
     def every_other_step(state, tokens, room, batch=1):
-        """Decode steps between verify steps of 1-4 rows, so that the speculator measures both."""
+        """Decode steps between verify steps of 1 and 2 draft rows, so that the speculator measures both."""
         steps.append(len(tokens))
-        return [] if len(steps) % 2 else proposals(state, tokens, room, batch)[:len(steps) // 2 % 4 + 1]
+        return [] if len(steps) % 2 else proposals(state, tokens, room, batch)[:len(steps) // 2 % 2 + 1]
     monkeypatch.setattr(engine.speculator, "propose", every_other_step)
-    build = ggml_decoder._Step.__init__
-
-    def slow_build(*args):
-        time.sleep(0.2)
-        build(*args)
-    monkeypatch.setattr(ggml_decoder._Step, "__init__", slow_build)
+    learned = slow_builds_and_learned_times(monkeypatch, engine)
     assert run(engine, prompts, params)[0]["tokens"] == off[0]["tokens"]
-    spec = engine.speculator
-    assert len(spec.draft_costs) >= 2 and engine.runner.graphs.building >= 0.2 * len(spec.draft_costs)
-    assert max(spec.draft_costs.values()) < 20, spec.draft_costs
-    assert spec.decode_seconds < 0.05 and engine.scheduler.pacer.decode_seconds < 0.05
+    assert len(engine.speculator.draft_costs) >= 2 and engine.runner.graphs.build_seconds >= 3
+    assert learned["speculator"] and learned["pacer"]
+    assert max(learned["speculator"] + learned["pacer"]) < 0.5, learned
+
+
+def test_a_draft_models_graph_builds_are_not_what_its_rounds_cost(monkeypatch, tiny_model_dir):
+    """The draft model's own decode graphs, built as its rounds take new shapes, are left out of what the speculator
+    learns its rounds cost and of the pacer's step times too."""
+    engine = engine_for(tiny_model_dir, "draft", draft_model=tiny_model_dir, quantize="int8", device="cpu")
+    assert isinstance(engine.drafter.runner.graphs, GgmlDecodeSteps)
+    learned = slow_builds_and_learned_times(monkeypatch, engine)
+    run(engine, [prompt(6, 40)], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert engine.speculator.accepted > 0 and engine.drafter.build_seconds >= 2
+    assert max(learned["speculator"] + learned["pacer"]) < 0.5, learned

@@ -183,15 +183,19 @@ class LLMEngine:
             if seq is not None:       # not failed meanwhile
                 self._end(seq, "abort")
         self.kv.start_loads([seq.kv for seq in self.scheduler.waiting])
+        # graphs built for new step shapes are one-offs: left out of what the pacer, the speculator and the rates
+        # learn (a first verify step of k rows would otherwise teach the speculator that k rows cost a decode step
+        # more than they do); a draft model's rounds come back without its own (`drafting`)
+        model_built, draft_built = self.runner.build_seconds, self.drafter.build_seconds if self.drafter else 0.0
         proposing = time.perf_counter()
         drafting = self._propose() if self.speculator else 0.0
         proposing = time.perf_counter() - proposing     # a drafter's rounds and its catch-up prefill too
+        proposing -= self.drafter.build_seconds - draft_built if self.drafter else 0.0
         batch = self.scheduler.schedule()
         if self.drafter:
             for seq in batch.preempted:
                 self.drafter.preempted(seq)
         writing = self.drafter.writing if self.drafter else 0.0
-        building = self.runner.building
         start = time.perf_counter()
         results = self._forward(batch) if batch else []
         due = []       # sequences whose next token is to be sampled, with their logits
@@ -219,9 +223,7 @@ class LLMEngine:
             except Exception as e:     # it belongs to this request: fail it alone, the others go on
                 self._fail(seq, e)
         outputs = [self._output(seq) for seq in self._append_tokens(due) + verified]
-        # sampling synchronized the device; a graph built for a new step shape is a one-off (a first verify step of k
-        # rows would otherwise teach the speculator that k rows cost a decode step more than they do)
-        seconds = time.perf_counter() - start - (self.runner.building - building)
+        seconds = time.perf_counter() - start - (self.runner.build_seconds - model_built)   # sampling synchronized
         # the DFlash drafter writing rows that waited (WRITE_AFTER of them, or a request's end) is its own work,
         # whatever the step computed: not the model's rate, nor what draft rows cost; the streams wait for it all
         computing = seconds - (self.drafter.writing - writing if self.drafter else 0.0)

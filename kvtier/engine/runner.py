@@ -172,10 +172,10 @@ class ModelRunner:
             self.graphs = None
 
     @property
-    def building(self) -> float:
+    def build_seconds(self) -> float:
         """Seconds its decode graphs have taken to build, over its life: ggml's are built on a step shape's first
         use (9-21 ms each for the bundled model), CUDA's all at start."""
-        return self.graphs.building if isinstance(self.graphs, GgmlDecodeSteps) else 0.0
+        return self.graphs.build_seconds if isinstance(self.graphs, GgmlDecodeSteps) else 0.0
 
     def restore_threads(self) -> None:
         """torch's own thread count back, after a step's sampling."""

@@ -96,7 +96,7 @@ class GgmlDecodeSteps:
         self.queries: torch.Tensor | None = None
         self.built: OrderedDict[tuple, _Step] = OrderedDict()     # the graphs of the last shapes, least recent first
         self.steps = 0
-        self.building = 0.0      # seconds spent building graphs, over its life
+        self.build_seconds = 0.0     # spent building graphs, over its life (a graph evicted and built again too)
         self._finalizer = weakref.finalize(self, _close, self.weights, self.__dict__)
 
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
@@ -116,9 +116,9 @@ class GgmlDecodeSteps:
         if step is None:
             if len(self.built) == KEPT_GRAPHS:
                 self.built.popitem(last=False)[1].close()
-            building = time.perf_counter()
+            start = time.perf_counter()
             step = self.built[key] = _Step(self, *key)
-            self.building += time.perf_counter() - building
+            self.build_seconds += time.perf_counter() - start
         self.built.move_to_end(key)
         step.starts.set(np.array([start or 0 for start in starts]))
         step.ids.numpy()[:] = token_ids

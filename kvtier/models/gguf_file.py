@@ -22,6 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+FAULT_SPAN = 4 << 20    # bytes around a faulting page the kernel may map with it: a large folio is at most 2 MiB
 STRING, ARRAY = 8, 9                      # GGUF's value types with a length before their contents
 MAX_DIMS = 4                              # GGML_MAX_DIMS
 # the fewest bytes an entry takes: a tensor's (name length, 1 dimension, type, offset), a field's (key length, type,
@@ -91,13 +92,15 @@ class GGUFFile:
         return xxhash.xxh3_128_hexdigest(self._buf[:self._metadata_end])
 
     def release(self, tensor: GGUFTensor) -> None:
-        """Drop the map's pages up to the tensor's end from this process's memory (they fault back in from the file
-        if read again): the tensor's own, and those of the tensors before it that reading it mapped again, as the
-        kernel maps a faulting page's neighbours too (64 KiB around it here, 11 MB left over by a 93 MB file when
-        only each tensor's own pages went; a kernel that maps whole large folios leaves more)."""
+        """Drop the tensor's pages from this process's memory (they fault back in from the file if read again), and
+        any within FAULT_SPAN of it: reading it may have mapped its neighbours' too, as the kernel maps a faulting
+        page's (64 KiB around it here, 11 MB of the bundled 93 MB file left mapped when only each tensor's own pages
+        went; a kernel that maps whole large folios, up to 2 MiB, maps more)."""
         if not hasattr(mmap, "MADV_DONTNEED"):      # not on every platform: the pages then stay until the map goes
             return
-        self._mmap.madvise(mmap.MADV_DONTNEED, 0, tensor.data_offset + tensor.n_bytes)
+        start = max(0, tensor.data_offset - FAULT_SPAN) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(len(self._mmap), tensor.data_offset + tensor.n_bytes + FAULT_SPAN)
+        self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def _fits(self, count: int, size: int) -> None:
         """count entries of at least `size` bytes each fit in what is left of the file."""

@@ -113,7 +113,7 @@ class DraftModel(ShadowDrafter):
             self._sync(self.shadows[seq.request_id], seq)
         ready = self._catch_up([shadow for shadow, _ in shadows.values()] +
                                [self.shadows[seq.request_id] for seq in prefilling])
-        start, building = time.perf_counter(), self.runner.building
+        start, built = time.perf_counter(), self.build_seconds
         rounds = {seq.request_id: shadows[seq.request_id] for seq, _ in wanted if seq.request_id in ready}
         while rounds:
             batch = ScheduledBatch()
@@ -134,7 +134,11 @@ class DraftModel(ShadowDrafter):
         self.runner.restore_threads()
         for seq, k in wanted:
             seq.draft = self.shadows[seq.request_id].draft[1:1 + k]
-        return time.perf_counter() - start - (self.runner.building - building)
+        return time.perf_counter() - start - (self.build_seconds - built)
+
+    @property
+    def build_seconds(self) -> float:
+        return self.runner.build_seconds
 
     def _sync(self, shadow: Sequence, seq: Sequence) -> None:
         """The target's tokens but its last, and of the K/V computed, that of accepted tokens only."""

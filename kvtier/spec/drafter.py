@@ -16,6 +16,11 @@ class ShadowDrafter:
     # rows that waited): the engine leaves it out of what it learns proposals and steps cost
     writing: float = 0.0
 
+    @property
+    def build_seconds(self) -> float:
+        """Seconds its decode graphs have taken to build, over its life (a draft model's: ModelRunner's)."""
+        return 0.0
+
     def stats(self) -> dict:
         return {"model": self.name, "num_blocks": self.pool.num_blocks, "num_free_blocks": self.pool.num_free_blocks,
                 "num_cached_blocks": self.pool.num_cached_blocks, **self.kv.stats()}
