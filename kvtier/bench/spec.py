@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
                 zip(turn_rates(results["editing"][name]), turn_rates(results["editing"]["off"])), 1))
             lines.append(f"- {name} / off on editing: {ratio:.2f}× (target ≥ {EDIT_TARGET}×: "
                          f"{verdict(ratio >= EDIT_TARGET)}; by turn: {by_turn})" + ("" if best is None else
-                         f"; with every proposal accepted, the row costs measured would allow at most {best:.2f}×"))
+                         f"; at the row costs last measured, every proposal accepted would give {best:.2f}×"))
         if "chat" in rate:
             ratio = rate["chat"][name] / rate["chat"]["off"]
             lines.append(f"- {name} / off on plain chat: {ratio:.2f}× (target ≥ {CHAT_TARGET}×: "
