@@ -116,9 +116,9 @@ class GgmlDecodeSteps:
         if step is None:
             if len(self.built) == KEPT_GRAPHS:
                 self.built.popitem(last=False)[1].close()
-            start = time.perf_counter()
+            began = time.perf_counter()
             step = self.built[key] = _Step(self, *key)
-            self.build_seconds += time.perf_counter() - start
+            self.build_seconds += time.perf_counter() - began
         self.built.move_to_end(key)
         step.starts.set(np.array([start or 0 for start in starts]))
         step.ids.numpy()[:] = token_ids
