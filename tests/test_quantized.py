@@ -647,7 +647,7 @@ def load_peak(load: str, warm_up: str, path: str, weights_file: str | None = Non
         "print((kib('VmHWM') - before - refaulted) * 1024 / os.path.getsize(weights))",
         "print(f\"MiB: peak {kib('VmHWM') // 1024}, before the load {before // 1024}, libraries' pages faulted back "
         "{refaulted // 1024}; after it anonymous {kib('RssAnon') // 1024}, files {kib('RssFile') // 1024}; weights' "
-        "file {os.path.getsize(weights) >> 20}\")"])
+        "file {os.path.getsize(weights) >> 20}; kernel {os.uname().release}\")"])
     proc = subprocess.run([sys.executable, "-c", script, warm_up, path, weights_file or path], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", **(env or {})})
     assert proc.returncode == 0, proc.stderr[-2000:]
