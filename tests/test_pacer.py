@@ -2,14 +2,14 @@
 from kvtier.engine.pacer import FIRST_BUDGET, MIN_BUDGET, REFRESH_EVERY, Pacer
 
 
-def test_no_bound_without_decodes_or_before_a_decode_step_is_measured():
+def test_no_bound_without_decodes_and_no_prompt_tokens_before_a_decode_step_is_measured():
     pacer = Pacer(2048, 2.0)
-    assert pacer.budget(decoding=False) == 2048
-    assert pacer.budget(decoding=True) == 2048          # nothing measured yet
+    assert pacer.budget(0) == 2048
+    assert pacer.budget(4) == 0                  # nothing measured yet: the step measures the pace
     pacer.observe(4, 0, 0.05)
-    assert pacer.budget(decoding=False) == 2048
-    assert pacer.budget(decoding=True) == FIRST_BUDGET
-    assert Pacer(2048, 0).budget(decoding=True) == 2048  # 0: no bound
+    assert pacer.budget(0) == 2048
+    assert pacer.budget(4) == FIRST_BUDGET
+    assert Pacer(2048, 0).budget(4) == 2048      # 0: no bound
 
 
 def test_budget_settles_where_a_mixed_step_takes_the_ratio_of_a_decode_step():
@@ -20,9 +20,9 @@ def test_budget_settles_where_a_mixed_step_takes_the_ratio_of_a_decode_step():
         pacer.observe(4, 0, 0.05)
     budgets = []
     for _ in range(10):
-        n = pacer.budget(decoding=True)
+        n = pacer.budget(4)
         pacer.observe(4, n, 0.05 + n / 1000)
-        budgets.append(pacer.budget(decoding=True))
+        budgets.append(pacer.budget(4))
     assert budgets[-1] == 50
     assert budgets[0] <= 2 * FIRST_BUDGET     # it never grows faster than doubling
 
@@ -32,14 +32,19 @@ def test_budget_grows_by_doubling_on_a_fast_device_and_keeps_a_floor_on_a_slow_o
     fast.observe(8, 0, 0.01)
     seen = []
     for _ in range(8):
-        n = fast.budget(decoding=True)
+        n = fast.budget(8)
         fast.observe(8, n, 0.01 + n / 1e6)       # a million prompt tokens/s
-        seen.append(fast.budget(decoding=True))
+        seen.append(fast.budget(8))
     assert seen[:5] == [128, 256, 512, 1024, 2048] and seen[-1] == 2048
     slow = Pacer(2048, 2.0)
     slow.observe(1, 0, 0.01)
     slow.observe(1, 64, 10.0)                    # prompt tokens far too slow for the bound
-    assert slow.budget(decoding=True) == MIN_BUDGET
+    assert slow.prompt_budget == MIN_BUDGET
+    paid_back = 0
+    while not slow.budget(1):                    # the streams' steps only decode until the 10 s are paid back
+        slow.observe(1, 0, 0.01)
+        paid_back += 1
+    assert 990 <= paid_back <= 1000 and slow.budget(1) == MIN_BUDGET
 
 
 def test_a_long_prefill_leaves_room_for_decode_only_steps_that_measure_the_pace_again():
@@ -49,11 +54,11 @@ def test_a_long_prefill_leaves_room_for_decode_only_steps_that_measure_the_pace_
     pacer.observe(4, 0, 0.05)
     budgets = []
     for _ in range(REFRESH_EVERY):
-        budgets.append(pacer.budget(decoding=True))
+        budgets.append(pacer.budget(4))
         pacer.observe(4, budgets[-1], 0.1)
-    assert min(budgets) > 0 and pacer.budget(decoding=True) == 0
+    assert min(budgets) > 0 and pacer.budget(4) == 0
     pacer.observe(4, 0, 0.15)                     # the streams' step now takes 0.15 s, not 0.05
-    assert pacer.decode_seconds > 0.05 and pacer.budget(decoding=True) > 0
+    assert pacer.decode_seconds > 0.05 and pacer.budget(4) > 0
 
 
 def test_the_engine_paces_a_long_prompt_beside_running_streams(tiny_model_dir):
@@ -81,17 +86,84 @@ def test_the_engine_paces_a_long_prompt_beside_running_streams(tiny_model_dir):
         eng.step()
     assert eng.scheduler.pacer.decode_seconds is not None
     eng.add_request("long", long_prompt, greedy)
-    schedule, mixed, tokens = eng.scheduler.schedule, [], []
+    schedule, budget, mixed, tokens = eng.scheduler.schedule, eng.scheduler.pacer.budget, [], []
+    allowed = []
+
+    def watched_budget(num_decodes):
+        allowed.append(budget(num_decodes))
+        return allowed[-1]
 
     def watched():
-        allowed = eng.scheduler.pacer.budget(decoding=True)
         batch = schedule()
         if batch.num_decodes:
-            mixed.append((sum(batch.num_tokens) - batch.num_decodes, allowed))
+            mixed.append((sum(batch.num_tokens) - batch.num_decodes, allowed[-1]))
         return batch
-    eng.scheduler.schedule = watched
+    eng.scheduler.pacer.budget, eng.scheduler.schedule = watched_budget, watched
     while eng.scheduler.find("long") is not None:
         tokens += [t for out in eng.step() if out.request_id == "long" for t in out.new_token_ids]
     assert tokens == expected
     assert mixed and all(carried <= allowed for carried, allowed in mixed)
     assert mixed[0][0] == FIRST_BUDGET       # the first step beside decodes tries a small chunk, not 512 tokens
+
+
+def test_a_pace_holds_for_about_the_decodes_it_was_measured_with():
+    """A decode step of 16 sequences is not one of 1: beside decodes whose pace is not known a step carries no prompt
+    tokens, and the decode-only step measures the pace afresh. Charging a 16-decode step against a 1-decode pace
+    took the budget to its floor (8 ms of decode against 150 ms)."""
+    pacer = Pacer(2048, 2.0)
+    pacer.observe(1, 0, 0.008)
+    assert pacer.budget(1) > 0
+    assert pacer.budget(2) == pacer.budget(16) == 0       # outside the pace's span
+    pacer.observe(16, 0, 0.15)
+    assert pacer.decode_seconds == 0.15 and pacer.paced_decodes == 16     # afresh, not averaged with 8 ms
+    assert pacer.budget(13) == pacer.budget(20) == FIRST_BUDGET           # within the span: the same pace
+    assert pacer.budget(12) == pacer.budget(21) == 0
+    pacer.observe(15, 0, 0.14)
+    assert 0.14 < pacer.decode_seconds < 0.15 and pacer.paced_decodes == 15    # averaged
+
+
+def test_a_step_beside_decodes_of_no_known_pace_teaches_nothing():
+    pacer = Pacer(2048, 2.0)
+    pacer.observe(1, 0, 0.01)
+    pacer.observe(1, 16, 0.02)
+    before = pacer.prompt_budget
+    pacer.observe(8, 64, 10.0)                # 8 decodes: their share of the 10 s is not known
+    assert pacer.prompt_budget == before and pacer.decode_seconds == 0.01
+
+
+def simulate(pacer: Pacer, decode: float, fixed: float, per_token: float, prompt: int) -> tuple[list[int], list[float]]:
+    """One stream decoding while a prompt of `prompt` tokens prefills on a device whose chunks cost `fixed` seconds
+    plus `per_token` each: the chunks carried, and the stream's step times, until the prompt is done."""
+    chunks, steps = [], []
+    while prompt > 0:
+        n = min(pacer.budget(1), prompt)
+        steps.append(decode + (fixed + per_token * n if n else 0.0))
+        pacer.observe(1, n, steps[-1])
+        if n:
+            chunks.append(n)
+            prompt -= n
+    return chunks, steps
+
+
+def test_where_a_chunks_fixed_time_exceeds_the_allowance_chunks_amortize_it_and_the_streams_are_paid_back():
+    """A CPU with quantized weights: a chunk costs 120 ms before its first token (2.5 ms each), a stream's step 10 ms.
+    No chunk fits the 10 ms allowance; sized to fit, chunks shrank to MIN_BUDGET and each step took 14x the pace.
+    Sized so the fixed time is half a chunk's (48 tokens), with the time past the allowance paid back by steps that
+    only decode, the stream keeps about half its pace over the prefill, and the prompt is done 3x as soon."""
+    pacer = Pacer(2048, 2.0)
+    pacer.observe(1, 0, 0.01)
+    chunks, steps = simulate(pacer, 0.01, 0.12, 0.0025, 2048)
+    assert max(chunks) <= 2 * 48 and sorted(chunks)[len(chunks) // 2] == 48
+    assert sum(steps) / len(steps) <= 2.0 * 0.01 * 1.1         # the stream's mean step within the ratio
+    assert sum(steps) < 2048 / MIN_BUDGET * (0.01 + 0.12 + 0.0025 * MIN_BUDGET) / 3
+
+
+def test_where_chunks_fit_the_allowance_the_steps_carry_them_as_before():
+    """A GPU-like device (a chunk: 1 ms plus 10 us a token; a step 10 ms): chunks of the allowance less the fixed
+    time, 900 tokens, and no step that only decodes but the pace's refreshes."""
+    pacer = Pacer(2048, 2.0)
+    pacer.observe(1, 0, 0.01)
+    chunks, steps = simulate(pacer, 0.01, 0.001, 1e-5, 50_000)
+    assert chunks[-2] == 900 and chunks[:5] == [64, 128, 256, 512, 900]
+    decode_only = len(steps) - len(chunks)
+    assert decode_only <= len(steps) // REFRESH_EVERY + 1

@@ -77,7 +77,7 @@ class Scheduler:
             batch.num_decodes += 1
             batch.num_drafted += drafted
             budget -= 1 + drafted
-        budget = min(budget, self.pacer.budget(decoding=batch.num_decodes > 0))
+        budget = min(budget, self.pacer.budget(batch.num_decodes))
         for seq in prefilling:
             if budget == 0:
                 break
