@@ -342,7 +342,8 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
         "",
         f"How: every engine in one process, alternating run by run; each number is the best of "
         f"{args.repeats} runs after a warm-up. kvtier runs with its prefix cache and tiers off, so every "
-        f"number is computed KV, never restored (the TTFT section measures reuse). Prefill: random-token "
+        f"number is computed KV, never restored (the TTFT section measures reuse), and without pacing (a batch's "
+        f"prompts prefill whole before its decode is timed). Prefill: random-token "
         f"prompts, a fresh one per run, the same tokens for all; kvtier is "
         f"timed from add_request to the first token with the default max_batched_tokens={chunk} (longer prompts "
         f"run as several chunks, as users get them); transformers is one forward with a DynamicCache and "
@@ -404,11 +405,12 @@ def main(argv: list[str] | None = None) -> None:
     resolve_model(args)
     batch = max(args.decode_batch)
     need = max(max(args.prefill_lengths) + 1, batch * (args.decode_context + args.decode_tokens))
-    # raw compute: no prefix cache and no tiers, so no run can reuse another's (or an earlier process's) KV
+    # raw compute: no prefix cache and no tiers, so no run can reuse another's (or an earlier process's) KV; no
+    # pacing, so that a batch's prompts all prefill before its decode is timed, every sequence in every step
     def engine(quantize: str) -> LLMEngine:
         return LLMEngine(Config(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
                                 kv_cache_dtype=args.kv_cache_dtype, kv_pool_tokens=need + 64 * batch,
-                                max_num_seqs=batch, quantize=quantize,
+                                max_num_seqs=batch, quantize=quantize, max_itl_ratio=0,
                                 prefix_cache=False, kv_host_gib=0, kv_disk=False, enforce_eager=args.enforce_eager))
     eng = engine(args.quantize)
     # beside kvtier on quantized weights, kvtier as it was: every weight dequantized
