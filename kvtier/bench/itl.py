@@ -12,6 +12,7 @@ trades it for the streams' pace.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -27,6 +28,10 @@ from kvtier.engine.sampling_params import SamplingParams
 
 SECTION = "## Inter-token latency during a long prefill"
 ITL_TARGET = 3.0     # streams' inter-token latency during the prefill / alone, at p50 and p99
+
+
+def milliseconds(values: list[float]) -> str:
+    return " / ".join(f"{x * 1e3:.0f}" for x in values) + " ms"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -92,19 +97,18 @@ def measure(args: argparse.Namespace, eng: LLMEngine) -> dict:
 
 
 def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str) -> str:
-    table = ["| mode | alone before the prefill p50 / p99 | alone after it p50 / p99 | during the prefill p50 / p99 "
-             "| during / alone p50 / p99 | long prompt TTFT |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    table = ["| mode | alone before the prefill p50 / p99 / mean | alone after it p50 / p99 / mean "
+             "| during the prefill p50 / p99 / mean | during / alone p50 / p99 / mean | long prompt TTFT |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     ratios = {}
     for mode, r in results.items():
-        before, after, during = ([percentile(r[phase], q) for q in (0.5, 0.99)] for phase in ("before", "after",
-                                                                                              "during"))
+        before, after, during = ([percentile(r[phase], q) for q in (0.5, 0.99)] + [statistics.mean(r[phase])]
+                                 for phase in ("before", "after", "during"))
         alone = [(b + a) / 2 for b, a in zip(before, after)]     # idle at the contexts midway through the prefill
         ratios[mode] = [d / a for d, a in zip(during, alone)]
         label = f"paced (--max-itl-ratio {r['ratio']:g})" if r["ratio"] else "unpaced (--max-itl-ratio 0)"
-        table.append(f"| {label} | {before[0] * 1e3:.0f} / {before[1] * 1e3:.0f} ms | {after[0] * 1e3:.0f} / "
-                     f"{after[1] * 1e3:.0f} ms | {during[0] * 1e3:.0f} / "
-                     f"{during[1] * 1e3:.0f} ms | {ratios[mode][0]:.1f}× / {ratios[mode][1]:.1f}× | "
-                     f"{r['ttft']:.1f} s |")
+        table.append(f"| {label} | {milliseconds(before)} | {milliseconds(after)} | {milliseconds(during)} | "
+                     f"{' / '.join(f'{x:.1f}×' for x in ratios[mode])} | {r['ttft']:.1f} s |")
     paced = ratios["paced"]
     paced_before = [percentile(results["paced"]["during"], q) / percentile(results["paced"]["before"], q)
                     for q in (0.5, 0.99)]
@@ -116,7 +120,9 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
         "Targets:",
         "",
         f"- paced streams' inter-token latency during the prefill ≤ {ITL_TARGET:.0f}× alone, p50 and p99: "
-        f"{verdict(max(paced) <= ITL_TARGET)} ({paced[0]:.1f}× / {paced[1]:.1f}×)",
+        f"{verdict(max(paced[:2]) <= ITL_TARGET)} ({paced[0]:.1f}× / {paced[1]:.1f}×)",
+        f"- paced streams' mean inter-token latency during the prefill ≤ --max-itl-ratio × alone: "
+        f"{verdict(paced[2] <= results['paced']['ratio'])} ({paced[2]:.1f}×)",
         "",
         f"How: {args.streams} streams with {args.stream_prompt}-token prompts decode greedily; their gaps between "
         f"tokens are measured over {args.alone_tokens} tokens each alone, then while a {args.long_prompt}-token "
@@ -124,7 +130,9 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
         f"again. A stream's step gets slower as its context grows, and its contexts during the prefill lie between "
         f"those before and after it, so its idle latency is the mean of the two alone phases' (each percentile "
         f"apart); against the phase before the prefill alone, the paced ratios would be {paced_before[0]:.1f}× / "
-        f"{paced_before[1]:.1f}×. Both modes run "
+        f"{paced_before[1]:.1f}×. Where a prompt chunk's fixed cost alone is past a step's allowance (CPU with "
+        f"quantized weights), the pacer holds the streams' mean, not each step: its chunks run past the allowance "
+        f"and decode-only steps pay them back, so p99 is a chunk's step. Both modes run "
         f"in one engine, paced first; the streams' context grows between them. Pacing costs the long prompt "
         f"{slower:.2f}× its unpaced TTFT here. Prefix cache and tiers are off: every token is computed.",
         "",
