@@ -293,7 +293,7 @@ def test_steps_are_timed_as_they_ran(tiny_model_dir, dflash_dir):
     once clobbered the step's start time)."""
     engine = drafting(tiny_model_dir, dflash_dir)
     run(engine, [prompt(3)], GREEDY)
-    assert 0 < engine.scheduler.pacer.decode_seconds < 1
+    assert 0 < engine.scheduler.pacer.pace(1) < 1
     assert all(cost < 100 for cost in engine.speculator.draft_costs.values())
 
 
@@ -307,7 +307,7 @@ def test_rows_written_as_they_waited_are_not_what_a_step_costs(monkeypatch, tiny
 
     def slow(features, positions):
         if len(positions) == WRITE_AFTER:
-            time.sleep(1.0)
+            time.sleep(2.0)
         return context_kv(features, positions)
     monkeypatch.setattr(engine.drafter.model, "context_kv", slow)
     learned, observe_step = [], engine.speculator.observe_step
@@ -316,9 +316,11 @@ def test_rows_written_as_they_waited_are_not_what_a_step_costs(monkeypatch, tiny
                         lambda *a: (observe_step(*a), learned.append(engine.speculator.decode_seconds)))
     monkeypatch.setattr(engine.scheduler.pacer, "observe", lambda *a: (observe(*a), paced.append(a[-1])))
     run(engine, [prompt(12, 100)], SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True))
-    assert engine.drafter.writing >= 1.0
-    assert 0 < max(learned) < 0.1
-    assert max(paced) >= 1.0
+    assert engine.drafter.writing >= 2.0
+    # the 2 s counted would take it past 0.4 (the speculator's SMOOTHING is 0.2); room below that for a step of a
+    # few ms stalled by the processes beside it under make test (one reached 0.18)
+    assert 0 < max(learned) < 0.25
+    assert max(paced) >= 2.0
 
 
 def test_a_block_stops_at_the_drafters_last_position(plain, tiny_model_dir, dflash_dir, caplog):

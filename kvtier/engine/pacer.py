@@ -9,18 +9,18 @@ instead of trying a whole `max_batched_tokens` chunk first). With nothing decodi
 carries up to `max_batched_tokens` prompt tokens. Measuring each step, rather than fixing a
 chunk size, fits any device and any context length (a chunk's attention grows with it).
 
-A chunk costs a fixed time plus a time per token (fitted to the recent chunks). Where the fixed
-part alone takes more than the allowance (on a CPU with quantized weights every chunk
-dequantizes the weights and runs the layers op by op: ~120 ms, where a decode step of one stream
-takes 8-15), no chunk fits beside a step, and sizing chunks to fit shrank them to 4 tokens that
-each paid the fixed time: a 2,048-token prompt took ~80 s beside one stream, the stream's steps
-at 10x their pace. Chunks are then sized so that the fixed time is at most half a chunk's
-(FIXED_SHARE), and the time a chunk took beyond its allowance is paid back with steps that only
-decode, one allowance each: over those steps the streams keep `max_itl_ratio` of their pace.
+A chunk costs a fixed time plus a time per token (fitted to the recent chunks). On a CPU with
+quantized weights every chunk dequantizes the weights and runs the layers op by op, ~120 ms
+before its first token, where a decode step of one stream takes 8-15: sized to fit the allowance,
+chunks shrank to 4 tokens that each paid the fixed time, and a 2,048-token prompt took ~80 s
+beside one stream, whose steps ran at 10x its pace. Where the fixed time is over FIXED_SHARE of
+the allowance, a chunk is sized so that the fixed time is that share of its time, and what the
+chunk took past its allowance is owed: steps that only decode pay it back, an allowance each, so
+over those steps the streams keep `max_itl_ratio` of their pace.
 
-A pace holds for about as many decodes as it was measured with (within PACE_SPAN): a decode step
-of 32 sequences took 310 ms on a 2-core CPU, one of 1 8 ms. Beside decodes of no known pace a
-step carries no prompt tokens: it measures the pace.
+A pace holds for the decodes it was measured with, within PACE_SPAN (decode steps of 32
+sequences took 310 ms on a 2-core CPU, of one 8 ms): a step beside decodes of no pace measured
+yet carries no prompt tokens, and measures it.
 
 The streams' own steps get slower as their contexts grow, and a long prefill leaves no step that
 only decodes: every REFRESH_EVERY-th step beside a prefill carries no prompt tokens, to measure
@@ -29,6 +29,7 @@ the growing decodes would be charged to the prompt tokens, shrinking their budge
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import numpy as np
@@ -37,10 +38,10 @@ from kvtier.averages import moving_average
 
 SMOOTHING = 0.3          # weight of the newest decode-only step
 FIRST_BUDGET = 64        # prompt tokens of the first step beside decodes
-MIN_BUDGET = 4           # a prompt always advances
+MIN_BUDGET = 4           # the fewest prompt tokens a step beside decodes carries, where it carries any
 REFRESH_EVERY = 16       # steps beside a prefill before one that only decodes
-PACE_SPAN = 1.25         # a pace holds for decodes within this factor of those it was measured with
-FIXED_SHARE = 0.5        # a chunk sized past its allowance: its fixed time at most this share of its time
+PACE_SPAN = 1.25         # a pace holds for decode counts within this factor of one another
+FIXED_SHARE = 0.5        # a chunk's fixed time, where over this share of the allowance: this share of its time
 CHUNKS_FITTED = 8        # recent chunks a chunk's fixed time and time per token are fitted to
 
 
@@ -48,68 +49,87 @@ class Pacer:
     def __init__(self, max_batched_tokens: int, max_itl_ratio: float):
         self.max_batched_tokens = max_batched_tokens
         self.max_itl_ratio = max_itl_ratio           # 0: no bound
-        self.decode_seconds: float | None = None     # a decode-only step, as a moving average
-        self.paced_decodes = 0                       # the decodes of the last decode-only step
+        self.paces: dict[int, float] = {}            # decode-only steps' seconds (moving averages), by decode count
         self.prompt_budget = min(FIRST_BUDGET, max_batched_tokens)
         self.steps_since_pace = 0                    # steps with prompt tokens since the last decode-only one
         self.chunks: deque[tuple[int, float]] = deque(maxlen=CHUNKS_FITTED)   # (tokens, seconds) beside decodes
-        self.owed = 0.0          # prompt seconds taken beyond the allowances, paid back by decode-only steps
-        self.fixed = 0.0         # a chunk's fixed seconds, as last fitted
+        self.fixed_seconds = 0.0                     # a chunk's fixed time, as last fitted
+        self.owed_seconds = 0.0                      # chunks' time past their allowances, not yet paid back
 
     def budget(self, num_decodes: int) -> int:
         """Prompt tokens a step of num_decodes decodes may carry beside them."""
         if not num_decodes or not self.max_itl_ratio:
             return self.max_batched_tokens
-        if not self.paces(num_decodes) or self.steps_since_pace >= REFRESH_EVERY or \
-                self.owed >= self.allowance / 2:
+        pace = self.pace(num_decodes)
+        if pace is None or self.steps_since_pace >= REFRESH_EVERY or self.owed_seconds >= self._allowance(pace) / 2:
             return 0
-        return self.prompt_budget
+        # a budget learned beside slower decodes is cut to what fits beside these
+        return min(self.prompt_budget, self._fitting(self._allowance(pace)))
 
-    def paces(self, num_decodes: int) -> bool:
-        """Whether the pace measured holds for a step of num_decodes decodes."""
-        return self.decode_seconds is not None and \
-            self.paced_decodes / PACE_SPAN <= num_decodes <= self.paced_decodes * PACE_SPAN
-
-    @property
-    def allowance(self) -> float:
-        """Seconds a step's prompt tokens may take beside the decodes."""
-        return (self.max_itl_ratio - 1) * self.decode_seconds
+    def pace(self, num_decodes: int) -> float | None:
+        """A decode-only step's seconds with num_decodes decodes, if measured."""
+        return self.paces.get(_span(num_decodes))
 
     def observe(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:
         """A step's duration (forward and sampling) with its decodes and prompt tokens."""
-        if not num_decodes or seconds <= 0:
+        if not num_decodes:
+            self.owed_seconds = 0.0      # no stream waits for it
+            return
+        if seconds <= 0 or not self.max_itl_ratio:
             return
         if not num_prompt_tokens:
-            self._pace(num_decodes, seconds)
+            self._measure_pace(num_decodes, seconds)
             return
         self.steps_since_pace += 1
-        if not self.paces(num_decodes):     # its decodes' share of the step is not known
+        pace = self.pace(num_decodes)
+        if pace is None:      # a step budget() did not size: its decodes' share of it is not known
             return
-        prompt_seconds = max(seconds - self.decode_seconds, 1e-6)
-        # what went past the allowance is owed; a chunk that took less leaves room for noise, not a whole step
-        self.owed = max(self.owed + prompt_seconds - self.allowance, -self.allowance / 2)
+        prompt_seconds, allowance = seconds - pace, self._allowance(pace)
+        if prompt_seconds <= 0:      # too quick to tell from the decodes' noise
+            self.prompt_budget = self._bounded(2 * self.prompt_budget)
+            return
         self.chunks.append((num_prompt_tokens, prompt_seconds))
-        fixed, per_token = self._chunk_cost()
-        room = max(self.allowance, fixed / FIXED_SHARE) - fixed
-        self.prompt_budget = self._bounded(min(round(room / per_token), 2 * self.prompt_budget))
+        self._fit()
+        planned = self._planned(allowance)
+        if planned > allowance:      # sized past the allowance: what it took beyond is owed (an outlier, 2x at most)
+            self.owed_seconds = max(self.owed_seconds + min(prompt_seconds, 2 * planned) - allowance, 0.0)
+        self.prompt_budget = self._bounded(min(self._fitting(allowance), 2 * self.prompt_budget))
 
-    def _pace(self, num_decodes: int, seconds: float) -> None:
-        """A decode-only step: the pace (afresh where the last was measured with other decodes); it pays back an
-        allowance of what chunks owe."""
-        known = self.decode_seconds if self.paces(num_decodes) else None
-        self.decode_seconds = moving_average(known, seconds, SMOOTHING)
-        self.paced_decodes = num_decodes
+    def _measure_pace(self, num_decodes: int, seconds: float) -> None:
+        """A decode-only step: the pace of its decode count, and an allowance of what chunks owe paid back."""
+        span = _span(num_decodes)
+        self.paces[span] = moving_average(self.paces.get(span), seconds, SMOOTHING)
         self.steps_since_pace = 0
-        self.owed = max(self.owed - self.allowance, 0.0)
+        self.owed_seconds = max(self.owed_seconds - self._allowance(self.paces[span]), 0.0)
 
-    def _chunk_cost(self) -> tuple[float, float]:
-        """A chunk's fixed seconds and seconds per token. The fixed time is fitted (a line through the recent chunks)
-        where their sizes differ by 2x or more, else kept; it is at most what the quickest chunk took."""
+    def _allowance(self, pace: float) -> float:
+        """Seconds a step's prompt tokens may take beside decodes whose step takes `pace`."""
+        return (self.max_itl_ratio - 1) * pace
+
+    def _planned(self, allowance: float) -> float:
+        """Seconds a chunk beside decodes is sized to take."""
+        return max(allowance, self.fixed_seconds / FIXED_SHARE)
+
+    def _fitting(self, allowance: float) -> int:
+        """Prompt tokens a chunk planned beside that allowance takes, from the recent chunks' cost."""
+        if not self.chunks:
+            return self.max_batched_tokens
+        tokens, seconds = np.array(self.chunks, dtype=np.float64).T
+        per_token = max(float((seconds - self.fixed_seconds).sum() / tokens.sum()), 1e-9)
+        return self._bounded(round((self._planned(allowance) - self.fixed_seconds) / per_token))
+
+    def _fit(self) -> None:
+        """A chunk's fixed time: a line through the recent chunks where their sizes differ by 2x or more (else as it
+        was), at most what the quickest of them took."""
         tokens, seconds = np.array(self.chunks, dtype=np.float64).T
         if tokens.max() >= 2 * tokens.min():
-            self.fixed = float(np.polyfit(tokens, seconds, 1)[1])
-        self.fixed = min(max(self.fixed, 0.0), float(seconds.min()))
-        return self.fixed, max(float((seconds - self.fixed).sum() / tokens.sum()), 1e-9)
+            self.fixed_seconds = float(np.polyfit(tokens, seconds, 1)[1])
+        self.fixed_seconds = min(max(self.fixed_seconds, 0.0), float(seconds.min()))
 
     def _bounded(self, budget: int) -> int:
         return max(MIN_BUDGET, min(budget, self.max_batched_tokens))
+
+
+def _span(num_decodes: int) -> int:
+    """The decode counts a pace holds for, as one number: counts within PACE_SPAN of one another share it."""
+    return round(math.log(num_decodes) / math.log(PACE_SPAN))
