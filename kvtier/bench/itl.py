@@ -130,7 +130,7 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
         f"again. A stream's step gets slower as its context grows, and its contexts during the prefill lie between "
         f"those before and after it, so its idle latency is the mean of the two alone phases' (each percentile "
         f"apart); against the phase before the prefill alone, the paced ratios would be {paced_before[0]:.1f}× / "
-        f"{paced_before[1]:.1f}×. Where a prompt chunk's fixed cost alone is past a step's allowance (CPU with "
+        f"{paced_before[1]:.1f}×. Where a prompt chunk's fixed cost is over half a step's allowance (CPU with "
         f"quantized weights), the pacer holds the streams' mean, not each step: its chunks run past the allowance "
         f"and decode-only steps pay them back, so p99 is a chunk's step. Both modes run "
         f"in one engine, paced first; the streams' context grows between them. Pacing costs the long prompt "

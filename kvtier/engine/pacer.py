@@ -18,9 +18,10 @@ the allowance, a chunk is sized so that the fixed time is that share of its time
 chunk took past its allowance is owed: steps that only decode pay it back, an allowance each, so
 over those steps the streams keep `max_itl_ratio` of their pace.
 
-A pace holds for the decodes it was measured with, within PACE_SPAN (decode steps of 32
+A pace holds for decode counts in its bucket (PACE_SPAN wide on a log scale: decode steps of 32
 sequences took 310 ms on a 2-core CPU, of one 8 ms): a step beside decodes of no pace measured
-yet carries no prompt tokens, and measures it.
+yet carries no prompt tokens, and measures it. What chunks owe is paid back at the pace of the
+decodes that run then, and a refresh measures theirs.
 
 The streams' own steps get slower as their contexts grow, and a long prefill leaves no step that
 only decodes: every REFRESH_EVERY-th step beside a prefill carries no prompt tokens, to measure
@@ -40,7 +41,7 @@ SMOOTHING = 0.3          # weight of the newest decode-only step
 FIRST_BUDGET = 64        # prompt tokens of the first step beside decodes
 MIN_BUDGET = 4           # the fewest prompt tokens a step beside decodes carries, where it carries any
 REFRESH_EVERY = 16       # steps beside a prefill before one that only decodes
-PACE_SPAN = 1.25         # a pace holds for decode counts within this factor of one another
+PACE_SPAN = 1.25         # a pace holds for decode counts in its bucket, this wide on a log scale
 FIXED_SHARE = 0.5        # a chunk's fixed time, where over this share of the allowance: this share of its time
 CHUNKS_FITTED = 8        # recent chunks a chunk's fixed time and time per token are fitted to
 
@@ -54,6 +55,7 @@ class Pacer:
         self.steps_since_pace = 0                    # steps with prompt tokens since the last decode-only one
         self.chunks: deque[tuple[int, float]] = deque(maxlen=CHUNKS_FITTED)   # (tokens, seconds) beside decodes
         self.fixed_seconds = 0.0                     # a chunk's fixed time, as last fitted
+        self.token_seconds = 0.0                     # and its time per token
         self.owed_seconds = 0.0                      # chunks' time past their allowances, not yet paid back
 
     def budget(self, num_decodes: int) -> int:
@@ -85,14 +87,16 @@ class Pacer:
         if pace is None:      # a step budget() did not size: its decodes' share of it is not known
             return
         prompt_seconds, allowance = seconds - pace, self._allowance(pace)
-        if prompt_seconds <= 0:      # too quick to tell from the decodes' noise
+        if prompt_seconds <= 0:      # too quick to tell from the decodes' noise: the oldest cost goes, the budget grows
+            if self.chunks:
+                self.chunks.popleft()
             self.prompt_budget = self._bounded(2 * self.prompt_budget)
             return
+        planned = self._planned(allowance)
+        if planned > allowance:      # sized past the allowance: what it took beyond is owed (a stall: 2x its plan)
+            self.owed_seconds = max(self.owed_seconds + min(prompt_seconds, 2 * planned) - allowance, 0.0)
         self.chunks.append((num_prompt_tokens, prompt_seconds))
         self._fit()
-        planned = self._planned(allowance)
-        if planned > allowance:      # sized past the allowance: what it took beyond is owed (an outlier, 2x at most)
-            self.owed_seconds = max(self.owed_seconds + min(prompt_seconds, 2 * planned) - allowance, 0.0)
         self.prompt_budget = self._bounded(min(self._fitting(allowance), 2 * self.prompt_budget))
 
     def _measure_pace(self, num_decodes: int, seconds: float) -> None:
@@ -114,22 +118,26 @@ class Pacer:
         """Prompt tokens a chunk planned beside that allowance takes, from the recent chunks' cost."""
         if not self.chunks:
             return self.max_batched_tokens
-        tokens, seconds = np.array(self.chunks, dtype=np.float64).T
-        per_token = max(float((seconds - self.fixed_seconds).sum() / tokens.sum()), 1e-9)
-        return self._bounded(round((self._planned(allowance) - self.fixed_seconds) / per_token))
+        return self._bounded(round((self._planned(allowance) - self.fixed_seconds) / self.token_seconds))
 
     def _fit(self) -> None:
-        """A chunk's fixed time: a line through the recent chunks where their sizes differ by 2x or more (else as it
-        was), at most what the quickest of them took."""
+        """A chunk's fixed time and time per token from the recent chunks: the median slope between pairs of them
+        whose sizes differ by 2x or more, and the median of what that leaves (Theil-Sen: a chunk stalled by a page-in
+        or another process moves neither); with no such pair, the fixed time as it was. The fixed time is at most
+        what the quickest chunk took."""
         tokens, seconds = np.array(self.chunks, dtype=np.float64).T
-        if tokens.max() >= 2 * tokens.min():
-            self.fixed_seconds = float(np.polyfit(tokens, seconds, 1)[1])
+        i, j = np.triu_indices(len(tokens), 1)
+        apart = np.maximum(tokens[i], tokens[j]) >= 2 * np.minimum(tokens[i], tokens[j])
+        if apart.any():
+            slope = float(np.median((seconds[j] - seconds[i])[apart] / (tokens[j] - tokens[i])[apart]))
+            self.fixed_seconds = float(np.median(seconds - max(slope, 0.0) * tokens))
         self.fixed_seconds = min(max(self.fixed_seconds, 0.0), float(seconds.min()))
+        self.token_seconds = max(float(np.median((seconds - self.fixed_seconds) / tokens)), 1e-9)
 
     def _bounded(self, budget: int) -> int:
         return max(MIN_BUDGET, min(budget, self.max_batched_tokens))
 
 
 def _span(num_decodes: int) -> int:
-    """The decode counts a pace holds for, as one number: counts within PACE_SPAN of one another share it."""
+    """The bucket of a decode count: PACE_SPAN wide on a log scale (1, 2, 3, 4, 5, 6, 7-8, ..., 15-16, 17-19, ...)."""
     return round(math.log(num_decodes) / math.log(PACE_SPAN))
