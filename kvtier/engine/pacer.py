@@ -50,7 +50,7 @@ class Pacer:
     def __init__(self, max_batched_tokens: int, max_itl_ratio: float):
         self.max_batched_tokens = max_batched_tokens
         self.max_itl_ratio = max_itl_ratio           # 0: no bound
-        self.paces: dict[int, float] = {}            # decode-only steps' seconds (moving averages), by decode count
+        self.paces: dict[int, float] = {}            # decode-only steps' seconds (moving averages), by `_bucket`
         self.prompt_budget = min(FIRST_BUDGET, max_batched_tokens)
         self.steps_since_pace = 0                    # steps with prompt tokens since the last decode-only one
         self.chunks: deque[tuple[int, float]] = deque(maxlen=CHUNKS_FITTED)   # (tokens, seconds) beside decodes
@@ -70,7 +70,7 @@ class Pacer:
 
     def pace(self, num_decodes: int) -> float | None:
         """A decode-only step's seconds with num_decodes decodes, if measured."""
-        return self.paces.get(_span(num_decodes))
+        return self.paces.get(_bucket(num_decodes))
 
     def observe(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:
         """A step's duration (forward and sampling) with its decodes and prompt tokens."""
@@ -101,10 +101,10 @@ class Pacer:
 
     def _measure_pace(self, num_decodes: int, seconds: float) -> None:
         """A decode-only step: the pace of its decode count, and an allowance of what chunks owe paid back."""
-        span = _span(num_decodes)
-        self.paces[span] = moving_average(self.paces.get(span), seconds, SMOOTHING)
+        bucket = _bucket(num_decodes)
+        self.paces[bucket] = moving_average(self.paces.get(bucket), seconds, SMOOTHING)
         self.steps_since_pace = 0
-        self.owed_seconds = max(self.owed_seconds - self._allowance(self.paces[span]), 0.0)
+        self.owed_seconds = max(self.owed_seconds - self._allowance(self.paces[bucket]), 0.0)
 
     def _allowance(self, pace: float) -> float:
         """Seconds a step's prompt tokens may take beside decodes whose step takes `pace`."""
@@ -138,6 +138,6 @@ class Pacer:
         return max(MIN_BUDGET, min(budget, self.max_batched_tokens))
 
 
-def _span(num_decodes: int) -> int:
-    """The bucket of a decode count: PACE_SPAN wide on a log scale (1, 2, 3, 4, 5, 6, 7-8, ..., 15-16, 17-19, ...)."""
+def _bucket(num_decodes: int) -> int:
+    """The bucket of a decode count: PACE_SPAN wide on a log scale (1, 2, 3, 4, 5, 6, 7-8, 9-10, 11-13, 14-16, ...)."""
     return round(math.log(num_decodes) / math.log(PACE_SPAN))
