@@ -121,10 +121,10 @@ class Pacer:
         return self._bounded(round((self._planned(allowance) - self.fixed_seconds) / self.token_seconds))
 
     def _fit(self) -> None:
-        """A chunk's fixed time and time per token from the recent chunks: the median slope between pairs of them
-        whose sizes differ by 2x or more, and the median of what that leaves (Theil-Sen: a chunk stalled by a page-in
-        or another process moves neither); with no such pair, the fixed time as it was. The fixed time is at most
-        what the quickest chunk took."""
+        """A chunk's fixed time and time per token from the recent chunks, by medians, so that a chunk stalled by a
+        page-in or another process moves neither (Theil-Sen): the fixed time what the median slope between pairs of
+        chunks whose sizes differ by 2x or more leaves of each (with no such pair, as it was; at most what the
+        quickest chunk took), the time per token the median of the rest per token."""
         tokens, seconds = np.array(self.chunks, dtype=np.float64).T
         i, j = np.triu_indices(len(tokens), 1)
         apart = np.maximum(tokens[i], tokens[j]) >= 2 * np.minimum(tokens[i], tokens[j])
