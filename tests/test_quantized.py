@@ -729,6 +729,45 @@ def test_quantized_blocks_are_kept_for_the_next_start(tiny_model_dir, monkeypatc
     assert load_model(tiny_model_dir, quantize="int4").fingerprint == first.fingerprint     # and kept again
 
 
+def test_cached_blocks_that_are_damaged_or_do_not_fit_are_quantized_again(tiny_model_dir, monkeypatch):
+    """A cached weight whose bytes no longer match their digest, or whose blocks are not of its name's shape and type
+    (a file another build wrote), is quantized again (never handed to ggml, which aborts the process on a tensor of
+    the wrong size); the others are read from the cache, and the file is written again."""
+    import json
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    first = load_model(tiny_model_dir, quantize="int4")
+    (path,) = [os.path.join(cache_home(), "quantized", f) for f in os.listdir(os.path.join(cache_home(), "quantized"))
+               if f.endswith("-int4.safetensors")]
+    with open(path, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_size))
+    damaged, foreign = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"
+    start, _ = header[damaged]["data_offsets"]
+    with open(path, "r+b") as f:        # a byte in the middle of one weight's blocks
+        f.seek(8 + header_size + start + 7)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x55]))
+    with safe_open(path, framework="pt") as f:      # another weight's blocks under the name, its digest right
+        kinds, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
+    tensors[foreign] = tensors["model.layers.1.mlp.gate_proj.weight"].clone()
+    kinds[foreign] = kinds["model.layers.1.mlp.gate_proj.weight"]
+    save_file(tensors, path, metadata=kinds)
+    made = []
+    real_quantize = quantized.quantize
+    monkeypatch.setattr(quantized, "quantize", lambda weight, kind: made.append(weight.shape) or
+                        real_quantize(weight, kind))
+    again = load_model(tiny_model_dir, quantize="int4")
+    assert sorted(made) == sorted((first.weights[n].out_features, first.weights[n].in_features)
+                                  for n in (damaged, foreign))
+    for name, w in first.weights.items():
+        if isinstance(w, quantized.QuantizedWeight):
+            assert torch.equal(w.blocks, again.weights[name].blocks), name
+    monkeypatch.setattr(quantized, "quantize", lambda *a: pytest.fail("quantized again"))
+    load_model(tiny_model_dir, quantize="int4")      # the file written again holds them all
+
+
 @pytest.mark.integration
 def test_a_cached_prompt_answers_as_a_computed_one():
     """A prompt cached but for its last token computes that token with precise products (in ggml's decode graph),

@@ -42,6 +42,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+import xxhash
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from safetensors import safe_open
@@ -53,6 +54,8 @@ from kvtier.models.int4pack import Int4PackWeight
 from kvtier.models.packed import PackedWeight
 from kvtier.models.products import cached_weight_product, dequantized_dtype
 
+# the block cache's format: each tensor's metadata is "type,in_features,xxh3 digest of its blocks"
+BLOCKS_FORMAT_KEY, BLOCKS_FORMAT = "__format__", "kvtier-blocks-2"
 DEQUANTIZED_BYTES = 64 << 20     # the most weight a prompt row's product dequantizes at once, in x's dtype
 _ROLES: contextvars.ContextVar[_Roles | None] = contextvars.ContextVar("roles", default=None)   # `decoding`
 # `--quantize`: the block type of every projection; embeddings and the LM head take Q8_0 in both
@@ -328,7 +331,7 @@ class LoadQuantizer:
     projection in mode's block type, the embedding and LM head in Q8_0; a matrix whose rows are not whole blocks of
     32 stays float, in dtype. The blocks come from the checkpoint's own values, whatever dtype. cache: a file that
     keeps the blocks for the next start (named by the weights' fingerprint, so it never serves other weights); a
-    damaged one is made again. float_head: an untied LM head stays in dtype (a GPU's packed kernels take it so, and
+    damaged weight in it (its digest), or one that does not fit its name's shape and type, is made again. float_head: an untied LM head stays in dtype (a GPU's packed kernels take it so, and
     blocks made of it would only be dequantized again, rounded twice)."""
 
     def __init__(self, mode: str | None, dtype: torch.dtype, cache: str | None = None, float_head: bool = False):
@@ -336,32 +339,51 @@ class LoadQuantizer:
         self.float_head = float_head
         self.cached = _read_blocks(cache) if cache else None
         self.made: dict[str, QuantizedWeight] = {}
+        self.remade = False     # some blocks made by this load, not read from the cache: the file is written (again)
 
     def take(self, name: str, shape: tuple[int, ...], read) -> torch.Tensor | QuantizedWeight:
         """The weight `name` of `shape` as kept: its cached blocks (then `read`, which returns the float tensor, is
         never called: a second start reads no float weight it quantizes), or read and quantized, or read in dtype."""
         if self.kind is None or len(shape) != 2 or shape[1] % 32 or (self.float_head and name == "lm_head.weight"):
             return read().to(self.dtype)
-        if self.cached and name in self.cached:
-            made = self.cached[name]
-        else:
-            made = quantize(read(), self.kind if name.endswith("_proj.weight") else GGMLQuantizationType.Q8_0)
+        kind = int(self.kind if name.endswith("_proj.weight") else GGMLQuantizationType.Q8_0)
+        made = (self.cached or {}).get(name)
+        if made is None or not _fits(made, kind, shape):     # not cached, or cached of another shape or type
+            made, self.remade = quantize(read(), kind), True
         self.made[name] = made
         return made
 
     def finish(self) -> None:
-        """Write the blocks made by this load where no readable cache was found, or where it lacked some (an untied
-        head a GPU start kept in dtype, which a CPU start quantizes once)."""
-        if self.cache and (self.cached is None or self.made.keys() - self.cached.keys()):
+        """Write the blocks made by this load where no readable cache was found or where it lacked some: an untied
+        head a GPU start kept in dtype (which a CPU start quantizes once), a damaged weight, one of another shape."""
+        if self.cache and self.remade:
             _write_blocks(self.cache, {**(self.cached or {}), **self.made})
 
 
+def _fits(weight: QuantizedWeight, ggml_type: int, shape: tuple[int, ...]) -> bool:
+    """Whether cached blocks are those of a weight of `shape` in `ggml_type` (a file of other weights, written by
+    another version, would otherwise reach ggml, which aborts the process on a tensor of the wrong size)."""
+    out_features, in_features = shape
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    return weight.ggml_type == ggml_type and weight.in_features == in_features and \
+        tuple(weight.blocks.shape) == (out_features, in_features // block_size * type_size)
+
+
 def _read_blocks(path: str) -> dict[str, QuantizedWeight] | None:
+    """The weights a cache file keeps, each whose bytes match the digest written with them (a damaged one is left
+    out, so quantized again); None where the file is missing, unreadable or of another format."""
     try:
         with safe_open(path, framework="pt") as f:
-            kinds = f.metadata()
-            return {name: QuantizedWeight(ggml.aligned(f.get_tensor(name)), *map(int, kinds[name].split(",")))
-                    for name in f.keys()}
+            kinds = f.metadata() or {}
+            if kinds.get(BLOCKS_FORMAT_KEY) != BLOCKS_FORMAT:
+                return None
+            found = {}
+            for name in f.keys():
+                ggml_type, in_features, digest = kinds[name].split(",")
+                blocks = f.get_tensor(name)
+                if _digest(blocks) == digest:
+                    found[name] = QuantizedWeight(ggml.aligned(blocks), int(ggml_type), int(in_features))
+            return found
     except Exception:   # missing, damaged or from another version: quantized again
         return None
 
@@ -370,5 +392,10 @@ def _write_blocks(path: str, weights: dict[str, QuantizedWeight]) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     partial = f"{path}.{os.getpid()}.partial"
     save_file({n: w.blocks for n, w in weights.items()}, partial,
-              metadata={n: f"{w.ggml_type},{w.in_features}" for n, w in weights.items()})
+              metadata={BLOCKS_FORMAT_KEY: BLOCKS_FORMAT} |
+              {n: f"{w.ggml_type},{w.in_features},{_digest(w.blocks)}" for n, w in weights.items()})
     os.replace(partial, path)
+
+
+def _digest(blocks: torch.Tensor) -> str:
+    return xxhash.xxh3_64_hexdigest(blocks.contiguous().numpy())
