@@ -388,6 +388,30 @@ def test_a_prompt_product_runs_in_and_out_of_inference_mode(monkeypatch):
     assert torch.equal(dequantized_product(weight, x), inside)
 
 
+def test_two_threads_multiply_at_once_as_each_alone():
+    """Two engines' threads in one process share the prompt products' dequantization buffer and ggml's threadpool:
+    products run at once from two threads give what each gives alone (a shared buffer written by both would hand
+    one thread the other's weight)."""
+    import threading
+    generator = torch.Generator().manual_seed(0)
+    weights = [quantize(torch.randn(512, 256, generator=generator), kind) for kind in (Q.Q4_1, Q.Q8_0)]
+    xs = [torch.randn(rows, 256, generator=generator) for rows in (7, 1)]
+    alone = [(dequantized_product(w, x), w.product(x)) for w, x in zip(weights, xs)]
+    wrong, done = [], []
+
+    def run(i: int) -> None:
+        for _ in range(40):
+            got = (dequantized_product(weights[i], xs[i]), weights[i].product(xs[i]))
+            wrong.extend(i for a, b in zip(got, alone[i]) if not torch.equal(a, b))
+        done.append(i)
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert sorted(done) == [0, 1] and not wrong
+
+
 def test_the_dtype_prompt_rows_multiply_in_names_the_weights(monkeypatch):
     """Prompt K/V computed in bfloat16 never mixes with float32's in the caches: the fingerprint names the dtype."""
     fingerprints = set()

@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import weakref
 from typing import Callable
 
@@ -119,6 +120,7 @@ class _Lib:
         libs[1].ggml_threadpool_new.restype, libs[1].ggml_threadpool_new.argtypes = _P, [_P]
         self.threads = threads
         self.threadpool = libs[1].ggml_threadpool_new(params)
+        self.computing = threading.Lock()      # one graph at a time on the threadpool (two engines' threads share it)
 
 
 def available() -> bool:
@@ -367,7 +369,9 @@ class Graph:
         self.plan.work_data = self.work.data_ptr()
 
     def compute(self) -> None:
-        if self.lib.graph_compute(self.graph, ctypes.byref(self.plan)) != 0:
+        with self.lib.computing:
+            failed = self.lib.graph_compute(self.graph, ctypes.byref(self.plan)) != 0
+        if failed:
             raise RuntimeError("ggml's graph failed")
 
     def close(self) -> None:

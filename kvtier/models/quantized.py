@@ -37,6 +37,7 @@ import contextlib
 import contextvars
 import functools
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -57,6 +58,9 @@ from kvtier.models.products import cached_weight_product, dequantized_dtype
 # the block cache's format: each tensor's metadata is "type,in_features,xxh3 digest of its blocks"
 BLOCKS_FORMAT_KEY, BLOCKS_FORMAT = "__format__", "kvtier-blocks-2"
 DEQUANTIZED_BYTES = 64 << 20     # the most weight a prompt row's product dequantizes at once, in x's dtype
+# one prompt product at a time in the process: they share the dequantization buffers (and repacked weights their
+# scratch memory), which two engines' threads would otherwise write at once
+DEQUANTIZING = threading.Lock()
 _ROLES: contextvars.ContextVar[_Roles | None] = contextvars.ContextVar("roles", default=None)   # `decoding`
 # `--quantize`: the block type of every projection; embeddings and the LM head take Q8_0 in both
 QUANTIZE_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
@@ -222,12 +226,13 @@ def dequantized_product(weight: QuantizedWeight | PackedWeight | Int4PackWeight,
     multiply = cached_weight_product(dtype, len(x)) if cpu else F.linear
     xs = x.to(dtype)
     slices = []
-    for a in range(0, weight.out_features, step):
-        n = min(step, weight.out_features - a)
-        w = _dequantized_slice(weight, a, buffer[:n * weight.in_features].view(n, weight.in_features))
-        if copy is not None:
-            w = copy[:w.numel()].view_as(w).copy_(w)
-        slices.append(multiply(xs, w, None))
+    with DEQUANTIZING:
+        for a in range(0, weight.out_features, step):
+            n = min(step, weight.out_features - a)
+            w = _dequantized_slice(weight, a, buffer[:n * weight.in_features].view(n, weight.in_features))
+            if copy is not None:
+                w = copy[:w.numel()].view_as(w).copy_(w)
+            slices.append(multiply(xs, w, None))
     return _joined(slices).to(x.dtype)
 
 

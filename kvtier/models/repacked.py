@@ -21,7 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvtier.models import ggml
-from kvtier.models.quantized import GgmlWeight, QuantizedWeight
+from kvtier.models.quantized import DEQUANTIZING, GgmlWeight, QuantizedWeight
 
 GROUP_ROWS = 8                                      # rows ggml interleaves
 Q4_0 = GGMLQuantizationType.Q4_0
@@ -98,10 +98,10 @@ def repacked(weight: QuantizedWeight) -> QuantizedWeight | RepackedWeight:
     packed = _interleaved(weight, threads)
     ends = torch.tensor([0, weight.out_features // GROUP_ROWS - 1])
     # another interleaving than block_q4_0x8's (another ggml, another CPU) would not come back as the file's blocks
-    if packed is None or not torch.equal(packed.plain(ends), weight.blocks.view(-1, GROUP_ROWS, weight.blocks.shape[1])
-                                         [ends].flatten(0, 1)):
-        return weight
-    return packed
+    with DEQUANTIZING:      # `plain` writes memory that prompt products share
+        same = packed is not None and torch.equal(
+            packed.plain(ends), weight.blocks.view(-1, GROUP_ROWS, weight.blocks.shape[1])[ends].flatten(0, 1))
+    return packed if same else weight
 
 
 def _interleaved(weight: QuantizedWeight, threads: int) -> RepackedWeight | None:
