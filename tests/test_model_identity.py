@@ -1,5 +1,5 @@
 """Model identity: the cache namespace covers every weight byte, so changed weights never hit old KV;
-digests are remembered by path, size and mtime so a restart does not rehash."""
+digests are remembered by path, size, inode, mtime and ctime so a restart does not rehash."""
 import os
 import shutil
 
@@ -13,7 +13,7 @@ from kvtier.models.gguf_file import GGUFFile
 from kvtier.models.loader import BUNDLED_MODEL
 
 
-def test_digests_are_remembered_by_path_size_and_mtime(tmp_path, monkeypatch):
+def test_digests_are_remembered_by_path_size_and_times(tmp_path, monkeypatch):
     weights, cache = tmp_path / "w.bin", tmp_path / "kv" / "fingerprints.json"
     weights.write_bytes(bytes(range(256)) * 1000)
     first = digest.file_digest(str(weights), str(cache))
@@ -24,6 +24,13 @@ def test_digests_are_remembered_by_path_size_and_mtime(tmp_path, monkeypatch):
     data[200_000] ^= 1
     weights.write_bytes(bytes(data))
     os.utime(weights, ns=(1, 2))    # another mtime: hashed again
+    assert digest.file_digest(str(weights), str(cache)) == "rehashed" and hashed == [str(weights)]
+    hashed.clear()
+    stat = os.stat(weights)
+    other = tmp_path / "other.bin"          # another file put at the path, its size and times copied (`cp -p`)
+    other.write_bytes(bytes(data[::-1]))
+    os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.replace(other, weights)
     assert digest.file_digest(str(weights), str(cache)) == "rehashed" and hashed == [str(weights)]
     monkeypatch.undo()
     assert digest.file_digest(str(weights)) != first          # every byte counts

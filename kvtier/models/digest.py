@@ -2,7 +2,9 @@
 
 Every byte is hashed (xxh3-128, streaming), so any change to the weights is a new cache
 namespace. A digest is remembered in a small JSON file beside the KV cache, by the file's
-real path, size and modification time, so a restart does not read the weights twice.
+real path, size, inode, modification time and change time, so a restart does not read the
+weights twice. The change time is the kernel's (no copy keeps it): another file put at the
+path with the old one's size and modification time (`cp -p`, `rsync -a`) is hashed again.
 """
 from __future__ import annotations
 
@@ -21,11 +23,11 @@ CHUNK_BYTES = 16 << 20
 def file_digest(path: str, cache_path: str | None = None) -> str:
     """The xxh3-128 hex digest of every byte of the file at path; cache_path: where digests are remembered."""
     stat = os.stat(path)
-    key, stamp = os.path.realpath(path), [stat.st_size, stat.st_mtime_ns]
+    key, stamp = os.path.realpath(path), [stat.st_size, stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns]
     cache = _read_cache(cache_path) if cache_path else {}
     entry = cache.get(key)
-    if isinstance(entry, list) and len(entry) == 3 and entry[:2] == stamp:
-        return str(entry[2])
+    if isinstance(entry, list) and entry[:-1] == stamp:
+        return str(entry[-1])
     digest = _hash_file(path)
     if cache_path:
         cache[key] = [*stamp, digest]
