@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ROPE_SCALINGS = ("default", "linear", "llama3")
 
 
 @dataclass
@@ -29,5 +30,16 @@ class ModelConfig:
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.architecture!r}; kvtier supports {ARCHITECTURES}")
+        if not all(isinstance(n, int) for n in (self.num_layers, self.num_heads, self.num_kv_heads)):
+            raise ValueError(f"head counts must be one number for every layer (got {self.num_heads!r} heads, "
+                             f"{self.num_kv_heads!r} K/V heads)")
+        if self.rope_kind not in ROPE_SCALINGS:
+            raise ValueError(f"unsupported rope scaling type {self.rope_kind!r} (supported: {', '.join(ROPE_SCALINGS)})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def rope_kind(self) -> str:
+        """The RoPE scaling's type (one of ROPE_SCALINGS)."""
+        scaling = self.rope_scaling or {}
+        return scaling.get("rope_type", scaling.get("type", "default"))

@@ -52,21 +52,19 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     if cfg.rope_freq_factors is not None:      # as llama.cpp applies a GGUF's rope_freqs: θ_i / factor_i
         inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)
     scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
+    if cfg.rope_kind == "default":
         return inv_freq
-    if kind == "linear":
+    if cfg.rope_kind == "linear":
         return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    # llama3 (ModelConfig allows no other)
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(is_medium, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):

@@ -199,7 +199,8 @@ def hf_config(path: str) -> ModelConfig:
     if os.path.isfile(generation_file):
         eos += _ids(_read_json(generation_file).get("eos_token_id"))
     heads = cfg["num_attention_heads"]
-    return ModelConfig(
+    return _model_config(
+        file,
         architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -339,7 +340,8 @@ def gguf_config(fields: dict, tensors: dict, path: str) -> ModelConfig:
         if original is not None:
             rope_scaling["original_max_position_embeddings"] = original
     eos = [meta(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
-    return ModelConfig(
+    return _model_config(
+        path,
         architecture=arch,
         vocab_size=int(tensors["model.embed_tokens.weight"].shape[-1]),  # rows: the outer dimension
         hidden_size=hidden,
@@ -357,6 +359,14 @@ def gguf_config(fields: dict, tensors: dict, path: str) -> ModelConfig:
         qk_norm=arch == "qwen3",
         eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
     )
+
+
+def _model_config(source: str, **fields) -> ModelConfig:
+    """The config, or a ValueError that names the file it came from (before any weight is read)."""
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 def _open_gguf(path: str) -> GGUFFile:
