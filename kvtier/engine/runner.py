@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.engine.graphs import DecodeGraphs
+from kvtier.engine.openmp import stop_spinning
 from kvtier.engine.scheduler import ScheduledBatch
 from kvtier.engine.sequence import Sequence
 from kvtier.kv.manager import KVManager
@@ -190,8 +191,10 @@ class ModelRunner:
         ggml_steps = isinstance(self.graphs, GgmlDecodeSteps)
         if ggml_steps and torch.get_num_threads() != 1:
             # torch's threads spin a while after each parallel region, on the cores ggml's threads need (12 ms a
-            # step instead of 5.4 for SmolLM2 on 2 cores): the step's torch work (sampling) runs on one thread
+            # step instead of 5.4 for SmolLM2 on 2 cores): the step's torch work (sampling) runs on one thread, and
+            # the threads still spinning after this step's prompt chunk are stopped (openmp.py)
             torch.set_num_threads(1)
+            stop_spinning()
         steps = [(i, batch.seqs[i].num_computed_tokens + batch.num_tokens[i] - 1, 1) if i in after_chunk else
                  (i, batch.seqs[i].num_computed_tokens, batch.num_tokens[i]) for i in which]
         # a prompt's last token (cached or after its chunk) multiplies precisely in ggml's graphs, which take those

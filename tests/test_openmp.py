@@ -1,0 +1,23 @@
+"""torch's OpenMP threads are stopped before ggml's decode graphs take the cores (engine/openmp.py)."""
+import os
+
+import pytest
+import torch
+
+from kvtier.engine import openmp
+
+
+@pytest.mark.skipif(openmp._pause_all() is None, reason="torch here runs no GNU libgomp")
+def test_stopping_ends_the_threads_a_parallel_region_left_and_the_next_starts_them_again():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(256, 256)
+        expected = x @ x
+        torch.add(x, x)      # a parallel region: its team's threads spin after it
+        before = len(os.listdir("/proc/self/task"))
+        openmp.stop_spinning()
+        assert len(os.listdir("/proc/self/task")) < before
+        assert torch.equal(x @ x, expected)      # the next region has its team again
+    finally:
+        torch.set_num_threads(threads)
