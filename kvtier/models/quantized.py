@@ -64,7 +64,6 @@ DEQUANTIZING = threading.Lock()
 _ROLES: contextvars.ContextVar[_Roles | None] = contextvars.ContextVar("roles", default=None)   # `decoding`
 # `--quantize`: the block type of every projection; embeddings and the LM head take Q8_0 in both
 QUANTIZE_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
-FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
 @dataclass(frozen=True)
@@ -166,6 +165,11 @@ class QuantizedWeight(GgmlWeight):
 
 def quantize(weight: torch.Tensor, ggml_type: int) -> QuantizedWeight:
     return QuantizedWeight(ggml.quantize(weight, int(ggml_type)), int(ggml_type), weight.shape[1])
+
+
+def in_blocks(ggml_type: int) -> bool:
+    """Whether a GGUF tensor type is one of ggml's quantized block types (not a float or integer array)."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][0] > 1
 
 
 def from_gguf_bytes(data: np.ndarray, ggml_type: int, out_features: int) -> QuantizedWeight:
