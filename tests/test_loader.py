@@ -243,7 +243,7 @@ def test_bad_hf_dirs(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="config.json: unsupported rope scaling type 'yarn'"):
         load_model(str(tmp_path))       # named before any weight is read (this directory has none)
     (tmp_path / "config.json").write_text(json.dumps(config | {"num_key_value_heads": [1, 2]}))
-    with pytest.raises(ValueError, match="config.json: head counts must be one number for every layer"):
+    with pytest.raises(ValueError, match="config.json: layer and head counts must be single numbers"):
         load_model(str(tmp_path))
     shutil.copy(os.path.join(tiny_model_dir, "model.safetensors"), tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(config | {"intermediate_size": 96}))

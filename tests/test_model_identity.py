@@ -2,6 +2,7 @@
 digests are remembered by path, size, inode, mtime and ctime so a restart does not rehash."""
 import os
 import shutil
+import time
 
 import pytest
 
@@ -31,6 +32,14 @@ def test_digests_are_remembered_by_path_size_and_times(tmp_path, monkeypatch):
     other.write_bytes(bytes(data[::-1]))
     os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     os.replace(other, weights)
+    assert digest.file_digest(str(weights), str(cache)) == "rehashed" and hashed == [str(weights)]
+    hashed.clear()
+    stat = os.stat(weights)
+    time.sleep(0.05)        # past the kernel's coarse clock tick, which file times are stamped with
+    with open(weights, "r+b") as f:         # changed in place, its mtime put back: the change time tells
+        f.write(b"\x01")
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(weights).st_ino == stat.st_ino
     assert digest.file_digest(str(weights), str(cache)) == "rehashed" and hashed == [str(weights)]
     monkeypatch.undo()
     assert digest.file_digest(str(weights)) != first          # every byte counts

@@ -1,5 +1,6 @@
 """torch's OpenMP threads are stopped before ggml's decode graphs take the cores (engine/openmp.py)."""
 import os
+import time
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ def test_stopping_ends_the_threads_a_parallel_region_left_and_the_next_starts_th
         torch.add(x, x)      # a parallel region: its team's threads spin after it
         before = len(os.listdir("/proc/self/task"))
         openmp.stop_spinning()
+        deadline = time.monotonic() + 5      # the team's threads exit on their own schedule once released
+        while len(os.listdir("/proc/self/task")) >= before and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(os.listdir("/proc/self/task")) < before
         assert torch.equal(x @ x, expected)      # the next region has its team again
     finally:

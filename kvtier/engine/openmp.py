@@ -5,7 +5,8 @@ cores ggml's threads need when a decode graph runs right after torch's ops: on a
 graph took 19-26 ms right after a 63-token prompt chunk beside it, 13-15 ms otherwise. Setting torch's thread count
 does not stop them. `omp_pause_resource_all` (OpenMP 5.0) ends the calling thread's team at once, and its next
 parallel region starts a new one (~0.1 ms). A smaller spin count for the whole process (GOMP_SPINCOUNT=10000) made
-prompt chunks slower instead: their threads fell asleep between ops.
+prompt chunks slower instead: their threads fell asleep between ops. Each thread that runs torch's parallel regions
+has a team of its own: this ends the engine thread's (which runs the prompt chunks), not the tiers' copy threads'.
 """
 from __future__ import annotations
 

@@ -31,10 +31,11 @@ class ModelConfig:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.architecture!r}; kvtier supports {ARCHITECTURES}")
         if not all(isinstance(n, int) for n in (self.num_layers, self.num_heads, self.num_kv_heads)):
-            raise ValueError(f"head counts must be one number for every layer (got {self.num_heads!r} heads, "
-                             f"{self.num_kv_heads!r} K/V heads)")
+            raise ValueError(f"layer and head counts must be single numbers, one for every layer (got "
+                             f"{self.num_layers!r} layers, {self.num_heads!r} heads, {self.num_kv_heads!r} K/V heads)")
         if self.rope_kind not in ROPE_SCALINGS:
-            raise ValueError(f"unsupported rope scaling type {self.rope_kind!r} (supported: {', '.join(ROPE_SCALINGS)})")
+            raise ValueError(f"unsupported rope scaling type {self.rope_kind!r} "
+                             f"(supported: {', '.join(ROPE_SCALINGS)})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
 

@@ -37,14 +37,15 @@ import contextlib
 import contextvars
 import functools
 import os
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
-import xxhash
 import torch.nn.functional as F
+import xxhash
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -340,8 +341,9 @@ class LoadQuantizer:
     projection in mode's block type, the embedding and LM head in Q8_0; a matrix whose rows are not whole blocks of
     32 stays float, in dtype. The blocks come from the checkpoint's own values, whatever dtype. cache: a file that
     keeps the blocks for the next start (named by the weights' fingerprint, so it never serves other weights); a
-    damaged weight in it (its digest), or one that does not fit its name's shape and type, is made again. float_head: an untied LM head stays in dtype (a GPU's packed kernels take it so, and
-    blocks made of it would only be dequantized again, rounded twice)."""
+    damaged weight in it (each weight's digest is checked as it is read: xxh3, several GB/s), or one that does not
+    fit its name's shape and type, is made again. float_head: an untied LM head stays in dtype (a GPU's packed
+    kernels take it so, and blocks made of it would only be dequantized again, rounded twice)."""
 
     def __init__(self, mode: str | None, dtype: torch.dtype, cache: str | None = None, float_head: bool = False):
         self.kind, self.dtype, self.cache = mode and QUANTIZE_TYPES[mode], dtype, cache
@@ -398,12 +400,18 @@ def _read_blocks(path: str) -> dict[str, QuantizedWeight] | None:
 
 
 def _write_blocks(path: str, weights: dict[str, QuantizedWeight]) -> None:
+    """Through a file of this writer's own (two loads of one model may write at once), moved into place whole."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    partial = f"{path}.{os.getpid()}.partial"
-    save_file({n: w.blocks for n, w in weights.items()}, partial,
-              metadata={BLOCKS_FORMAT_KEY: BLOCKS_FORMAT} |
-              {n: f"{w.ggml_type},{w.in_features},{_digest(w.blocks)}" for n, w in weights.items()})
-    os.replace(partial, path)
+    fd, partial = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".blocks-", suffix=".partial")
+    os.close(fd)
+    try:
+        save_file({n: w.blocks for n, w in weights.items()}, partial,
+                  metadata={BLOCKS_FORMAT_KEY: BLOCKS_FORMAT} |
+                  {n: f"{w.ggml_type},{w.in_features},{_digest(w.blocks)}" for n, w in weights.items()})
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
 
 
 def _digest(blocks: torch.Tensor) -> str:

@@ -53,7 +53,7 @@ class RepackedWeight(GgmlWeight):
 
     def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int = 1) -> torch.Tensor:
         """Rows of the weight, dequantized (QuantizedWeight.rows) from the groups that hold them, put back in the
-        file's layout."""
+        file's layout (under quantized.DEQUANTIZING, as prompt products call it: `plain` writes shared memory)."""
         ids = ids.long()
         groups, local = torch.unique(ids // GROUP_ROWS, return_inverse=True)
         plain = QuantizedWeight(self.plain(groups), self.ggml_type, self.in_features)
