@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -231,7 +232,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if not seq.prefix_runs and paged_out is None:
             o = sdpa(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         elif q.device.type == "cpu":
-            segments = _context_segments(seq.prefix_runs, k_cache, v_cache)
+            segments = _context_segments(seq.prefix_runs, lambda: seq.prefix_slots(q.device), k_cache, v_cache)
             o = _attention_after_segments_cpu(qs, ks, vs, segments + ([paged_out] if paged_out else []), scale)
         else:
             kp, vp = (c[seq.prefix_slots(q.device)] for c in (k_cache, v_cache))
@@ -252,7 +253,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             # for them all, not one per row); a lone decode, a long context or a prompt's last token is read where it
             # lies, one sequence at a time; the others are gathered and padded into one batched call, which costs
             # less than a call per sequence while they are short
-            chunked = _verify_chunks_cpu(q, k, v, k_cache, v_cache, out, d, scale) if q.device.type == "cpu" else set()
+            chunked = _verify_chunks_cpu(q, k, v, k_cache, v_cache, out, meta, scale) if q.device.type == "cpu" \
+                else set()
             alone = meta.kernel_args("alone", lambda: set(meta.alone_rows))
             apart = [i for i, runs in enumerate(d.runs) if q.device.type == "cpu" and i not in chunked
                      and (len(d.runs) == 1 or sum(b - a for a, b in runs) >= CPU_DECODE_APART
@@ -260,7 +262,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             for i in apart:
                 row, runs = d.query_rows[i], d.runs[i]
                 qs = q[row:row + 1].transpose(0, 1).unsqueeze(0)     # [1, H, 1, D]
-                parts = _segment_parts_cpu(qs, k.shape[1], _context_segments(runs, k_cache, v_cache), scale)
+                slots = _slots_once(meta, ("decode", i), runs)
+                parts = _segment_parts_cpu(qs, k.shape[1], _context_segments(runs, slots, k_cache, v_cache), scale)
                 out[row] = _merged(parts)[0, :, 0]
             if len(apart) + len(chunked) < len(d.runs):
                 skip = set(apart) | chunked
@@ -273,14 +276,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def _verify_chunks_cpu(q, k, v, k_cache, v_cache, out, d: DecodeGroup, scale: float) -> set[int]:
+def _verify_chunks_cpu(q, k, v, k_cache, v_cache, out, meta: AttentionMetadata, scale: float) -> set[int]:
     """Each verify step's rows, causally over themselves after the context before them (as a prompt chunk after a
-    cached prefix). Returns the indices in d.query_rows it attended."""
-    chunked = set()
+    cached prefix). Returns the indices in the decode group's query_rows it attended."""
+    chunked, d = set(), meta.decode
     for i, n, prefix in d.verify:
         rows = slice(d.query_rows[i], d.query_rows[i] + n)
         qs, ks, vs = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        o = _attention_after_segments_cpu(qs, ks, vs, _context_segments(prefix, k_cache, v_cache), scale)
+        segments = _context_segments(prefix, _slots_once(meta, ("verify", i), prefix), k_cache, v_cache)
+        o = _attention_after_segments_cpu(qs, ks, vs, segments, scale)
         out[rows] = o.squeeze(0).transpose(0, 1)
         chunked.update(range(i, i + n))
     return chunked
@@ -304,30 +308,40 @@ def _prefills_by_kernel(kernels, q, k_cache, v_cache, out, meta: AttentionMetada
     return [seq for seq in meta.prefills if seq not in taken]
 
 
-def _context_segments(runs: list[tuple[int, int]], k_cache: torch.Tensor, v_cache: torch.Tensor
-                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _context_segments(runs: list[tuple[int, int]], slots: Callable[[], torch.Tensor], k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A context's K/V (runs of pool slots, in order) in segments of CONTEXT_SEGMENT tokens: views where a segment's
-    slots are one run, copies of its pieces otherwise."""
-    segments, pieces, filled = [], [], 0
+    slots are one run, else gathered by `slots()`, the context's slots as one index (built once for every layer): one
+    gather copies a scattered context 2-10x faster than joining its runs (8K tokens in blocks of 16, per layer: K
+    0.24-0.33 ms against 2.4-3.0, a transposed V 5.3-6.9 against 11.6-13.5)."""
+    segments, start, filled, pieces = [], 0, 0, 0
     for a, b in runs:
         while a < b:
             take = min(b - a, CONTEXT_SEGMENT - filled)
-            pieces.append((a, a + take))
-            filled, a = filled + take, a + take
+            if not filled:
+                first = a
+            filled, pieces, a = filled + take, pieces + 1, a + take
             if filled == CONTEXT_SEGMENT:
-                segments.append(_joined_pieces(pieces, k_cache, v_cache))
-                pieces, filled = [], 0
-    if pieces:
-        segments.append(_joined_pieces(pieces, k_cache, v_cache))
+                segments.append(_segment(first, start, filled, pieces, slots, k_cache, v_cache))
+                start, filled, pieces = start + filled, 0, 0
+    if filled:
+        segments.append(_segment(first, start, filled, pieces, slots, k_cache, v_cache))
     return segments
 
 
-def _joined_pieces(pieces: list[tuple[int, int]], k_cache: torch.Tensor, v_cache: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    if len(pieces) == 1:
-        (a, b), = pieces
-        return k_cache[a:b], v_cache[a:b]
-    return tuple(torch.cat([cache[a:b] for a, b in pieces]) for cache in (k_cache, v_cache))
+def _segment(first: int, start: int, length: int, pieces: int, slots: Callable[[], torch.Tensor],
+             k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The segment of `length` tokens from the context's position `start`: in one run from slot `first` (a view), or
+    gathered from its `pieces` runs."""
+    if pieces == 1:
+        return k_cache[first:first + length], v_cache[first:first + length]
+    index = slots()[start:start + length]
+    return k_cache.index_select(0, index), v_cache.index_select(0, index)
+
+
+def _slots_once(meta: AttentionMetadata, key: tuple, runs: list[tuple[int, int]]) -> Callable[[], torch.Tensor]:
+    """runs' slots as one index, built by the first layer that gathers them and kept in meta for the others."""
+    return lambda: meta.kernel_args(key, lambda: _slots_of(runs))
 
 
 def _attention_after_prefix(q, k, v, k_prefix, v_prefix, scale: float) -> torch.Tensor:
