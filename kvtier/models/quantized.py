@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 import xxhash
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quant_shape_from_byte_shape, quant_shape_to_byte_shape
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -178,8 +179,8 @@ def from_gguf_bytes(data: np.ndarray, ggml_type: int, out_features: int) -> Quan
     into torch's (aligned) memory."""
     blocks = torch.empty(out_features, data.size // out_features, dtype=torch.uint8)
     blocks.numpy()[:] = data.reshape(out_features, -1)
-    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    return QuantizedWeight(blocks, int(ggml_type), blocks.shape[1] // type_size * block_size)
+    _, in_features = quant_shape_from_byte_shape(blocks.shape, GGMLQuantizationType(ggml_type))
+    return QuantizedWeight(blocks, int(ggml_type), in_features)
 
 
 def concatenated(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
@@ -374,10 +375,8 @@ class LoadQuantizer:
 def _fits(weight: QuantizedWeight, ggml_type: int, shape: tuple[int, ...]) -> bool:
     """Whether cached blocks are those of a weight of `shape` in `ggml_type` (a file of other weights, written by
     another version, would otherwise reach ggml, which aborts the process on a tensor of the wrong size)."""
-    out_features, in_features = shape
-    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    return weight.ggml_type == ggml_type and weight.in_features == in_features and \
-        tuple(weight.blocks.shape) == (out_features, in_features // block_size * type_size)
+    return weight.ggml_type == ggml_type and weight.in_features == shape[1] and \
+        tuple(weight.blocks.shape) == quant_shape_to_byte_shape(shape, GGMLQuantizationType(ggml_type))
 
 
 def _read_blocks(path: str) -> dict[str, QuantizedWeight] | None:
