@@ -20,7 +20,8 @@ from kvtier.models.config import ModelConfig
 from kvtier.models.products import Linear
 from kvtier.models.int4pack import TINYGEMM_TYPES, Int4PackWeight, choose_decode_products, int4packed
 from kvtier.models.packed import pack, packable
-from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding
+from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding,
+                                     in_blocks)
 from kvtier.models.repacked import repacked
 
 log = logging.getLogger("kvtier.models")
@@ -180,6 +181,8 @@ def _kernel_ready(name: str, weight, dtype: torch.dtype):
     byte per weight of one matrix."""
     if not isinstance(weight, QuantizedWeight):
         return weight
+    if not in_blocks(weight.ggml_type):      # a GGUF's 16-bit float matrix: cuBLAS's, in dtype
+        return weight.dequantized().to(dtype)
     if name == "lm_head.weight" and weight.ggml_type not in TINYGEMM_TYPES:
         log.info("%s: %s blocks dequantized to %s, which cuBLAS reads faster", name, weight.type_name, dtype)
     elif packable(weight.ggml_type):

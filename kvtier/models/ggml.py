@@ -25,8 +25,9 @@ _P = ctypes.c_void_p
 _I, _I64, _F, _SZ, _B = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_size_t, ctypes.c_bool
 # struct ggml_threadpool_params: bool cpumask[GGML_MAX_N_THREADS = 512]; int n_threads; enum prio; uint32_t poll; ...
 _POLL_OFFSET = 512 + 4 + 4
-F32, F16, I32, I64 = 0, 1, 26, 27           # ggml_type numbers (GGUF's numbering) of the plain types
+F32, F16, BF16, I32, I64 = 0, 1, 30, 26, 27     # ggml_type numbers (GGUF's numbering) of the plain types
 Q8_0, Q8_1, Q8_K = 8, 9, 15                # the 8-bit types ggml rounds activations to for its products
+ROUNDED_ACTIVATIONS = (Q8_0, Q8_1, Q8_K, F16, BF16)    # what products round activations to (`rounded_as_activations`)
 ROPE_NEOX = 2                               # Hugging Face's rotate_half layout
 POOL_MAX = 0                                # enum ggml_op_pool
 TORCH_TYPES = {torch.float32: F32, torch.float16: F16, torch.int32: I32, torch.int64: I64}
@@ -151,7 +152,8 @@ def quantize(weight: torch.Tensor, ggml_type: int, threads: int = 1) -> torch.Te
 
 @functools.cache
 def activation_type(ggml_type: int) -> int:
-    """The type ggml's CPU products over weights of `ggml_type` round activations to first (Q8_0, Q8_1, Q8_K)."""
+    """The type ggml's CPU products over weights of `ggml_type` round activations to first (Q8_0, Q8_1, Q8_K for the
+    block types; F16 and BF16 for their own)."""
     return lib(1).get_type_traits_cpu(ggml_type).contents.vec_dot_type
 
 
@@ -161,15 +163,15 @@ def tensor_type(tensor: int) -> int:
 
 def precise_product(ctx: Context, weight: int, x: int) -> int:
     """weight [in, out] times x [in, rows] (float32, contiguous) to about float32's precision. ggml's product over
-    blocks rounds activations to 8 bits a block first (`activation_type`), so x goes as two: its 8-bit rounding,
-    which the product then takes exactly, and what that rounding left out; their products add up. ~1e-4 of the
-    largest output from the dequantized weight's product, against ~1e-2 for x in 8 bits (Q4_1's and Q5_1's Q8_1
-    keeps its block sums in float16: ~1e-4 off). Each row comes out as it would alone. A float weight's product is
-    its plain one."""
+    blocks rounds activations to 8 bits a block first (`activation_type`), and over 16-bit floats to their type, so x
+    goes as two: that rounding, which the product then takes exactly, and what the rounding left out; their products
+    add up. ~1e-4 of the largest output from the dequantized weight's product, against ~1e-2 for x in 8 bits (Q4_1's
+    and Q5_1's Q8_1 keeps its block sums in float16: ~1e-4 off). Each row comes out as it would alone. A float32
+    weight's product is its plain one."""
     kind = activation_type(tensor_type(weight))
-    if kind not in (Q8_0, Q8_1, Q8_K):
+    if kind not in ROUNDED_ACTIVATIONS:
         return ctx.op("mul_mat", weight, x)
-    rounded = rounded_to_8_bits(ctx, x, kind)
+    rounded = rounded_as_activations(ctx, x, kind)
     # the two side by side in one product: the weight read once
     pairs = ctx.op("mul_mat", weight, ctx.op("concat", rounded, ctx.op("sub", x, rounded), 1))
     (out, rows, *_), (_, stride, *_) = shape(pairs)
@@ -177,7 +179,7 @@ def precise_product(ctx: Context, weight: int, x: int) -> int:
                            for half in (0, 1)))
 
 
-def rounded_to_8_bits(ctx: Context, x: int, kind: int) -> int:
+def rounded_as_activations(ctx: Context, x: int, kind: int) -> int:
     """x [in, rows] (float32, contiguous) in values that ggml's rounding of activations to `kind` gives back
     exactly:
     - Q8_0, Q8_1 (for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): x in ggml's own Q8_0 blocks, read back (Q8_1 rounds as Q8_0
@@ -185,12 +187,15 @@ def rounded_to_8_bits(ctx: Context, x: int, kind: int) -> int:
     - Q8_K (for the K-quants, whose blocks ggml cannot copy to): blocks of 256, each a whole number of steps of its
       largest magnitude / 127 (plus 1e-37, which a block of zeros divides by and any other's step absorbs), which
       ggml's own rounding (a float32 step of the value of the largest magnitude / -127) takes back to within
-      float32's rounding."""
-    if kind not in (Q8_0, Q8_1, Q8_K):
-        raise ValueError(f"no 8-bit rounding known for ggml's activations of type {kind}")
+      float32's rounding;
+    - F16, BF16 (for weights of those types): x in that type, read back (ggml's products convert as its copies do,
+      to the nearest)."""
+    if kind not in ROUNDED_ACTIVATIONS:
+        raise ValueError(f"no rounding known for ggml's activations of type {kind}")
     (rows_in, rows, *_), _ = shape(x)
-    if kind in (Q8_0, Q8_1):
-        return ctx.op("cpy", ctx.op("cpy", x, ctx.tensor(Q8_0, rows_in, rows)), ctx.tensor(F32, rows_in, rows))
+    if kind != Q8_K:
+        copied = Q8_0 if kind == Q8_1 else kind
+        return ctx.op("cpy", ctx.op("cpy", x, ctx.tensor(copied, rows_in, rows)), ctx.tensor(F32, rows_in, rows))
     blocks = ctx.op("reshape_2d", x, 256, rows_in * rows // 256)
     step = ctx.op("scale_bias", ctx.op("pool_1d", ctx.op("abs", blocks), POOL_MAX, 256, 256, 0), 1 / 127, 1e-37)
     return ctx.op("reshape_2d", ctx.op("mul", ctx.op("round", ctx.op("div", blocks, step)), step), rows_in, rows)

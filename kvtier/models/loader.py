@@ -23,7 +23,7 @@ from kvtier.config import cache_home
 from kvtier.models.config import ARCHITECTURES, ModelConfig
 from kvtier.models.digest import file_digest
 from kvtier.models.gguf_file import GGUFFile, GGUFTensor
-from kvtier.models.quantized import (QUANTIZE_TYPES, LoadQuantizer, QuantizedWeight, from_gguf_bytes, in_blocks,
+from kvtier.models.quantized import (QUANTIZE_TYPES, LoadQuantizer, QuantizedWeight, from_gguf_bytes, kept_as_file,
                                      prompt_dtype)
 from kvtier.models.tokenizer import Tokenizer
 
@@ -289,7 +289,7 @@ def read_gguf(path: str, dtype: torch.dtype, digest_cache: str | None = None,
     weights, weights_fingerprint = {}, fingerprint(config, [path], digest_cache)
     quantizer = _quantizer(weights_fingerprint, dtype, quantize, float_head)
     for name, t in tqdm(tensors.items(), desc=f"Loading {os.path.basename(path)}", unit="tensor"):
-        if quantize == "gguf" and len(shapes[name]) == 2 and in_blocks(t.tensor_type):
+        if quantize == "gguf" and len(shapes[name]) == 2 and kept_as_file(t.tensor_type):
             w = from_gguf_bytes(t.data, t.tensor_type, shapes[name][0])
             weights[name] = dataclasses.replace(w, blocks=_unpermuted_llama_qk(w.blocks, name, config))
         else:

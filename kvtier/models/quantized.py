@@ -1,15 +1,16 @@
 """Weights kept in GGUF's quantized blocks, and the decoder modules that multiply by them: on CPU through ggml, on
 CUDA through kvtier's Triton kernels (the blocks repacked once at load: packed.py, triton_quantized.py).
 
-A GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (and on CPU ggml's other block types; on CUDA those are
-dequantized at load) stay as the file holds them, so the weights take about the file's memory (on CUDA an untied LM
-head that tinygemm does not take is kept in bfloat16, and Q4_0 / Q4_1 hold bfloat16 scales and zeros: int4pack.py);
+A GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (and on CPU ggml's other block types and its F16 and BF16
+matrices, which ggml multiplies as they are; on CUDA those are dequantized at load) stay as the file holds them, so
+the weights take about the file's memory (on CUDA an untied LM head that tinygemm does not take is kept in
+bfloat16, and Q4_0 / Q4_1 hold bfloat16 scales and zeros: int4pack.py);
 `--quantize int8|int4` makes Q8_0 or Q4_0 blocks (weight-only, groups of 32) of a float checkpoint the same way.
 
 Which product a row gets depends on its token's role, never on what else is in the step, so a sequence's output
 does not change with the traffic beside it:
 - decode rows: a product over the blocks, which reads 4-8x fewer bytes than float weights. On CPU ggml's (the
-  activations quantized to 8 bits per block of 32, as llama.cpp does), whole decode steps as one ggml graph
+  activations quantized to 8 bits per block of 32, as llama.cpp does; over 16-bit weights, rounded to their type), whole decode steps as one ggml graph
   (ggml_decoder.py), Q4_0 projections in ggml's interleaved layout, whose multi-row kernel rounds each row as it
   would alone (repacked.py); on CUDA a Triton kernel that dequantizes tiles in registers into the activations' dtype;
 - prompt rows: the weight dequantized, a slice at a time, for torch's product: on CUDA in the activations' dtype;
@@ -174,9 +175,16 @@ def in_blocks(ggml_type: int) -> bool:
     return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][0] > 1
 
 
+def kept_as_file(ggml_type: int) -> bool:
+    """Whether a GGUF matrix of this type stays as the file holds it: ggml's block types, and 16-bit floats, which
+    float32 would double (ggml multiplies them as they are)."""
+    return in_blocks(ggml_type) or ggml_type in (ggml.F16, ggml.BF16)
+
+
 def from_gguf_bytes(data: np.ndarray, ggml_type: int, out_features: int) -> QuantizedWeight:
-    """A GGUF tensor's bytes (the reader's array of one row of bytes per weight row), copied out of the file map
-    into torch's (aligned) memory."""
+    """A GGUF tensor's data (the reader's array: a row of bytes per weight row, or of float16 values), copied out of
+    the file map into torch's (aligned) memory."""
+    data = data.view(np.uint8)
     blocks = torch.empty(out_features, data.size // out_features, dtype=torch.uint8)
     blocks.numpy()[:] = data.reshape(out_features, -1)
     _, in_features = quant_shape_from_byte_shape(blocks.shape, GGMLQuantizationType(ggml_type))
