@@ -23,7 +23,14 @@ from kvtier.models.packed import PackedWeight
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 16, 128     # BLOCK_K: a multiple of 32 that divides the K-quants' 256
 # GGML's type numbers, as the kernels branch on them
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = (tl.constexpr(t) for t in (2, 3, 8, 12, 13, 14))
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = (tl.constexpr(t) for t in (2, 3, 6, 7, 8, 12, 13, 14))
+
+
+@triton.jit
+def _fifth_bit(q, qh_ptr, r, c, mask, s_qh):
+    """q with each weight's fifth bit from qh (byte j: weights 8j..8j+7, bit i of a byte weight 8j + i)."""
+    high = tl.load(qh_ptr + r * s_qh + c // 8, mask=mask, other=0).to(tl.int32)
+    return q | (((high >> (c % 8)) & 1) << 4)
 
 
 @triton.jit
@@ -41,7 +48,12 @@ def _half(q_ptr, qh_ptr, d_ptr, dmin_ptr, sub_ptr, rows, start, mask, s_q, s_qh,
         q = (nibbles >> (4 * HIGH)) & 15
         if TYPE == Q4_0:
             w = (q - 8).to(tl.float32) * tl.load(d_ptr + r * s_d + c // 32, mask=mask, other=0).to(tl.float32)
-        elif TYPE == Q4_1:
+        elif TYPE == Q5_0:
+            q = _fifth_bit(q, qh_ptr, r, c, mask, s_qh)
+            w = (q - 16).to(tl.float32) * tl.load(d_ptr + r * s_d + c // 32, mask=mask, other=0).to(tl.float32)
+        elif TYPE == Q4_1 or TYPE == Q5_1:
+            if TYPE == Q5_1:
+                q = _fifth_bit(q, qh_ptr, r, c, mask, s_qh)
             d = tl.load(d_ptr + r * s_d + c // 32, mask=mask, other=0).to(tl.float32)
             w = q.to(tl.float32) * d + tl.load(dmin_ptr + r * s_dmin + c // 32, mask=mask, other=0).to(tl.float32)
         elif TYPE == Q6_K:
@@ -52,8 +64,7 @@ def _half(q_ptr, qh_ptr, d_ptr, dmin_ptr, sub_ptr, rows, start, mask, s_q, s_qh,
             w = scale * (q - 32).to(tl.float32)
         else:               # Q4_K, Q5_K
             if TYPE == Q5_K:
-                high = tl.load(qh_ptr + r * s_qh + c // 8, mask=mask, other=0).to(tl.int32)
-                q = q | (((high >> (c % 8)) & 1) << 4)
+                q = _fifth_bit(q, qh_ptr, r, c, mask, s_qh)
             d = tl.load(d_ptr + r * s_d + c // 256, mask=mask, other=0).to(tl.float32)
             dmin = tl.load(dmin_ptr + r * s_dmin + c // 256, mask=mask, other=0).to(tl.float32)
             sc = tl.load(sub_ptr + r * s_sub + c // 32 * 2, mask=mask, other=0).to(tl.float32)
