@@ -283,19 +283,22 @@ def test_a_ggml_decode_step_hands_back_the_feature_layers_outputs(tmp_path):
     assert (steps.features - want).abs().max() <= 0.02 * want.abs().max()
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.F16], ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=str)
-def test_prompt_rows_multiply_by_dequantized_weights_in_the_chosen_dtype(monkeypatch, dtype, tolerance):
+def test_prompt_rows_multiply_by_dequantized_weights_in_the_chosen_dtype(monkeypatch, dtype, tolerance, qtype):
     """On CPU float32 prompt rows multiply in dequantized_dtype() (bfloat16 where the CPU runs it faster), a slice
-    of the weight at a time, and come back in float32."""
+    of the weight at a time, and come back in float32; over an F16 weight always in float32 (bfloat16 would round
+    its values)."""
     monkeypatch.setattr("kvtier.models.quantized.dequantized_dtype", lambda: dtype)
     monkeypatch.setattr("kvtier.models.quantized.DEQUANTIZED_BYTES", 100 * 64 * 4)     # 3 slices of 100 rows
-    weight = quantize(torch.randn(300, 64), Q.Q4_1)
+    weight = quantize(torch.randn(300, 64), qtype)
     x = torch.randn(7, 64)
     want = x @ weight.dequantized().T
     got = dequantized_product(weight, x)
     error = (got - want).abs().max() / want.abs().max()
     assert got.dtype == torch.float32 and got.shape == want.shape and error <= tolerance
-    assert (error > 1e-5) == (dtype == torch.bfloat16)      # bfloat16's rounding shows: the product took that dtype
+    # bfloat16's rounding shows where the product took that dtype
+    assert (error > 1e-5) == (dtype == torch.bfloat16 and qtype != Q.F16)
 
 
 def test_prompt_rows_dequantize_through_ops_planned_once(monkeypatch):

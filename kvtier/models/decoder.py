@@ -227,8 +227,8 @@ class Decoder(nn.Module):
         weights replace their modules with quantized ones: ggml's blocks on CPU (float32 activations; Q4_0
         projections interleaved as ggml's faster kernels want them: repacked.py), packed for Triton's kernels
         elsewhere (packed=True takes those on CPU too, in Triton's interpreter: how the tests check them). There, a
-        block type no kernel multiplies is dequantized to dtype, and so is an untied LM head outside tinygemm's types
-        (`_kernel_ready`).
+        block type no kernel multiplies (and a GGUF's F16 / BF16 matrix) is dequantized to dtype, and so is an
+        untied LM head outside tinygemm's types (`_kernel_ready`).
 
         positions: how many RoPE covers, where that is more than the model's context (`RotaryEmbedding`).
 

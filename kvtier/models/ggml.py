@@ -166,8 +166,9 @@ def precise_product(ctx: Context, weight: int, x: int) -> int:
     blocks rounds activations to 8 bits a block first (`activation_type`), and over 16-bit floats to their type, so x
     goes as two: that rounding, which the product then takes exactly, and what the rounding left out; their products
     add up. ~1e-4 of the largest output from the dequantized weight's product, against ~1e-2 for x in 8 bits (Q4_1's
-    and Q5_1's Q8_1 keeps its block sums in float16: ~1e-4 off). Each row comes out as it would alone. A float32
-    weight's product is its plain one."""
+    and Q5_1's Q8_1 keeps its block sums in float16: ~1e-4 off; over a 16-bit weight the left-out part is rounded
+    to that type in turn: about 16 bits of x's 24). Each row comes out as it would alone. A float32 weight's product
+    is its plain one."""
     kind = activation_type(tensor_type(weight))
     if kind not in ROUNDED_ACTIVATIONS:
         return ctx.op("mul_mat", weight, x)

@@ -279,7 +279,7 @@ class _Step:
 
     def _product(self, weight: int, x: int) -> int:
         """weight's product with x [in, batch]: the precise rows' (the last) to about float32's precision, the
-        others' as ggml's product over the blocks takes them (the activations in 8 bits)."""
+        others' as ggml's product over the blocks takes them (the activations in 8 bits, or a 16-bit weight's type)."""
         if not self.precise:
             return self.ctx.op("mul_mat", weight, x)
         ctx, plain = self.ctx, self.batch - self.precise

@@ -264,7 +264,7 @@ def _ids(value) -> tuple[int, ...]:
 
 def read_gguf(path: str, dtype: torch.dtype, digest_cache: str | None = None,
               quantize: str = "none", float_head: bool = False) -> tuple[ModelConfig, dict, str]:
-    """quantize: gguf keeps quantized tensors as QuantizedWeight, in the file's blocks; int8|int4 dequantizes each
+    """quantize: gguf keeps quantized matrices (and F16 / BF16 ones) as QuantizedWeight, as the file holds them; int8|int4 dequantizes each
     and quantizes it again as it is read (LoadQuantizer); none dequantizes every tensor to dtype."""
     gguf = _open_gguf(path)
     tensors, rope_freqs = {}, None

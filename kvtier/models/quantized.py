@@ -2,25 +2,26 @@
 CUDA through kvtier's Triton kernels (the blocks repacked once at load: packed.py, triton_quantized.py).
 
 A GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (and on CPU ggml's other block types and its F16
-and BF16 matrices, which ggml multiplies as they are; on CUDA those are dequantized at load) stay as the file holds them, so
-the weights take about the file's memory (on CUDA an untied LM head that tinygemm does not take is kept in
+and BF16 matrices, which ggml multiplies as they are; on CUDA those are dequantized at load) stay as the file holds
+them, so the weights take about the file's memory (on CUDA an untied LM head that tinygemm does not take is kept in
 bfloat16, and Q4_0 / Q4_1 hold bfloat16 scales and zeros: int4pack.py);
 `--quantize int8|int4` makes Q8_0 or Q4_0 blocks (weight-only, groups of 32) of a float checkpoint the same way.
 
 Which product a row gets depends on its token's role, never on what else is in the step, so a sequence's output
 does not change with the traffic beside it:
 - decode rows: a product over the blocks, which reads 4-8x fewer bytes than float weights. On CPU ggml's (the
-  activations quantized to 8 bits per block of 32, as llama.cpp does; over 16-bit weights, rounded to their type), whole decode steps as one ggml graph
+  activations quantized to 8 bits per block of 32, as llama.cpp does; over F16 and BF16 weights rounded to that
+  type, where a value past float16's 65504 overflows as in llama.cpp), whole decode steps as one ggml graph
   (ggml_decoder.py), Q4_0 projections in ggml's interleaved layout, whose multi-row kernel rounds each row as it
   would alone (repacked.py); on CUDA a Triton kernel that dequantizes tiles in registers into the activations' dtype;
 - prompt rows: the weight dequantized, a slice at a time, for torch's product: on CUDA in the activations' dtype;
   on CPU in bfloat16 where the CPU has bfloat16 dot products (AVX512-BF16, AMX; `products.dequantized_dtype`),
-  else in float32. torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0
+  else in float32 (F16 weights always in float32: bfloat16 would round their values). torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0
   kernels (the wheel's AVX2 build; Q4_K about even; `kvtier bench kernels`), its bfloat16 product about 2x faster
   again: prefill 1.13-1.23x as fast as with float32 weights on a 2-core EPYC (two runs);
 - a prompt's last token, on CPU (the row its first token is sampled from, cached or not): over
-  the blocks to about float32's precision (`ggml.precise_product`: the row's 8-bit rounding and what that rounding
-  left out, side by side through ggml's product), in the layers and the LM head; in ggml's decode graph
+  the blocks to about float32's precision (`ggml.precise_product`: the row as the product rounds it, to 8 bits or
+  to a 16-bit weight's type, and what that rounding left out, side by side through ggml's product), in the layers and the LM head; in ggml's decode graph
   (ggml_decoder.py) or, where a forward runs it op by op, through `GgmlWeight.precise_product`. A fully cached
   prompt dequantizes no weight: a 1024-token one's first token came 1.9-2.6x sooner than dequantizing every weight
   for its one row (eagerly; 2.4x sooner again in the graph), and its first-token logits sit 0.05-0.17% of the
@@ -112,8 +113,8 @@ class GgmlWeight:
 
 @dataclass
 class QuantizedWeight(GgmlWeight):
-    """A weight [out_features, in_features] as ggml blocks: uint8 [out_features, bytes per row], rows as GGUF
-    files lay them out."""
+    """A weight [out_features, in_features] as ggml blocks (or a GGUF's F16 / BF16 values): uint8 [out_features,
+    bytes per row], rows as GGUF files lay them out."""
     blocks: torch.Tensor
     ggml_type: int
     in_features: int
@@ -231,8 +232,8 @@ def dequantized_product(weight: QuantizedWeight | PackedWeight | Int4PackWeight,
     (an LM head of 128K rows would take 2 GB at once). dtype: what the product multiplies in, by default
     `prompt_dtype` (`kvtier bench kernels` sets it)."""
     cpu = x.device.type == "cpu"
-    if dtype is None:
-        dtype = prompt_dtype(x.dtype, x.device.type)
+    if dtype is None:     # an F16 weight's prompt rows in x's dtype: bfloat16 would round its values
+        dtype = x.dtype if weight.ggml_type == ggml.F16 else prompt_dtype(x.dtype, x.device.type)
     elements = DEQUANTIZED_BYTES // x.dtype.itemsize
     step = max(1, elements // weight.in_features)
     buffer = _dequantized_buffer(x.device, x.dtype, elements)
