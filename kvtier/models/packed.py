@@ -8,12 +8,13 @@ weights where Q4_K and Q5_K's 6-bit sub-block scales are unpacked to one byte ea
         (low nibble) and weight i + 16 (high nibble), as Q4_0 does
 - qh:   Q5_0, Q5_1 and Q5_K's fifth bit (byte j: weights 8j..8j+7) or Q6_K's two high bits (byte j: weights
         4j..4j+3)
-- d:    float16 scale per 32 weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) or per 256 (the K-quants)
+- d:    float16 scale per 32 weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) or per 256 (the K-quants)
 - dmin: float16 minimum: Q4_1's and Q5_1's per 32, Q4_K and Q5_K's per 256
 - sub:  Q4_K and Q5_K's sub-block scale and minimum per 32 (uint8 pairs), Q6_K's int8 scale per 16
-A weight is then Q8_0 d·q; Q4_0 d·(q−8); Q5_0 d·(q−16); Q4_1, Q5_1 d·q + dmin; Q4_K, Q5_K (d·sc)·q − dmin·m; Q6_K
-(d·sc)·(q−32). Q5_0 and Q5_1 are what llama.cpp writes for Q4_K_M's and Q5_K_M's matrices whose rows are not whole
-256-weight blocks (SmolLM2's 576, Qwen2.5-0.5B's 896).
+A weight is then Q8_0 d·q; Q4_0 d·(q−8); Q5_0 d·(q−16); Q4_1, Q5_1 d·q + dmin; IQ4_NL d·kvalues[q] (16 fixed
+values); Q4_K, Q5_K (d·sc)·q − dmin·m; Q6_K (d·sc)·(q−32). Q5_0, Q5_1 and IQ4_NL are what llama.cpp writes for
+Q4_K_M's, Q5_K_M's and the lower K-quants' matrices whose rows are not whole 256-weight blocks (SmolLM2's 576,
+Qwen2.5-0.5B's 896).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-PACKED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
+PACKED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q4_K, T.Q5_K, T.Q6_K)
 GROUP = 32      # weights per nibble group of q
 
 
@@ -92,8 +93,8 @@ def pack(blocks: torch.Tensor, ggml_type: int, in_features: int, device: torch.d
     if kind == T.Q8_0:
         q = b[..., 2:].contiguous().view(torch.int8).reshape(n, in_features)
         return PackedWeight(ggml_type, in_features, dtype, q, None, half(0), None, None)
-    if kind in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):      # d (and Q4_1's, Q5_1's minimum), Q5's 32 fifth bits, nibbles
-        at = 2 if kind in (T.Q4_0, T.Q5_0) else 4
+    if kind in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL):     # d (and a minimum), Q5's 32 fifth bits, nibbles
+        at = 2 if kind in (T.Q4_0, T.Q5_0, T.IQ4_NL) else 4
         qh, at = (b[..., at:at + 4].reshape(n, in_features // 8).contiguous(), at + 4) if kind in (T.Q5_0, T.Q5_1) \
             else (None, at)
         q = b[..., at:].reshape(n, in_features // 2).contiguous()

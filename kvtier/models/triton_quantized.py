@@ -23,7 +23,10 @@ from kvtier.models.packed import PackedWeight
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 16, 128     # BLOCK_K: a multiple of 32 that divides the K-quants' 256
 # GGML's type numbers, as the kernels branch on them
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = (tl.constexpr(t) for t in (2, 3, 6, 7, 8, 12, 13, 14))
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL = (tl.constexpr(t) for t in (2, 3, 6, 7, 8, 12, 13, 14, 20))
+# IQ4_NL's 16 values (llama.cpp's kvalues_iq4nl), a byte each, eight to an int64: the first eight + 128, the others
+# as they are (positive), so that both constants fit a signed int64
+IQ4_NL_LOW, IQ4_NL_HIGH = tl.constexpr(0x766A5D4F3F2D1801), tl.constexpr(0x7159453526190D01)
 
 
 @triton.jit
@@ -51,6 +54,10 @@ def _half(q_ptr, qh_ptr, d_ptr, dmin_ptr, sub_ptr, rows, start, mask, s_q, s_qh,
         elif TYPE == Q5_0:
             q = _fifth_bit(q, qh_ptr, r, c, mask, s_qh)
             w = (q - 16).to(tl.float32) * tl.load(d_ptr + r * s_d + c // 32, mask=mask, other=0).to(tl.float32)
+        elif TYPE == IQ4_NL:        # q picks one of 16 values
+            table = tl.where(q < 8, IQ4_NL_LOW, IQ4_NL_HIGH)
+            value = ((table >> ((q % 8) * 8).to(tl.int64)) & 255).to(tl.int32) - tl.where(q < 8, 128, 0)
+            w = value.to(tl.float32) * tl.load(d_ptr + r * s_d + c // 32, mask=mask, other=0).to(tl.float32)
         elif TYPE == Q4_1 or TYPE == Q5_1:
             if TYPE == Q5_1:
                 q = _fifth_bit(q, qh_ptr, r, c, mask, s_qh)
