@@ -3,8 +3,8 @@ CUDA through kvtier's Triton kernels (the blocks repacked once at load: packed.p
 
 A GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K (and on CPU ggml's other block types and
 its F16 and BF16 matrices, which ggml multiplies as they are; on CUDA those are dequantized at load) stay as the
-file holds them, so the weights take about the file's memory (on CUDA an untied LM head that tinygemm does not take is kept in
-bfloat16, and Q4_0 / Q4_1 hold bfloat16 scales and zeros: int4pack.py);
+file holds them, so the weights take about the file's memory (on CUDA an untied LM head that tinygemm does not
+take is kept in bfloat16, and Q4_0 / Q4_1 hold bfloat16 scales and zeros: int4pack.py);
 `--quantize int8|int4` makes Q8_0 or Q4_0 blocks (weight-only, groups of 32) of a float checkpoint the same way.
 
 Which product a row gets depends on its token's role, never on what else is in the step, so a sequence's output
