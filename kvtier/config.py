@@ -273,7 +273,7 @@ class Config:
         """What load_model does with the weights: quantize resolved for this model file, device and dtype."""
         if self.quantize != "auto":
             return self.quantize
-        return "gguf" if os.path.isfile(model_path) and self._quantized_kernels(torch.device(self.device)) else "none"
+        return "stored" if os.path.isfile(model_path) and self._quantized_kernels(torch.device(self.device)) else "none"
 
     def _quantized_kernels(self, device: torch.device) -> bool:
         """Whether kernels that multiply quantized weights run here: ggml's on CPU (float32 activations), kvtier's

@@ -272,6 +272,6 @@ def test_bad_gguf_files(tmp_path):
         read_gguf(str(tmp_path / "gpt2.gguf"), torch.float32)
     f64 = tmp_path / "f64.gguf"
     write_gguf(f64, "llama", hf_cfg, {**weights, "model.norm.weight": weights["model.norm.weight"].double()}, {})
-    for quantize in ("none", "gguf"):      # an array of floats, never taken for ggml's blocks
+    for quantize in ("none", "stored"):      # an array of floats, never taken for ggml's blocks
         with pytest.raises(ValueError, match="quantization type F64"):
             read_gguf(str(f64), torch.float32, quantize=quantize)

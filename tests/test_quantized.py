@@ -55,7 +55,7 @@ def tiny_gguf(path, config_cls=LlamaConfig, qtype=Q.Q8_0, types: dict[str, Q] | 
 
 
 def decoder(path: str, quantized: bool, packed: bool = False, device: str = "cpu", positions: int = 0) -> Decoder:
-    config, weights, _ = read_gguf(path, torch.float32, quantize="gguf" if quantized else "none")
+    config, weights, _ = read_gguf(path, torch.float32, quantize="stored" if quantized else "none")
     return Decoder.from_weights(config, weights, torch.float32, torch.device(device), packed=packed,
                                 positions=positions)
 
@@ -427,7 +427,7 @@ def test_the_dtype_prompt_rows_multiply_in_names_the_weights(monkeypatch):
     fingerprints = set()
     for dtype in (torch.float32, torch.bfloat16):
         monkeypatch.setattr("kvtier.models.quantized.dequantized_dtype", lambda dtype=dtype: dtype)
-        fingerprints.add(load_model(BUNDLED_MODEL, quantize="gguf").fingerprint)
+        fingerprints.add(load_model(BUNDLED_MODEL, quantize="stored").fingerprint)
     assert len(fingerprints) == 2
 
 
@@ -473,7 +473,7 @@ def test_quantized_weights_are_refused_where_no_kernel_runs_them():
         Config(device="cpu", quantize="int4", dtype="bfloat16")
     with pytest.raises(ConfigError, match="quantize must be"):
         Config(quantize="q4")
-    assert Config(device="cpu").weights_mode(BUNDLED_MODEL) == "gguf"
+    assert Config(device="cpu").weights_mode(BUNDLED_MODEL) == "stored"
     assert Config(device="cpu", dtype="bfloat16").weights_mode(BUNDLED_MODEL) == "none"
 
 
@@ -693,7 +693,7 @@ def test_loading_a_gguf_holds_about_one_copy_of_its_weights(tmp_path):
     """The file's pages leave the process once copied, and each weight's loaded copy goes once its fused or
     repacked copy is made: 2.25x the file before, ~1.25x now (the rest: the vocabulary's strings and the decoder's
     objects; a 7B Q4_0 file of 4.2 GB peaks at 1.06x)."""
-    load = ("Decoder.from_weights(*read_gguf(path, torch.float32, quantize='gguf')[:2], torch.float32, "
+    load = ("Decoder.from_weights(*read_gguf(path, torch.float32, quantize='stored')[:2], torch.float32, "
             "torch.device('cpu'))")
     peak, parts = load_peak(load, tiny_gguf(tmp_path / "tiny.gguf"), BUNDLED_MODEL)
     assert peak < 1.6, parts

@@ -74,7 +74,7 @@ def resolve_model_path(model: str | None) -> str:
 def load_model(path: str, dtype: torch.dtype = torch.float32, digest_cache: str | None = None,
                quantize: str = "none", float_head: bool = False) -> LoadedModel:
     """digest_cache: a JSON file remembering weight files' digests (see digest.py). quantize: "none" (every weight
-    in dtype), "gguf" (a GGUF file's quantized tensors kept as they are), or "int8"/"int4" (every projection
+    in dtype), "stored" (a GGUF file's quantized tensors kept as they are), or "int8"/"int4" (every projection
     quantized at load, quantized.QUANTIZE_TYPES). float_head: an untied LM head stays in dtype under int8/int4."""
     if os.path.isdir(path):
         config, weights, fingerprint = read_hf_dir(path, dtype, digest_cache, quantize, float_head)
@@ -264,7 +264,7 @@ def _ids(value) -> tuple[int, ...]:
 
 def read_gguf(path: str, dtype: torch.dtype, digest_cache: str | None = None,
               quantize: str = "none", float_head: bool = False) -> tuple[ModelConfig, dict, str]:
-    """quantize: gguf keeps quantized matrices (and F16 / BF16 ones) as QuantizedWeight, as the file holds them; int8|int4 dequantizes each
+    """quantize: stored keeps quantized matrices (and F16 / BF16 ones) as QuantizedWeight, as the file holds them; int8|int4 dequantizes each
     and quantizes it again as it is read (LoadQuantizer); none dequantizes every tensor to dtype."""
     gguf = _open_gguf(path)
     tensors, rope_freqs = {}, None
@@ -289,7 +289,7 @@ def read_gguf(path: str, dtype: torch.dtype, digest_cache: str | None = None,
     weights, weights_fingerprint = {}, fingerprint(config, [path], digest_cache)
     quantizer = _quantizer(weights_fingerprint, dtype, quantize, float_head)
     for name, t in tqdm(tensors.items(), desc=f"Loading {os.path.basename(path)}", unit="tensor"):
-        if quantize == "gguf" and len(shapes[name]) == 2 and kept_as_file(t.tensor_type):
+        if quantize == "stored" and len(shapes[name]) == 2 and kept_as_file(t.tensor_type):
             w = from_gguf_bytes(t.data, t.tensor_type, shapes[name][0])
             weights[name] = dataclasses.replace(w, blocks=_unpermuted_llama_qk(w.blocks, name, config))
         else:
