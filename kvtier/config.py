@@ -270,10 +270,14 @@ class Config:
         return None if self.kv_resident_tokens is None else self.kv_resident_tokens // self.block_size
 
     def weights_mode(self, model_path: str) -> str:
-        """What load_model does with the weights: quantize resolved for this model file, device and dtype."""
+        """What load_model does with the weights: quantize resolved for this model file, device and dtype. "stored"
+        keeps a GGUF's blocks and 16-bit matrices where kernels multiply them (CPU in float32, CUDA with Triton),
+        and a checkpoint's 16-bit matrices on CPU, where float32 would double them (on CUDA they are the dtype's)."""
         if self.quantize != "auto":
             return self.quantize
-        return "stored" if os.path.isfile(model_path) and self._quantized_kernels(torch.device(self.device)) else "none"
+        device = torch.device(self.device)
+        kept = os.path.isfile(model_path) or device.type == "cpu"
+        return "stored" if kept and self._quantized_kernels(device) else "none"
 
     def _quantized_kernels(self, device: torch.device) -> bool:
         """Whether kernels that multiply quantized weights run here: ggml's on CPU (float32 activations), kvtier's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from conftest import fill_random
+from conftest import fill_random, tiny_llama
 from gguf_files import write_gguf
 from kvtier.config import Config, ConfigError, cache_home
 from kvtier.engine.engine import LLMEngine
@@ -28,8 +29,8 @@ from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.gguf_file import GGUFFile
 from kvtier.models.loader import BUNDLED_MODEL, load_model, read_gguf
 from kvtier.models.products import Linear, many_rows_product
-from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, dequantized_product, model_weight_bytes,
-                                     prompt_dtype, quantize)
+from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight, dequantized_product,
+                                     model_weight_bytes, prompt_dtype, quantize)
 from kvtier.models import ggml, int4pack, quantized
 from kvtier.models.repacked import RepackedWeight, repacked
 
@@ -447,6 +448,36 @@ def test_quantize_int8_and_int4_at_load(tiny_model_dir):
         assert (got - want).abs().max() <= tolerance * want.abs().max(), mode
     sizes = {mode: model_weight_bytes(model) for mode, model in models.items()}
     assert sizes["int4"] < sizes["int8"] < sizes["none"] / 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_checkpoints_16_bit_matrices_stay_in_16_bits_on_cpu(make_tiny_model, bundled_tokenizer, tmp_path, dtype):
+    """`--quantize auto` on CPU keeps a Hugging Face checkpoint's bfloat16 / float16 matrices as they are stored (in
+    float32 they would take twice the memory), multiplied through ggml's decode graphs; a float32 checkpoint stays
+    float."""
+    from safetensors.torch import load_file, save_file
+    source = make_tiny_model(tiny_llama(bundled_tokenizer.vocab_size))
+    path = tmp_path / "m"
+    shutil.copytree(source, path)
+    stored = {name: w.to(dtype) for name, w in load_file(os.path.join(source, "model.safetensors")).items()}
+    save_file(stored, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    assert Config(device="cpu").weights_mode(str(path)) == "stored"
+    assert not any(isinstance(w, QuantizedWeight) for w in load_model(source, quantize="stored").weights.values())
+    loaded = {mode: load_model(str(path), quantize=mode) for mode in ("stored", "none")}
+    assert loaded["stored"].fingerprint != loaded["none"].fingerprint     # their KV never mixes
+    models = {mode: Decoder.from_weights(m.config, m.weights, torch.float32, torch.device("cpu"))
+              for mode, m in loaded.items()}
+    kept = models["stored"]
+    qkv = kept.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and qkv.parts[0].type_name == {torch.bfloat16: "BF16",
+                                                                          torch.float16: "F16"}[dtype]
+    matrices = sum(w.numel() * 2 for w in stored.values() if w.dim() == 2)
+    assert model_weight_bytes(kept) <= 1.01 * matrices and model_weight_bytes(models["none"]) >= 2 * matrices
+    ids, table = [[(13 * i) % 200 + 5 for i in range(24)]], [[0, 1]]
+    want = teacher_forced(models["none"], ids, table)
+    pool = pool_for(kept)
+    got = teacher_forced(kept, [list(ids[0])], table, GgmlDecodeSteps(kept, pool, threads=2), pool)
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
 def test_a_gpus_untied_head_is_never_rounded_to_blocks(tiny_model_dir, monkeypatch, tmp_path):

@@ -23,8 +23,8 @@ from kvtier.config import cache_home
 from kvtier.models.config import ARCHITECTURES, ModelConfig
 from kvtier.models.digest import file_digest
 from kvtier.models.gguf_file import GGUFFile, GGUFTensor
-from kvtier.models.quantized import (QUANTIZE_TYPES, LoadQuantizer, QuantizedWeight, from_gguf_bytes, kept_as_file,
-                                     prompt_dtype)
+from kvtier.models.quantized import (QUANTIZE_TYPES, LoadQuantizer, QuantizedWeight, from_16_bit, from_gguf_bytes,
+                                     kept_as_file, prompt_dtype)
 from kvtier.models.tokenizer import Tokenizer
 
 
@@ -74,7 +74,7 @@ def resolve_model_path(model: str | None) -> str:
 def load_model(path: str, dtype: torch.dtype = torch.float32, digest_cache: str | None = None,
                quantize: str = "none", float_head: bool = False) -> LoadedModel:
     """digest_cache: a JSON file remembering weight files' digests (see digest.py). quantize: "none" (every weight
-    in dtype), "stored" (a GGUF file's quantized tensors kept as they are), or "int8"/"int4" (every projection
+    in dtype), "stored" (a GGUF file's quantized and 16-bit matrices, a checkpoint's 16-bit ones, kept as they are), or "int8"/"int4" (every projection
     quantized at load, quantized.QUANTIZE_TYPES). float_head: an untied LM head stays in dtype under int8/int4."""
     if os.path.isdir(path):
         config, weights, fingerprint = read_hf_dir(path, dtype, digest_cache, quantize, float_head)
@@ -149,15 +149,20 @@ def fingerprint(config: ModelConfig, files: list[str], digest_cache: str | None)
 
 # ---- Hugging Face directory ----
 
+SIXTEEN_BIT = ("BF16", "F16")      # safetensors' dtypes of the matrices `stored` keeps as they are
+
 def read_hf_dir(path: str, dtype: torch.dtype, digest_cache: str | None = None,
                 quantize: str = "none", float_head: bool = False) -> tuple[ModelConfig, dict, str]:
-    """quantize: int8|int4 quantizes each projection as it is read (LoadQuantizer), else every tensor in dtype."""
+    """quantize: int8|int4 quantizes each projection as it is read (LoadQuantizer); stored keeps 16-bit matrices as
+    QuantizedWeight, as the checkpoint holds them (a bfloat16 one in float32 would take twice its memory); else
+    every tensor in dtype."""
     config = hf_config(path)
-    shapes, files = {}, _safetensors_files(path)
+    shapes, stored, files = {}, {}, _safetensors_files(path)
     for file in files:
         header = _safetensors_header(file)
         tensors = {n: t for n, t in header.items() if n != "__metadata__"}
         shapes |= {n: tuple(t["shape"]) for n, t in tensors.items() if not n.endswith("rotary_emb.inv_freq")}
+        stored |= {n: t["dtype"] for n, t in tensors.items()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
     check_shapes(shapes, config, path)
@@ -167,9 +172,13 @@ def read_hf_dir(path: str, dtype: torch.dtype, digest_cache: str | None = None,
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    if name in shapes:
+                    if name not in shapes:
+                        continue
+                    if quantize == "stored" and len(shapes[name]) == 2 and stored[name] in SIXTEEN_BIT:
+                        weights[name] = from_16_bit(f.get_tensor(name))
+                    else:
                         weights[name] = quantizer.take(name, shapes[name], functools.partial(f.get_tensor, name))
-                        bar.update()
+                    bar.update()
     quantizer.finish()
     return config, weights, weights_fingerprint
 

@@ -192,6 +192,12 @@ def from_gguf_bytes(data: np.ndarray, ggml_type: int, out_features: int) -> Quan
     return QuantizedWeight(blocks, int(ggml_type), in_features)
 
 
+def from_16_bit(weight: torch.Tensor) -> QuantizedWeight:
+    """A checkpoint's bfloat16 or float16 matrix [out, in] as ggml's BF16 / F16 weight, over the same bytes."""
+    ggml_type = {torch.bfloat16: ggml.BF16, torch.float16: ggml.F16}[weight.dtype]
+    return QuantizedWeight(ggml.aligned(weight.contiguous().view(torch.uint8)), ggml_type, weight.shape[1])
+
+
 def concatenated(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
     """Weights stacked along their rows (q/k/v, gate/up): one weight where their block types agree."""
     if len({p.ggml_type for p in parts}) > 1 or len({p.in_features for p in parts}) > 1:
