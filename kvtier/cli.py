@@ -39,9 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--device", help="cpu or cuda[:N] (default: cpu)")
     group.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
     group.add_argument("--quantize", choices=("auto", "none", "int8", "int4"),   # config.QUANTIZE_MODES, torch-free
-                       help="weights: auto keeps a GGUF's quantized blocks and 16-bit matrices (and on CPU a "
-                            "checkpoint's bfloat16/float16 ones) as stored, multiplied through ggml on CPU (float32) "
-                            "and kvtier's Triton kernels on CUDA; none dequantizes every weight to --dtype; int8/int4 quantize a checkpoint's "
+                       help="weights: auto keeps a GGUF's quantized blocks as stored, multiplied through ggml on CPU "
+                            "(float32) and kvtier's Triton kernels on CUDA, and on CPU a GGUF's and a checkpoint's "
+                            "16-bit matrices too; none dequantizes every weight to --dtype; int8/int4 quantize a checkpoint's "
                             "projections at load (Q8_0/Q4_0, groups of 32; CPU) (default: auto)")
     group.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16"),   # config.KV_CACHE_DTYPES
                        help="the KV cache's dtype: auto keeps --dtype's; float16 (CPU) halves the cache's memory, its "

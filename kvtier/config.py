@@ -81,8 +81,9 @@ class Config:
     device: str = field(default_factory=lambda: os.environ.get("KVTIER_DEVICE", "cpu"))
     # None → $KVTIER_DTYPE, else bfloat16 on CUDA and float32 on CPU
     dtype: str | None = field(default_factory=lambda: os.environ.get("KVTIER_DTYPE"))
-    # weights: auto (a GGUF's quantized tensors kept as they are: on CPU in float32, on CUDA with Triton), none
-    # (every weight in dtype), int8 | int4 (every projection quantized at load: Q8_0 / Q4_0 blocks of 32)
+    # weights: auto (a GGUF's quantized tensors kept as they are, on CPU in float32 and on CUDA with Triton, and on
+    # CPU its and a checkpoint's 16-bit matrices too: `weights_mode`), none (every weight in dtype), int8 | int4
+    # (every projection quantized at load: Q8_0 / Q4_0 blocks of 32)
     quantize: str = "auto"
     # the KV pool's dtype (named as vLLM's option): auto keeps the model's; float16, for a float32 model on CPU, halves
     # what the pool and the tiers take and what ggml's decode steps read of a context, as llama.cpp's default cache
@@ -270,9 +271,10 @@ class Config:
         return None if self.kv_resident_tokens is None else self.kv_resident_tokens // self.block_size
 
     def weights_mode(self, model_path: str) -> str:
-        """What load_model does with the weights: quantize resolved for this model file, device and dtype. "stored"
-        keeps a GGUF's blocks and 16-bit matrices where kernels multiply them (CPU in float32, CUDA with Triton),
-        and a checkpoint's 16-bit matrices on CPU, where float32 would double them (on CUDA they are the dtype's)."""
+        """What load_model is asked to do with the weights: quantize resolved for this model file, device and dtype.
+        "stored" keeps a GGUF's blocks where kernels multiply them (CPU in float32, CUDA with Triton; on CUDA the
+        types without a kernel are dequantized at load), and on CPU a GGUF's and a checkpoint's 16-bit matrices too,
+        which float32 would double (on CUDA they take --dtype)."""
         if self.quantize != "auto":
             return self.quantize
         device = torch.device(self.device)

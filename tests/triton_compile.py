@@ -7,7 +7,8 @@ other tests run the kernels on CPU) a kernel that would not compile can still co
     python tests/triton_compile.py [--quick]     # Triton's interpreter off
 
 compiles for sm_80 and sm_90 (A100, H100/H200) in each dtype served on CUDA (--quick: sm_90 in bfloat16, what the
-test suite runs), prints one line per kernel and signature, and exits non-zero if any failed to compile.
+test suite runs), as Triton's launcher specializes each launch there, with its shared memory checked against the
+target's; prints one line per kernel and signature, and exits non-zero if any failed.
 """
 from __future__ import annotations
 
@@ -20,14 +21,13 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 from kvtier.models import ggml, triton_attention, triton_fused, triton_int4pack, triton_quantized  # noqa: E402
 from kvtier.models.packed import PACKED_TYPES, pack  # noqa: E402
 
-POINTEE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8",
-           torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
+SHARED_BYTES = {80: 166912, 90: 232448}      # the most shared memory a block may use: A100, H100 / H200
 SERVED = (torch.bfloat16, torch.float16, torch.float32)     # --dtype on CUDA; float32 where the CUDA suite runs it
 
 
@@ -43,32 +43,20 @@ def recorded_launches(calls) -> list[tuple[JITFunction, tuple, dict]]:
     return launches
 
 
-def _type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + POINTEE[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {type(value).__name__}")
-
-
 def compiled(kernel: JITFunction, args: tuple, kwargs: dict, capability: int) -> str:
-    """The launch compiled for sm_<capability>; a description of its signature."""
-    names = [p.name for p in kernel.params]
-    values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-    options = {k: v for k, v in kwargs.items() if k not in names}
-    signature, constexprs = {}, {}
-    for p in kernel.params:
-        value = values[p.name]
-        if p.is_constexpr or value is None:      # None: a pointer the launch leaves out, which Triton makes constant
-            signature[p.name], constexprs[p.name] = "constexpr", value
-        else:
-            signature[p.name] = _type(value)
-    triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", capability, 32), options=options)
-    shown = {k: v for k, v in constexprs.items() if v is not None}
+    """The launch compiled for sm_<capability> as Triton's launcher would compile it there (its own specialization:
+    pointer and integer alignment, integers equal to 1 made constant), its shared memory checked against the
+    target's; a description of its signature."""
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    bind = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = bind(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    made = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+    if made.metadata.shared > SHARED_BYTES[capability]:
+        raise ValueError(f"{made.metadata.shared} bytes of shared memory, more than sm_{capability}'s "
+                         f"{SHARED_BYTES[capability]}")
+    shown = {kernel.params[path[0]].name: value for path, value in constexprs.items() if value is not None}
     return f"{kernel.fn.__name__} {shown} {sorted(set(signature.values()) - {'constexpr'})}"
 
 
@@ -78,7 +66,8 @@ def quantized_calls(dtypes: tuple[torch.dtype, ...]) -> None:
         blocks = ggml.quantize(torch.randn(n, k), int(kind))
         for dtype in dtypes:
             w = pack(blocks, int(kind), k, torch.device("cpu"), dtype)
-            triton_quantized.product(torch.randn(x_rows, k, dtype=dtype), w)
+            for rows in (1, x_rows):      # a batch-1 decode's row count, which Triton makes a constant
+                triton_quantized.product(torch.randn(rows, k, dtype=dtype), w)
             triton_quantized.dequantize(w, torch.tensor([0, 5]))
 
 
@@ -88,7 +77,9 @@ def int4pack_calls(dtypes: tuple[torch.dtype, ...]) -> None:
                          dtype=torch.int32)
     for dtype in dtypes:
         scales_and_zeros = torch.zeros(k // triton_int4pack.GROUP, n, 2, dtype=dtype)
-        triton_int4pack.product(packed, scales_and_zeros, triton_int4pack.GROUP, torch.randn(3, k, dtype=dtype), 2)
+        for rows in (1, 3):
+            triton_int4pack.product(packed, scales_and_zeros, triton_int4pack.GROUP, torch.randn(rows, k, dtype=dtype),
+                                    2)
         triton_int4pack.dequantize(packed, scales_and_zeros, triton_int4pack.GROUP, torch.tensor([0, 1]),
                                    torch.empty(2, k, dtype=dtype))
 

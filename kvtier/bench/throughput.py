@@ -317,7 +317,7 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
     prompt = prompt_dtype(eng.config.torch_dtype, torch.device(args.device).type)
     prompt_rows = f", prompt rows in {str(prompt).removeprefix('torch.')}" if prompt != eng.config.torch_dtype else ""
     size = model_weight_bytes(eng.model) / 1e6
-    weights = (f"weights kept quantized ({eng.weights_mode}, {size:.0f} MB{prompt_rows}{decode_products(eng.model)})"
+    weights = (f"weights as stored ({size:.0f} MB{prompt_rows}{decode_products(eng.model)})"
                if eng.model.quantized else f"{eng.config.dtype} weights")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     machine = (f"{processors(args.device)}, {os.cpu_count()} cores, torch {torch.__version__}, transformers "

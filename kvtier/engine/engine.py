@@ -53,8 +53,8 @@ class LLMEngine:
         bind_thread(self.device)      # the thread that builds the engine captures its graphs and warms it up
         digests = digest_cache(config)
         path = resolve_model_path(config.model)
-        self.weights_mode = config.weights_mode(path)     # what load_model did with the weights (--quantize)
-        loaded = load_model(path, config.torch_dtype, digests, self.weights_mode, packs_weights(self.device))
+        loaded = load_model(path, config.torch_dtype, digests, config.weights_mode(path), packs_weights(self.device))
+        self.weights_mode = loaded.weights_mode     # what load_model did with the weights (--quantize)
         self.model_config = loaded.config
         self.model_name = loaded.name
         self.fingerprint = loaded.fingerprint

@@ -55,6 +55,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str          # short display name: the file stem or directory name
     fingerprint: str   # hex digest of the architecture and every weight byte, never of the path
+    weights_mode: str  # what was done with the weights: the quantize asked, "none" where "stored" kept nothing
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -84,7 +85,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, digest_cache: str 
         name = os.path.splitext(os.path.basename(path))[0]
     else:
         raise ValueError(f"no model at {path}: expected a Hugging Face directory or a .gguf file")
-    if any(isinstance(w, QuantizedWeight) for w in weights.values()):
+    kept = any(isinstance(w, QuantizedWeight) for w in weights.values())
+    if kept:
         # the K/V quantized weights compute differs a little from the float weights', and with the dtype in which
         # prompt rows multiply
         fingerprint = xxhash.xxh3_128_hexdigest(
@@ -93,7 +95,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, digest_cache: str 
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the embedding only "
                          f"{config.vocab_size} rows")
-    return LoadedModel(config, weights, tokenizer, name, fingerprint)
+    return LoadedModel(config, weights, tokenizer, name, fingerprint,
+                       quantize if kept or quantize != "stored" else "none")
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -193,9 +193,11 @@ def from_gguf_bytes(data: np.ndarray, ggml_type: int, out_features: int) -> Quan
 
 
 def from_16_bit(weight: torch.Tensor) -> QuantizedWeight:
-    """A checkpoint's bfloat16 or float16 matrix [out, in] as ggml's BF16 / F16 weight, over the same bytes."""
+    """A checkpoint's bfloat16 or float16 matrix [out, in] as ggml's BF16 / F16 weight: its bytes copied into
+    torch's (aligned) memory, out of the file map safetensors may hand them in."""
     ggml_type = {torch.bfloat16: ggml.BF16, torch.float16: ggml.F16}[weight.dtype]
-    return QuantizedWeight(ggml.aligned(weight.contiguous().view(torch.uint8)), ggml_type, weight.shape[1])
+    return QuantizedWeight(weight.view(torch.uint8).clone(memory_format=torch.contiguous_format), ggml_type,
+                           weight.shape[1])
 
 
 def concatenated(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
