@@ -41,8 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--quantize", choices=("auto", "none", "int8", "int4"),   # config.QUANTIZE_MODES, torch-free
                        help="weights: auto keeps a GGUF's quantized blocks as stored, multiplied through ggml on CPU "
                             "(float32) and kvtier's Triton kernels on CUDA, and on CPU a GGUF's and a checkpoint's "
-                            "16-bit matrices too; none dequantizes every weight to --dtype; int8/int4 quantize a checkpoint's "
-                            "projections at load (Q8_0/Q4_0, groups of 32; CPU) (default: auto)")
+                            "16-bit matrices too; none dequantizes every weight to --dtype; int8/int4 quantize a "
+                            "checkpoint's projections at load (Q8_0/Q4_0, groups of 32; CPU) (default: auto)")
     group.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16"),   # config.KV_CACHE_DTYPES
                        help="the KV cache's dtype: auto keeps --dtype's; float16 (CPU) halves the cache's memory, its "
                             "tiers' bytes and a long context's decode reads, as llama.cpp's default cache does "

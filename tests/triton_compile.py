@@ -6,9 +6,10 @@ other tests run the kernels on CPU) a kernel that would not compile can still co
 
     python tests/triton_compile.py [--quick]     # Triton's interpreter off
 
-compiles for sm_80 and sm_90 (A100, H100/H200) in each dtype served on CUDA (--quick: sm_90 in bfloat16, what the
-test suite runs), as Triton's launcher specializes each launch there, with its shared memory checked against the
-target's; prints one line per kernel and signature, and exits non-zero if any failed.
+compiles for sm_80 and sm_90 (A100, H100/H200) in each dtype served on CUDA, products of 1 and 3 rows (--quick:
+sm_90 in bfloat16, 1 row, what the test suite runs), as Triton's launcher specializes each launch there, with its
+shared memory checked against the target's; prints one line per kernel and signature, and exits non-zero if any
+failed.
 """
 from __future__ import annotations
 
@@ -60,31 +61,30 @@ def compiled(kernel: JITFunction, args: tuple, kwargs: dict, capability: int) ->
     return f"{kernel.fn.__name__} {shown} {sorted(set(signature.values()) - {'constexpr'})}"
 
 
-def quantized_calls(dtypes: tuple[torch.dtype, ...]) -> None:
-    x_rows, n, k = 3, 64, 256
+def quantized_calls(dtypes: tuple[torch.dtype, ...], rows: tuple[int, ...]) -> None:
+    n, k = 64, 256
     for kind in PACKED_TYPES:
         blocks = ggml.quantize(torch.randn(n, k), int(kind))
         for dtype in dtypes:
             w = pack(blocks, int(kind), k, torch.device("cpu"), dtype)
-            for rows in (1, x_rows):      # a batch-1 decode's row count, which Triton makes a constant
-                triton_quantized.product(torch.randn(rows, k, dtype=dtype), w)
+            for m in rows:
+                triton_quantized.product(torch.randn(m, k, dtype=dtype), w)
             triton_quantized.dequantize(w, torch.tensor([0, 5]))
 
 
-def int4pack_calls(dtypes: tuple[torch.dtype, ...]) -> None:
+def int4pack_calls(dtypes: tuple[torch.dtype, ...], rows: tuple[int, ...]) -> None:
     n, k = 2 * triton_int4pack.NT * 8, 2 * triton_int4pack.K_OUTER
     packed = torch.zeros(n // 8, k // triton_int4pack.K_OUTER, 32, triton_int4pack.INNER_K_TILES // 2,
                          dtype=torch.int32)
     for dtype in dtypes:
         scales_and_zeros = torch.zeros(k // triton_int4pack.GROUP, n, 2, dtype=dtype)
-        for rows in (1, 3):
-            triton_int4pack.product(packed, scales_and_zeros, triton_int4pack.GROUP, torch.randn(rows, k, dtype=dtype),
-                                    2)
+        for m in rows:
+            triton_int4pack.product(packed, scales_and_zeros, triton_int4pack.GROUP, torch.randn(m, k, dtype=dtype), 2)
         triton_int4pack.dequantize(packed, scales_and_zeros, triton_int4pack.GROUP, torch.tensor([0, 1]),
                                    torch.empty(2, k, dtype=dtype))
 
 
-def fused_calls(dtypes: tuple[torch.dtype, ...]) -> None:
+def fused_calls(dtypes: tuple[torch.dtype, ...], _) -> None:
     for dtype in dtypes:
         x = torch.randn(4, 2048, dtype=dtype)
         triton_fused.rms_norm(x, torch.ones(2048, dtype=dtype), 1e-6)
@@ -93,7 +93,7 @@ def fused_calls(dtypes: tuple[torch.dtype, ...]) -> None:
         triton_fused.rope(q, table, table)
 
 
-def attention_calls(dtypes: tuple[torch.dtype, ...]) -> None:
+def attention_calls(dtypes: tuple[torch.dtype, ...], _) -> None:
     heads, kv_heads, dim, block, slots = 32, 8, 128, 16, 256
     for dtype in dtypes:
         q, out = torch.randn(4, heads, dim, dtype=dtype), torch.empty(4, heads, dim, dtype=dtype)
@@ -107,9 +107,10 @@ def attention_calls(dtypes: tuple[torch.dtype, ...]) -> None:
         triton_attention.prefill(q, k_cache, v_cache, out, starts, query_lens, lens - 2, tables, 2, block, 0.1)
 
 
-def main(capabilities: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> int:
-    launches = recorded_launches(lambda: [calls(dtypes) for calls in (quantized_calls, int4pack_calls, fused_calls,
-                                                                       attention_calls)])
+def main(capabilities: tuple[int, ...], dtypes: tuple[torch.dtype, ...], rows: tuple[int, ...]) -> int:
+    """rows: of the products' launches (1, a batch-1 decode, which Triton makes a constant)."""
+    launches = recorded_launches(lambda: [calls(dtypes, rows) for calls in (quantized_calls, int4pack_calls,
+                                                                             fused_calls, attention_calls)])
     failed, seen = 0, set()
     for kernel, args, kwargs in launches:
         for capability in capabilities:
@@ -128,4 +129,4 @@ def main(capabilities: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> int:
 
 if __name__ == "__main__":
     quick = sys.argv[1:] == ["--quick"]
-    sys.exit(main((90,) if quick else (80, 90), (torch.bfloat16,) if quick else SERVED))
+    sys.exit(main((90,) if quick else (80, 90), (torch.bfloat16,) if quick else SERVED, (1,) if quick else (1, 3)))

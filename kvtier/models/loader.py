@@ -75,8 +75,9 @@ def resolve_model_path(model: str | None) -> str:
 def load_model(path: str, dtype: torch.dtype = torch.float32, digest_cache: str | None = None,
                quantize: str = "none", float_head: bool = False) -> LoadedModel:
     """digest_cache: a JSON file remembering weight files' digests (see digest.py). quantize: "none" (every weight
-    in dtype), "stored" (a GGUF file's quantized and 16-bit matrices, a checkpoint's 16-bit ones, kept as they are), or "int8"/"int4" (every projection
-    quantized at load, quantized.QUANTIZE_TYPES). float_head: an untied LM head stays in dtype under int8/int4."""
+    in dtype), "stored" (a GGUF file's quantized and 16-bit matrices, a checkpoint's 16-bit ones, kept as they
+    are), or "int8"/"int4" (every projection quantized at load, quantized.QUANTIZE_TYPES). float_head: an untied LM
+    head stays in dtype under int8/int4."""
     if os.path.isdir(path):
         config, weights, fingerprint = read_hf_dir(path, dtype, digest_cache, quantize, float_head)
         name = os.path.basename(os.path.abspath(path))
@@ -153,6 +154,7 @@ def fingerprint(config: ModelConfig, files: list[str], digest_cache: str | None)
 # ---- Hugging Face directory ----
 
 SIXTEEN_BIT = ("BF16", "F16")      # safetensors' dtypes of the matrices `stored` keeps as they are
+
 
 def read_hf_dir(path: str, dtype: torch.dtype, digest_cache: str | None = None,
                 quantize: str = "none", float_head: bool = False) -> tuple[ModelConfig, dict, str]:
@@ -276,8 +278,9 @@ def _ids(value) -> tuple[int, ...]:
 
 def read_gguf(path: str, dtype: torch.dtype, digest_cache: str | None = None,
               quantize: str = "none", float_head: bool = False) -> tuple[ModelConfig, dict, str]:
-    """quantize: stored keeps quantized matrices (and F16 / BF16 ones) as QuantizedWeight, as the file holds them; int8|int4 dequantizes each
-    and quantizes it again as it is read (LoadQuantizer); none dequantizes every tensor to dtype."""
+    """quantize: stored keeps quantized matrices (and F16 / BF16 ones) as QuantizedWeight, as the file holds them;
+    int8|int4 dequantizes each and quantizes it again as it is read (LoadQuantizer); none dequantizes every tensor
+    to dtype."""
     gguf = _open_gguf(path)
     tensors, rope_freqs = {}, None
     for t in gguf.tensors:

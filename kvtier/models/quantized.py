@@ -16,13 +16,15 @@ does not change with the traffic beside it:
   would alone (repacked.py); on CUDA a Triton kernel that dequantizes tiles in registers into the activations' dtype;
 - prompt rows: the weight dequantized, a slice at a time, for torch's product: on CUDA in the activations' dtype;
   on CPU in bfloat16 where the CPU has bfloat16 dot products (AVX512-BF16, AMX; `products.dequantized_dtype`),
-  else in float32 (F16 weights always in float32: bfloat16 would round their values). torch's float32 product multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0
-  kernels (the wheel's AVX2 build; Q4_K about even; `kvtier bench kernels`), its bfloat16 product about 2x faster
-  again: prefill 1.13-1.23x as fast as with float32 weights on a 2-core EPYC (two runs);
+  else in float32 (F16 weights always in float32: bfloat16 would round their values). torch's float32 product
+  multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0 kernels (the wheel's AVX2 build; Q4_K about
+  even; `kvtier bench kernels`), its bfloat16 product about 2x faster again: prefill 1.13-1.23x as fast as with
+  float32 weights on a 2-core EPYC (two runs);
 - a prompt's last token, on CPU (the row its first token is sampled from, cached or not): over
   the blocks to about float32's precision (`ggml.precise_product`: the row as the product rounds it, to 8 bits or
-  to a 16-bit weight's type, and what that rounding left out, side by side through ggml's product), in the layers and the LM head; in ggml's decode graph
-  (ggml_decoder.py) or, where a forward runs it op by op, through `GgmlWeight.precise_product`. A fully cached
+  to a 16-bit weight's type, and what that rounding left out, side by side through ggml's product), in the layers
+  and the LM head; in ggml's decode graph (ggml_decoder.py) or, where a forward runs it op by op, through
+  `GgmlWeight.precise_product`. A fully cached
   prompt dequantizes no weight: a 1024-token one's first token came 1.9-2.6x sooner than dequantizing every weight
   for its one row (eagerly; 2.4x sooner again in the graph), and its first-token logits sit 0.05-0.17% of the
   largest from the dequantized weights' (1.0-1.2% with the LM head's activations in 8 bits, as decode rows have
