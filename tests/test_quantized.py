@@ -3,7 +3,9 @@ decode steps as one ggml graph, each against the float32 path over the same weig
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -506,6 +508,14 @@ def test_quantized_weights_are_refused_where_no_kernel_runs_them():
         Config(quantize="q4")
     assert Config(device="cpu").weights_mode(BUNDLED_MODEL) == "stored"
     assert Config(device="cpu", dtype="bfloat16").weights_mode(BUNDLED_MODEL) == "none"
+
+
+def test_the_engine_says_how_it_keeps_the_weights(caplog):
+    """At start the log names the weights mode, their memory and the types their products take (as llama.cpp prints
+    its model's types and size)."""
+    with caplog.at_level(logging.INFO, logger="kvtier.engine"):
+        LLMEngine(Config(device="cpu", kv_pool_tokens=1024, kv_host_gib=0, kv_disk=False))
+    assert re.search(r"weights: stored, \d+ MB \(Q4_1, Q8_0\)", caplog.text), caplog.text
 
 
 @pytest.mark.integration

@@ -26,7 +26,7 @@ from kvtier.kv.keys import salt_root
 from kvtier.kv.pager import CAPTURE_ROWS, PinRefused
 from kvtier.models.decoder import Decoder, packs_weights
 from kvtier.models.loader import hf_config, load_model, resolve_model_path
-from kvtier.models.quantized import model_weight_bytes
+from kvtier.models.quantized import QuantizedLinear, model_weight_bytes
 from kvtier.spec.dflash import DFlashDrafter, dflash_weight_bytes
 from kvtier.spec.draft_model import DraftModel, load_draft, weight_bytes
 from kvtier.spec.speculator import Speculator
@@ -67,6 +67,9 @@ class LLMEngine:
         # before free memory sizes the pool
         self.model = Decoder.from_weights(loaded.config, loaded.weights, config.torch_dtype, self.device,
                                           positions=self.max_model_len)
+        kinds = sorted({p.type_name for m in self.model.modules() if isinstance(m, QuantizedLinear) for p in m.parts})
+        log.info("weights: %s, %.0f MB%s", self.weights_mode, model_weight_bytes(self.model) / 1e6,
+                 f" ({', '.join(kinds)})" if kinds else "")
         mc = loaded.config
         dflash = config.speculative == "dflash"
         draft = load_draft(config, loaded, self.max_model_len) if config.speculative == "draft" else None
