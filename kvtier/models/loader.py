@@ -162,12 +162,12 @@ def read_hf_dir(path: str, dtype: torch.dtype, digest_cache: str | None = None,
     QuantizedWeight, as the checkpoint holds them (a bfloat16 one in float32 would take twice its memory); else
     every tensor in dtype."""
     config = hf_config(path)
-    shapes, stored, files = {}, {}, _safetensors_files(path)
+    shapes, dtypes, files = {}, {}, _safetensors_files(path)
     for file in files:
         header = _safetensors_header(file)
         tensors = {n: t for n, t in header.items() if n != "__metadata__"}
         shapes |= {n: tuple(t["shape"]) for n, t in tensors.items() if not n.endswith("rotary_emb.inv_freq")}
-        stored |= {n: t["dtype"] for n, t in tensors.items()}
+        dtypes |= {n: t["dtype"] for n, t in tensors.items()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
     check_shapes(shapes, config, path)
@@ -179,7 +179,7 @@ def read_hf_dir(path: str, dtype: torch.dtype, digest_cache: str | None = None,
                 for name in f.keys():
                     if name not in shapes:
                         continue
-                    if quantize == "stored" and len(shapes[name]) == 2 and stored[name] in SIXTEEN_BIT:
+                    if quantize == "stored" and len(shapes[name]) == 2 and dtypes[name] in SIXTEEN_BIT:
                         weights[name] = from_16_bit(f.get_tensor(name))
                     else:
                         weights[name] = quantizer.take(name, shapes[name], functools.partial(f.get_tensor, name))

@@ -24,12 +24,11 @@ does not change with the traffic beside it:
   the blocks to about float32's precision (`ggml.precise_product`: the row as the product rounds it, to 8 bits or
   to a 16-bit weight's type, and what that rounding left out, side by side through ggml's product), in the layers
   and the LM head; in ggml's decode graph (ggml_decoder.py) or, where a forward runs it op by op, through
-  `GgmlWeight.precise_product`. A fully cached
-  prompt dequantizes no weight: a 1024-token one's first token came 1.9-2.6x sooner than dequantizing every weight
-  for its one row (eagerly; 2.4x sooner again in the graph), and its first-token logits sit 0.05-0.17% of the
-  largest from the dequantized weights' (1.0-1.2% with the LM head's activations in 8 bits, as decode rows have
-  them; a whole row in 8 bits, 2.5%, turned the bundled model's answer to "What is the capital of France?" away
-  from Paris).
+  `GgmlWeight.precise_product`. A fully cached prompt dequantizes no weight: a 1024-token one's first token came
+  1.9-2.6x sooner than dequantizing every weight for its one row (eagerly; 2.4x sooner again in the graph), and its
+  first-token logits sit 0.05-0.17% of the largest from the dequantized weights' (1.0-1.2% with the LM head's
+  activations in 8 bits, as decode rows have them; a whole row in 8 bits, 2.5%, turned the bundled model's answer
+  to "What is the capital of France?" away from Paris).
 `Decoder.forward` says which rows decode and which are a prompt's last token (`decoding`); the others are prompt
 rows. On CPU the decode rows' quantized activations and the prompt rows' bfloat16 round differently from
 float32's, so greedy output can differ from float32 weights' where two tokens nearly tie, and a prompt whose last
@@ -197,9 +196,8 @@ def from_gguf_bytes(data: np.ndarray, ggml_type: int, out_features: int) -> Quan
 def from_16_bit(weight: torch.Tensor) -> QuantizedWeight:
     """A checkpoint's bfloat16 or float16 matrix [out, in] as ggml's BF16 / F16 weight: its bytes copied into
     torch's (aligned) memory, out of the file map safetensors may hand them in."""
-    ggml_type = {torch.bfloat16: ggml.BF16, torch.float16: ggml.F16}[weight.dtype]
-    return QuantizedWeight(weight.view(torch.uint8).clone(memory_format=torch.contiguous_format), ggml_type,
-                           weight.shape[1])
+    return QuantizedWeight(weight.view(torch.uint8).clone(memory_format=torch.contiguous_format),
+                           ggml.TORCH_TYPES[weight.dtype], weight.shape[1])
 
 
 def concatenated(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:

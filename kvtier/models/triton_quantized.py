@@ -30,6 +30,12 @@ IQ4_NL_LOW, IQ4_NL_HIGH = tl.constexpr(0x766A5D4F3F2D1801), tl.constexpr(0x71594
 
 
 @triton.jit
+def _per_32(ptr, r, c, mask, stride):
+    """Each weight's block-of-32 value (a float16 scale or minimum), in float32."""
+    return tl.load(ptr + r * stride + c // 32, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
 def _fifth_bit(q, qh_ptr, r, c, mask, s_qh):
     """q with each weight's fifth bit from qh (byte j: weights 8j..8j+7, bit i of a byte weight 8j + i)."""
     high = tl.load(qh_ptr + r * s_qh + c // 8, mask=mask, other=0).to(tl.int32)
@@ -45,24 +51,23 @@ def _half(q_ptr, qh_ptr, d_ptr, dmin_ptr, sub_ptr, rows, start, mask, s_q, s_qh,
     r, c = rows[:, None], (start + j // 16 * 32 + 16 * HIGH + j % 16)[None, :]
     if TYPE == Q8_0:
         q = tl.load(q_ptr + r * s_q + c, mask=mask, other=0).to(tl.float32)
-        w = q * tl.load(d_ptr + r * s_d + c // 32, mask=mask, other=0).to(tl.float32)
+        w = q * _per_32(d_ptr, r, c, mask, s_d)
     else:
         nibbles = tl.load(q_ptr + r * s_q + (start // 2 + j)[None, :], mask=mask, other=0).to(tl.int32)
         q = (nibbles >> (4 * HIGH)) & 15
         if TYPE == Q4_0:
-            w = (q - 8).to(tl.float32) * tl.load(d_ptr + r * s_d + c // 32, mask=mask, other=0).to(tl.float32)
+            w = (q - 8).to(tl.float32) * _per_32(d_ptr, r, c, mask, s_d)
         elif TYPE == Q5_0:
             q = _fifth_bit(q, qh_ptr, r, c, mask, s_qh)
-            w = (q - 16).to(tl.float32) * tl.load(d_ptr + r * s_d + c // 32, mask=mask, other=0).to(tl.float32)
+            w = (q - 16).to(tl.float32) * _per_32(d_ptr, r, c, mask, s_d)
         elif TYPE == IQ4_NL:        # q picks one of 16 values
             table = tl.where(q < 8, IQ4_NL_LOW, IQ4_NL_HIGH)
             value = ((table >> ((q % 8) * 8).to(tl.int64)) & 255).to(tl.int32) - tl.where(q < 8, 128, 0)
-            w = value.to(tl.float32) * tl.load(d_ptr + r * s_d + c // 32, mask=mask, other=0).to(tl.float32)
+            w = value.to(tl.float32) * _per_32(d_ptr, r, c, mask, s_d)
         elif TYPE == Q4_1 or TYPE == Q5_1:
             if TYPE == Q5_1:
                 q = _fifth_bit(q, qh_ptr, r, c, mask, s_qh)
-            d = tl.load(d_ptr + r * s_d + c // 32, mask=mask, other=0).to(tl.float32)
-            w = q.to(tl.float32) * d + tl.load(dmin_ptr + r * s_dmin + c // 32, mask=mask, other=0).to(tl.float32)
+            w = q.to(tl.float32) * _per_32(d_ptr, r, c, mask, s_d) + _per_32(dmin_ptr, r, c, mask, s_dmin)
         elif TYPE == Q6_K:
             high = tl.load(qh_ptr + r * s_qh + c // 4, mask=mask, other=0).to(tl.int32)
             q = q | (((high >> (c % 4 * 2)) & 3) << 4)
