@@ -226,15 +226,15 @@ def test_a_prompts_last_token_in_a_ggml_step_multiplies_about_as_precisely_as_fl
                     reason="on CPU Triton's interpreter runs the CUDA kernels")
 def test_the_cuda_kernels_score_as_the_dequantized_weights(tmp_path, monkeypatch):
     """What CUDA runs (Triton's kernels over packed blocks), on CUDA or in Triton's interpreter: a decoder of mixed
-    types, one of them (Q3_K) without a kernel, and an untied LM head, against the float32 path over the same
+    types, one of them (IQ3_S) without a kernel, and an untied LM head, against the float32 path over the same
     weights dequantized (prompt rows in float32, as CUDA multiplies them in the activations' dtype)."""
     monkeypatch.setattr("kvtier.models.quantized.dequantized_dtype", lambda: torch.float32)
-    types = {"q_proj": Q.Q3_K, "o_proj": Q.Q5_0, "gate_proj": Q.Q4_1, "up_proj": Q.Q5_1, "down_proj": Q.IQ4_NL,
+    types = {"q_proj": Q.IQ3_S, "o_proj": Q.Q5_0, "gate_proj": Q.Q4_1, "up_proj": Q.Q5_1, "down_proj": Q.IQ4_NL,
              "embed_tokens": Q.Q8_0, "lm_head": Q.Q5_K}
     path = tiny_gguf(tmp_path / "m.gguf", qtype=Q.Q4_K, types=types)
     packed, float32 = decoder(path, quantized=True, packed=True, device=DEVICE), decoder(path, quantized=False,
                                                                                        device=DEVICE)
-    assert isinstance(packed.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)    # Q3_K beside Q4_K: dequantized
+    assert isinstance(packed.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)    # IQ3_S beside Q4_K: dequantized
     kinds = {name: [p.type_name for p in m.parts] for name, m in packed.named_modules()
              if isinstance(m, QuantizedLinear) and name.startswith("model.layers.0.")}
     assert kinds == {"model.layers.0.self_attn.o_proj": ["Q5_0"], "model.layers.0.mlp.gate_up_proj": ["Q4_1", "Q5_1"],

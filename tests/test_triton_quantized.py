@@ -24,8 +24,8 @@ OUT, IN = 72, 768       # outputs not a multiple of the kernels' tiles; three K-
 def test_each_type_dequantizes_to_the_files_weights_and_multiplies_by_them(qtype):
     blocks, weights = ggml_quantized(qtype, OUT, IN)
     packed = pack(blocks, int(qtype), IN, DEVICE, torch.float32)
-    # the file's bytes, Q4_K and Q5_K's scales a byte each
-    assert packed.nbytes == packed_bytes(int(qtype), blocks.numel()) <= 1.03 * blocks.numel()
+    # the file's bytes, sub-block scales a byte each (Q3_K: 114 bytes per 256 weights for 110)
+    assert packed.nbytes == packed_bytes(int(qtype), blocks.numel()) <= 1.04 * blocks.numel()
     ids = torch.tensor([5, 0, 71, 5, 33])
     assert torch.equal(packed.rows(ids).cpu(), weights[ids])
     gen = torch.Generator().manual_seed(1)
@@ -52,7 +52,7 @@ def test_half_precision_products_round_as_the_dequantized_weights_do(dtype):
 
 
 def test_types_without_a_kernel_are_refused():
-    blocks = ggml.quantize(torch.randn(4, 256), int(Q.Q3_K))
-    assert not packable(int(Q.Q3_K))
-    with pytest.raises(ValueError, match="Q3_K"):
-        pack(blocks, int(Q.Q3_K), 256, DEVICE, torch.float32)
+    blocks = ggml.quantize(torch.randn(4, 256), int(Q.IQ3_S))
+    assert not packable(int(Q.IQ3_S))
+    with pytest.raises(ValueError, match="IQ3_S"):
+        pack(blocks, int(Q.IQ3_S), 256, DEVICE, torch.float32)

@@ -4,17 +4,20 @@ A GGUF row interleaves each block's scales with its quants (18 bytes per 32 weig
 and every type orders its 4-bit quants its own way. The kernels want each field in an array of its own and one
 order for all, so `pack` splits the blocks once at load, on the device (the file's bytes, plus 4 bytes per 256
 weights where Q4_K and Q5_K's 6-bit sub-block scales are unpacked to one byte each):
-- q:    int8 [N, K] for Q8_0; else the low 4 bits of each quant, 16 bytes per 32 weights, byte i holding weight i
-        (low nibble) and weight i + 16 (high nibble), as Q4_0 does
-- qh:   Q5_0, Q5_1 and Q5_K's fifth bit (byte j: weights 8j..8j+7) or Q6_K's two high bits (byte j: weights
-        4j..4j+3)
-- d:    float16 scale per 32 weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) or per 256 (the K-quants)
-- dmin: float16 minimum: Q4_1's and Q5_1's per 32, Q4_K and Q5_K's per 256
-- sub:  Q4_K and Q5_K's sub-block scale and minimum per 32 (uint8 pairs), Q6_K's int8 scale per 16
+- q:    int8 [N, K] for Q8_0; Q2_K's and Q3_K's 2 low bits as the file holds them (per 128 weights 32 bytes, byte l
+        holding weights l, 32 + l, 64 + l, 96 + l from its low bits up); else the low 4 bits of each quant, 16
+        bytes per 32 weights, byte i holding weight i (low nibble) and weight i + 16 (high nibble), as Q4_0 does
+- qh:   Q5_0, Q5_1 and Q5_K's fifth bit (byte j: weights 8j..8j+7), Q6_K's two high bits (byte j: weights
+        4j..4j+3) or Q3_K's third bit as the file holds it (per 256 weights 32 bytes, byte l bit j: weight 32j + l)
+- d:    float16 scale per 32 weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) or per 256 (the K-quants, IQ4_XS)
+- dmin: float16 minimum: Q4_1's and Q5_1's per 32, Q2_K, Q4_K and Q5_K's per 256
+- sub:  Q4_K and Q5_K's sub-block scale and minimum per 32 (uint8 pairs), Q2_K's per 16 (a byte: scale in its low
+        nibble, minimum in its high one, as the file has them), Q3_K's and Q6_K's int8 scale per 16, IQ4_XS's per
+        32
 A weight is then Q8_0 d·q; Q4_0 d·(q−8); Q5_0 d·(q−16); Q4_1, Q5_1 d·q + dmin; IQ4_NL d·kvalues[q] (16 fixed
-values); Q4_K, Q5_K (d·sc)·q − dmin·m; Q6_K (d·sc)·(q−32). Q5_0, Q5_1 and IQ4_NL are what llama.cpp writes for
-Q4_K_M's, Q5_K_M's and the lower K-quants' matrices whose rows are not whole 256-weight blocks (SmolLM2's 576,
-Qwen2.5-0.5B's 896).
+values); IQ4_XS (d·sc)·kvalues[q]; Q2_K, Q4_K, Q5_K (d·sc)·q − dmin·m; Q3_K (d·sc)·(q−4); Q6_K (d·sc)·(q−32).
+Q5_0, Q5_1 and IQ4_NL are what llama.cpp writes for Q4_K_M's, Q5_K_M's and the lower K-quants' matrices whose rows
+are not whole 256-weight blocks (SmolLM2's 576, Qwen2.5-0.5B's 896).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-PACKED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q4_K, T.Q5_K, T.Q6_K)
+PACKED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.IQ4_XS, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 GROUP = 32      # weights per nibble group of q
 
 
@@ -70,14 +73,15 @@ def packable(ggml_type: int) -> bool:
     return ggml_type in PACKED_TYPES
 
 
+# bytes per 256 weights that packing adds: sub-block scales unpacked to a byte each (IQ4_XS's 8 from 6)
+_UNPACKED_SCALES = {T.Q4_K: 4, T.Q5_K: 4, T.Q3_K: 4, T.IQ4_XS: 2}
+
+
 def packed_bytes(ggml_type: int, nbytes: int) -> int:
-    """What GGUF blocks of nbytes take packed: Q4_K and Q5_K's sub-block scales take 16 bytes per 256 weights
-    where the blocks take 12."""
+    """What GGUF blocks of nbytes take packed: the file's bytes, plus what unpacking sub-block scales adds."""
     kind = T(ggml_type)
-    if kind not in (T.Q4_K, T.Q5_K):
-        return nbytes
     type_size = GGML_QUANT_SIZES[kind][1]
-    return nbytes // type_size * (type_size + 4)
+    return nbytes // type_size * (type_size + _UNPACKED_SCALES.get(kind, 0))
 
 
 def pack(blocks: torch.Tensor, ggml_type: int, in_features: int, device: torch.device,
@@ -100,6 +104,18 @@ def pack(blocks: torch.Tensor, ggml_type: int, in_features: int, device: torch.d
         q = b[..., at:].reshape(n, in_features // 2).contiguous()
         return PackedWeight(ggml_type, in_features, dtype, q, qh, half(0),
                             half(2) if kind in (T.Q4_1, T.Q5_1) else None, None)
+    if kind in (T.Q2_K, T.Q3_K):     # the 2-bit quants (and Q3_K's third bits) stay as the file has them
+        if kind == T.Q2_K:
+            return PackedWeight(ggml_type, in_features, dtype, b[..., 16:80].reshape(n, -1).contiguous(), None,
+                                half(80), half(82), b[..., :16].reshape(n, -1).contiguous())
+        return PackedWeight(ggml_type, in_features, dtype, b[..., 32:96].reshape(n, -1).contiguous(),
+                            b[..., :32].reshape(n, -1).contiguous(), half(108), None, _q3_k_scales(b[..., 96:108]))
+    if kind == T.IQ4_XS:             # d, 2 high bits of each 6-bit scale, their 4 low bits, nibbles as Q4_0's
+        low = torch.stack([b[..., 4:8] & 15, b[..., 4:8] >> 4], -1).reshape(n, -1, 8)
+        high = (b[..., 2:4].contiguous().view(torch.int16).to(torch.int32) >> torch.arange(0, 16, 2, device=device)) & 3
+        scales = (low.to(torch.int32) | (high << 4)) - 32
+        return PackedWeight(ggml_type, in_features, dtype, b[..., 8:].reshape(n, -1).contiguous(), None, half(0),
+                            None, scales.to(torch.int8).reshape(n, -1))
     if kind == T.Q6_K:
         quants = _q6_k(b[..., :192])
         hi = (quants >> 4).view(n, -1, 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=device)
@@ -118,6 +134,15 @@ def pack(blocks: torch.Tensor, ggml_type: int, in_features: int, device: torch.d
         bits = (quants >> 4).view(n, -1, 8) << torch.arange(8, dtype=torch.uint8, device=device)
         qh = bits.sum(-1, dtype=torch.uint8)
     return PackedWeight(ggml_type, in_features, dtype, _nibbles(quants), qh, half(0), half(2), sub.contiguous())
+
+
+def _q3_k_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Q3_K's 16 6-bit scales per 256 weights, less 32, as int8 [N, K / 16]: scale i's low 4 bits are byte i % 8's
+    nibble i // 8, its high 2 bits byte 8 + i % 4's bits 2 (i // 4) (llama.cpp's dequantize_row_q3_K)."""
+    n, i = scales.shape[0], torch.arange(16, device=scales.device)
+    low = (scales[..., i % 8].to(torch.int32) >> (4 * (i // 8))) & 15
+    high = (scales[..., 8 + i % 4].to(torch.int32) >> (2 * (i // 4))) & 3
+    return ((low | (high << 4)) - 32).to(torch.int8).reshape(n, -1)
 
 
 def _k_quants(qs: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Weights kept in GGUF's quantized blocks, and the decoder modules that multiply by them: on CPU through ggml, on
 CUDA through kvtier's Triton kernels (the blocks repacked once at load: packed.py, triton_quantized.py).
 
-A GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K (and on CPU ggml's other block types and
+A GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (and on CPU ggml's other block types and
 its F16 and BF16 matrices, which ggml multiplies as they are; on CUDA those are dequantized at load) stay as the
 file holds them, so the weights take about the file's memory (on CUDA an untied LM head that tinygemm does not
 take is kept in bfloat16, and Q4_0 / Q4_1 hold bfloat16 scales and zeros: int4pack.py);

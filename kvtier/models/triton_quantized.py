@@ -5,7 +5,7 @@ dequantized tile by tile in registers, never in memory.
   K, BLOCK_K weights a step: per output row it reads BLOCK_K / 2 consecutive bytes of nibbles (packed.py's layout:
   in each group of 32 weights, byte i holds weight i and weight i + 16), dequantizes the low nibbles and the high
   ones into x's dtype, and multiplies each half by the matching columns of x in a tl.dot. So W's bytes are read
-  once per BLOCK_M rows: a decode step reads 4.5-8.5 bits per weight where bfloat16 weights take 16. A row's sums
+  once per BLOCK_M rows: a decode step reads 2.6-8.5 bits per weight where bfloat16 weights take 16. A row's sums
   run in the same order whatever the other rows are, so its result does not depend on its batch.
 - `dequantize(w, ids)`: rows of W in its dtype: an embedding lookup, or a slice of W that cuBLAS then multiplies by
   prompt rows (many rows: a dense product is faster than one that dequantizes each tile once per 16 rows).
@@ -23,7 +23,8 @@ from kvtier.models.packed import PackedWeight
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 16, 128     # BLOCK_K: a multiple of 32 that divides the K-quants' 256
 # GGML's type numbers, as the kernels branch on them
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL = (tl.constexpr(t) for t in (2, 3, 6, 7, 8, 12, 13, 14, 20))
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = (
+    tl.constexpr(t) for t in (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23))
 # IQ4_NL's 16 values (llama.cpp's kvalues_iq4nl), a byte each, eight to an int64: the first eight + 128, the others
 # as they are (positive), so that both constants fit a signed int64
 IQ4_NL_LOW, IQ4_NL_HIGH = tl.constexpr(0x766A5D4F3F2D1801), tl.constexpr(0x7159453526190D01)
@@ -43,6 +44,19 @@ def _fifth_bit(q, qh_ptr, r, c, mask, s_qh):
 
 
 @triton.jit
+def _per_256(ptr, r, c, mask, stride):
+    """Each weight's block-of-256 float16 scale or minimum, in float32."""
+    return tl.load(ptr + r * stride + c // 256, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
+def _iq4_value(q):
+    """IQ4_NL's and IQ4_XS's value for each 4-bit quant (one of 16)."""
+    table = tl.where(q < 8, IQ4_NL_LOW, IQ4_NL_HIGH)
+    return ((table >> ((q % 8) * 8).to(tl.int64)) & 255).to(tl.int32) - tl.where(q < 8, 128, 0)
+
+
+@triton.jit
 def _half(q_ptr, qh_ptr, d_ptr, dmin_ptr, sub_ptr, rows, start, mask, s_q, s_qh, s_d, s_dmin, s_sub,
           TYPE: tl.constexpr, HIGH: tl.constexpr, BLOCK_K: tl.constexpr):
     """W[rows, k] in float32 for the weights of K-tile `start` that the low nibbles (HIGH 0) or the high ones
@@ -52,6 +66,19 @@ def _half(q_ptr, qh_ptr, d_ptr, dmin_ptr, sub_ptr, rows, start, mask, s_q, s_qh,
     if TYPE == Q8_0:
         q = tl.load(q_ptr + r * s_q + c, mask=mask, other=0).to(tl.float32)
         w = q * _per_32(d_ptr, r, c, mask, s_d)
+    elif TYPE == Q2_K or TYPE == Q3_K:      # 2-bit quants: weight 32j + l of 128 in bits 2j of byte l
+        two = tl.load(q_ptr + r * s_q + c // 128 * 32 + c % 32, mask=mask, other=0).to(tl.int32)
+        q = (two >> (c // 32 % 4 * 2)) & 3
+        if TYPE == Q2_K:
+            sub = tl.load(sub_ptr + r * s_sub + c // 16, mask=mask, other=0).to(tl.int32)
+            w = (_per_256(d_ptr, r, c, mask, s_d) * (sub & 15).to(tl.float32)) * q.to(tl.float32) \
+                - _per_256(dmin_ptr, r, c, mask, s_dmin) * (sub >> 4).to(tl.float32)
+        else:                               # the third bit: weight 32j + l of 256 in bit j of byte l
+            high = tl.load(qh_ptr + r * s_qh + c // 256 * 32 + c % 32, mask=mask, other=0).to(tl.int32)
+            q = q | (((high >> (c % 256 // 32)) & 1) << 2)
+            scale = _per_256(d_ptr, r, c, mask, s_d) * tl.load(sub_ptr + r * s_sub + c // 16, mask=mask,
+                                                                other=0).to(tl.float32)
+            w = scale * (q - 4).to(tl.float32)
     else:
         nibbles = tl.load(q_ptr + r * s_q + (start // 2 + j)[None, :], mask=mask, other=0).to(tl.int32)
         q = (nibbles >> (4 * HIGH)) & 15
@@ -61,9 +88,10 @@ def _half(q_ptr, qh_ptr, d_ptr, dmin_ptr, sub_ptr, rows, start, mask, s_q, s_qh,
             q = _fifth_bit(q, qh_ptr, r, c, mask, s_qh)
             w = (q - 16).to(tl.float32) * _per_32(d_ptr, r, c, mask, s_d)
         elif TYPE == IQ4_NL:        # q picks one of 16 values
-            table = tl.where(q < 8, IQ4_NL_LOW, IQ4_NL_HIGH)
-            value = ((table >> ((q % 8) * 8).to(tl.int64)) & 255).to(tl.int32) - tl.where(q < 8, 128, 0)
-            w = value.to(tl.float32) * _per_32(d_ptr, r, c, mask, s_d)
+            w = _iq4_value(q).to(tl.float32) * _per_32(d_ptr, r, c, mask, s_d)
+        elif TYPE == IQ4_XS:        # and a scale per 32
+            scale = _per_256(d_ptr, r, c, mask, s_d) * _per_32(sub_ptr, r, c, mask, s_sub)
+            w = scale * _iq4_value(q).to(tl.float32)
         elif TYPE == Q4_1 or TYPE == Q5_1:
             if TYPE == Q5_1:
                 q = _fifth_bit(q, qh_ptr, r, c, mask, s_qh)
@@ -71,14 +99,13 @@ def _half(q_ptr, qh_ptr, d_ptr, dmin_ptr, sub_ptr, rows, start, mask, s_q, s_qh,
         elif TYPE == Q6_K:
             high = tl.load(qh_ptr + r * s_qh + c // 4, mask=mask, other=0).to(tl.int32)
             q = q | (((high >> (c % 4 * 2)) & 3) << 4)
-            d = tl.load(d_ptr + r * s_d + c // 256, mask=mask, other=0).to(tl.float32)
-            scale = d * tl.load(sub_ptr + r * s_sub + c // 16, mask=mask, other=0).to(tl.float32)
+            scale = _per_256(d_ptr, r, c, mask, s_d) * tl.load(sub_ptr + r * s_sub + c // 16, mask=mask,
+                                                                other=0).to(tl.float32)
             w = scale * (q - 32).to(tl.float32)
         else:               # Q4_K, Q5_K
             if TYPE == Q5_K:
                 q = _fifth_bit(q, qh_ptr, r, c, mask, s_qh)
-            d = tl.load(d_ptr + r * s_d + c // 256, mask=mask, other=0).to(tl.float32)
-            dmin = tl.load(dmin_ptr + r * s_dmin + c // 256, mask=mask, other=0).to(tl.float32)
+            d, dmin = _per_256(d_ptr, r, c, mask, s_d), _per_256(dmin_ptr, r, c, mask, s_dmin)
             sc = tl.load(sub_ptr + r * s_sub + c // 32 * 2, mask=mask, other=0).to(tl.float32)
             m = tl.load(sub_ptr + r * s_sub + c // 32 * 2 + 1, mask=mask, other=0).to(tl.float32)
             w = (d * sc) * q.to(tl.float32) - dmin * m
