@@ -50,7 +50,7 @@ from torch import nn
 from kvtier.kv.pool import KVPool
 from kvtier.models import ggml
 from kvtier.models.decoder import Decoder, rope_inv_freq
-from kvtier.models.quantized import QuantizedEmbedding, QuantizedLinear
+from kvtier.models.quantized import Placed, QuantizedEmbedding, QuantizedLinear
 
 
 CONTEXT_STEP = 256      # context lengths a graph serves, rounded up: one graph holds 256 decode steps
@@ -165,15 +165,15 @@ class GgmlDecodeSteps:
             v_index[v_at:v_at + blocks.size * self.row] = (self.block_rows[:, None] + blocks).ravel()
             k_at, v_at = k_at + keys, v_at + blocks.size * self.row
 
-    def _linear(self, module: nn.Module) -> tuple[list[int], int | None]:
+    def _linear(self, module: nn.Module) -> tuple[list[Placed], int | None]:
         """A projection's ggml weights (its parts, stacked along the output) and bias."""
         parts = [p.placed(self.weights) for p in module.parts] if isinstance(module, QuantizedLinear) else \
-            [self._float(module.weight)]
+            [Placed(self._float(module.weight))]
         return parts, None if module.bias is None else self._float(module.bias)
 
     def _embedding(self, module: nn.Module) -> int:
         if isinstance(module, QuantizedEmbedding):
-            return module.weight.placed(self.weights)
+            return module.weight.placed_blocks(self.weights)
         return self._float(module.weight)
 
     def _float(self, tensor: torch.Tensor) -> int:
@@ -263,7 +263,7 @@ class _Step:
         """x, a layer's output, computed into its place among the step's features."""
         return self.ctx.place(self.features[self.steps.feature_layers.index(layer)], tensor=x)
 
-    def _project(self, x: int, linear: tuple[list[int], int | None], sizes: list[int]) -> list[int]:
+    def _project(self, x: int, linear: tuple[list[Placed], int | None], sizes: list[int]) -> list[int]:
         """x's product with a projection, cut into pieces of `sizes` output rows each (q/k/v, gate/up)."""
         parts, bias = linear
         ctx = self.ctx
@@ -277,17 +277,17 @@ class _Step:
             return ys
         return [ctx.op("add", y, ctx.op("view_2d", bias, n, 1, n * 4, int(a) * 4)) for y, a, n in zip(ys, offsets, sizes)]
 
-    def _product(self, weight: int, x: int) -> int:
+    def _product(self, weight: Placed, x: int) -> int:
         """weight's product with x [in, batch]: the precise rows' (the last) to about float32's precision, the
         others' as ggml's product over the blocks takes them (the activations in 8 bits, or a 16-bit weight's type)."""
         if not self.precise:
-            return self.ctx.op("mul_mat", weight, x)
+            return weight.product(self.ctx, x)
         ctx, plain = self.ctx, self.batch - self.precise
         (size, _, *_), (_, stride, *_) = ggml.shape(x)
-        last = ggml.precise_product(ctx, weight, ctx.op("view_2d", x, size, self.precise, stride, plain * stride))
+        last = weight.product(ctx, ctx.op("view_2d", x, size, self.precise, stride, plain * stride), precise=True)
         if not plain:
             return last
-        return ctx.op("concat", ctx.op("mul_mat", weight, ctx.op("view_2d", x, size, plain, stride, 0)), last, 1)
+        return ctx.op("concat", weight.product(ctx, ctx.op("view_2d", x, size, plain, stride, 0)), last, 1)
 
     def _heads(self, x: int, heads: int) -> int:
         """[heads * head_dim, batch] (maybe a view of a fused product) as [head_dim, heads, batch]."""

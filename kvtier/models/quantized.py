@@ -79,17 +79,40 @@ class _Roles:
     prompt: torch.Tensor | None         # the other prompt rows'
 
 
+@dataclass(frozen=True)
+class Placed:
+    """A weight's tensors in a ggml context (`GgmlWeight.placed`), and the ops of its products there."""
+    blocks: int
+
+    def product(self, ctx: ggml.Context, x: int, precise: bool = False) -> int:
+        """The weight times x [in, rows] (float32): as ggml's product over the blocks rounds x, or to about
+        float32's precision (`ggml.precise_product`)."""
+        return ggml.precise_product(ctx, self.blocks, x) if precise else ctx.op("mul_mat", self.blocks, x)
+
+
+def _product(ctx: ggml.Context, placed: Placed, x: int) -> int:
+    return placed.product(ctx, x)
+
+
+def _precise_product(ctx: ggml.Context, placed: Placed, x: int) -> int:
+    return placed.product(ctx, x, precise=True)
+
+
 class GgmlWeight:
-    """What a weight in ggml's blocks does through its `placed` tensor and its `rows`, in whichever layout it keeps
+    """What a weight in ggml's blocks does through its `placed` tensors and its `rows`, in whichever layout it keeps
     them (QuantizedWeight: the file's; repacked.RepackedWeight: ggml's interleaved one)."""
 
     @property
     def type_name(self) -> str:
         return GGMLQuantizationType(self.ggml_type).name
 
+    def placed(self, ctx: ggml.Context) -> Placed:
+        """The weight's tensors in ctx, for its products there."""
+        return Placed(self.placed_blocks(ctx))
+
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] float32 @ weight.T, through ggml."""
-        return weight_op("mul_mat", self, ggml.aligned(x), x.new_empty(x.shape[0], self.out_features),
+        return weight_op(_product, self, ggml.aligned(x), x.new_empty(x.shape[0], self.out_features),
                          torch.get_num_threads())
 
     def precise_product(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +127,7 @@ class GgmlWeight:
 
     def _precise_row(self, row: torch.Tensor) -> torch.Tensor:
         """row [1, in_features] @ weight.T precisely, through a graph built for the call."""
-        return weight_op(ggml.precise_product, self, ggml.aligned(row), row.new_empty(1, self.out_features),
+        return weight_op(_precise_product, self, ggml.aligned(row), row.new_empty(1, self.out_features),
                          torch.get_num_threads())
 
     def dequantized(self) -> torch.Tensor:
@@ -131,7 +154,7 @@ class QuantizedWeight(GgmlWeight):
     def nbytes(self) -> int:
         return self.blocks.numel()
 
-    def placed(self, ctx: ggml.Context) -> int:
+    def placed_blocks(self, ctx: ggml.Context) -> int:
         """The weight as a ggml tensor of ctx, over these blocks."""
         return ctx.place(self.blocks, self.ggml_type, (self.in_features, self.out_features))
 
@@ -150,7 +173,7 @@ class QuantizedWeight(GgmlWeight):
         key = ("precise_product", threads)
         if key not in self.plans:
             with torch.inference_mode(False):      # memory written in place in inference mode and out of it
-                self.plans[key] = ggml.Op(ggml.precise_product, self.placed, torch.empty(1, self.in_features),
+                self.plans[key] = ggml.Op(_precise_product, self.placed, torch.empty(1, self.in_features),
                                           torch.empty(1, self.out_features), threads)
         op = self.plans[key]
         op.x.copy_(row)
@@ -164,7 +187,7 @@ class QuantizedWeight(GgmlWeight):
         key = (first, len(out), out.data_ptr())
         if key not in self.plans:
             ids = torch.arange(first, first + len(out), dtype=torch.int32)
-            self.plans[key] = ggml.Op("get_rows", self.placed, ids, out, threads=1)
+            self.plans[key] = ggml.Op("get_rows", self.placed_blocks, ids, out, threads=1)
         return self.plans[key].compute()
 
 
@@ -209,9 +232,9 @@ def concatenated(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
 
 def weight_op(op: str | Callable, weight: GgmlWeight, x: torch.Tensor, out: torch.Tensor,
               threads: int) -> torch.Tensor:
-    """One ggml op of a weight and x (or the ops a function builds: `ggml.Op`), computed into out on ggml's
-    threadpool of `threads`, through a graph built for this call."""
-    planned = ggml.Op(op, weight.placed, x, out, threads)
+    """One ggml op of a weight's blocks and x, or the ops a function of (ctx, the weight `placed`, x) builds,
+    computed into out on ggml's threadpool of `threads`, through a graph built for this call."""
+    planned = ggml.Op(op, weight.placed_blocks if isinstance(op, str) else weight.placed, x, out, threads)
     try:
         return planned.compute()
     finally:

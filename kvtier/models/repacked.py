@@ -46,7 +46,7 @@ class RepackedWeight(GgmlWeight):
     def nbytes(self) -> int:
         return self.groups.numel()
 
-    def placed(self, ctx: ggml.Context) -> int:
+    def placed_blocks(self, ctx: ggml.Context) -> int:
         """The weight's ggml tensor, for ctx's ops (it lives in its own context, kept as long as ctx)."""
         ctx.hold(self)
         return self.tensor
