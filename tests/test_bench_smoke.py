@@ -139,9 +139,11 @@ def test_the_cuda_kernel_candidates_multiply_as_the_dense_product():
         expected |= {"kvtier tinygemm Q4_0", "split-K Triton Q4_0 (tinygemm's layout)"}
     assert set(found) >= expected
     want = x @ weights[0].T
+    # what rounding random weights to each type costs: 2 and 3 bits far more than 4 or 5
+    loose = {"Q2_K": 0.5, "Q3_K": 0.3, "Q4": 0.2, "Q5_0": 0.2, "Q5_1": 0.2}
     for name, (products, nbytes) in found.items():
         error = (products[0](x.to(device, dtype)).float().cpu() - want).abs().max() / want.abs().max()
-        assert error < (0.2 if "Q4" in name or "Q5_0" in name or "Q5_1" in name else 0.05), (name, error)
+        assert error < next((bound for kind, bound in loose.items() if kind in name), 0.05), (name, error)
         assert 0 < nbytes <= weights[0].numel() * 4
 
 
