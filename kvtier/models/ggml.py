@@ -69,7 +69,7 @@ _FUNCTIONS = {
     "ggml_new_tensor_4d": (_P, [_I, _I64, _I64, _I64, _I64]),
     "!ggml_nbytes": (_SZ, [_P]), "!ggml_row_size": (_SZ, [_I, _I64]),
     "!ggml_quantize_chunk": (_SZ, [_I, _P, _P, _I64, _I64, _I64, _P]),
-    "ggml_mul_mat": (_P, [_P, _P]), "ggml_add": (_P, [_P, _P]), "ggml_mul": (_P, [_P, _P]),
+    "ggml_mul_mat": (_P, [_P, _P]), "ggml_sum_rows": (_P, [_P]), "ggml_repeat": (_P, [_P, _P]), "ggml_add": (_P, [_P, _P]), "ggml_mul": (_P, [_P, _P]),
     "ggml_get_rows": (_P, [_P, _P]), "ggml_set_rows": (_P, [_P, _P, _P]), "ggml_rms_norm": (_P, [_P, _F]),
     "ggml_swiglu_split": (_P, [_P, _P]), "ggml_concat": (_P, [_P, _P, _I]),
     "ggml_reshape_2d": (_P, [_P, _I64, _I64]),
@@ -178,6 +178,26 @@ def precise_product(ctx: Context, weight: int, x: int) -> int:
     (out, rows, *_), (_, stride, *_) = shape(pairs)
     return ctx.op("add", *(ctx.op("view_2d", pairs, out, rows // 2, stride, half * rows // 2 * stride)
                            for half in (0, 1)))
+
+
+def block_sums_product(ctx: Context, weight: int, x: int) -> int:
+    """weight [out, in / 32] (float32) times the sums of x [in, rows]'s blocks of 32 (float32): [out, rows]. Taken as
+    a sum of outer products, which ggml runs as scaled adds of the weight's columns, its threads a row each; its dot
+    products over 18 sums (a 576-wide row's) took ~3x as long. One row's outputs are cut in a part per thread, so
+    that no thread waits. Each row comes out as it would alone."""
+    (size, rows, *_), (item, stride, *_) = shape(x)
+    if stride != size * item:       # a view of some rows' first values: its rows copied together
+        x = ctx.op("cont", x)
+    blocks = size // 32
+    sums = ctx.op("sum_rows", ctx.op("reshape_2d", x, 32, blocks * rows))     # [1, blocks * rows]
+    (out, *_), (_, weight_stride, *_) = shape(weight)
+    parts = ctx.lib.threads
+    if rows > 1 or parts == 1 or out % (32 * parts):     # (each part whole vectors, as the whole row takes them)
+        return ctx.op("out_prod", weight, ctx.op("permute", ctx.op("reshape_2d", sums, blocks, rows), 1, 0, 2, 3))
+    # [out / parts, blocks, parts] of the weight times the row's sums [1, blocks], repeated for each part
+    cut = ctx.op("view_3d", weight, out // parts, blocks, parts, weight_stride, out // parts * item, 0)
+    each = ctx.op("repeat", ctx.op("reshape_3d", sums, 1, blocks, 1), ctx.tensor(F32, 1, blocks, parts))
+    return ctx.op("reshape_2d", ctx.op("out_prod", cut, each), out, 1)
 
 
 def rounded_as_activations(ctx: Context, x: int, kind: int) -> int:
@@ -391,7 +411,7 @@ class Op:
 
     def __init__(self, op: str | Callable[[Context, int, int], int], weight, x: torch.Tensor, out: torch.Tensor,
                  threads: int):
-        built = 24 if callable(op) else 4     # the tensors it may make: the weight, x, out and the ops'
+        built = 32 if callable(op) else 4     # the tensors it may make: the weight, x, out and the ops'
         self.ctx = Context(threads, max_tensors=built, max_nodes=built)
         build = op if callable(op) else lambda ctx, w, x: ctx.op(op, w, x)
         try:

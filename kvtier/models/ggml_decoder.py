@@ -82,6 +82,8 @@ class GgmlDecodeSteps:
         self.layers = [self._layer(layer) for layer in model.model.layers]
         self.norm = self._float(model.model.norm.weight)
         self.lm_head = self._linear(model.lm_head)
+        self.shifted = any(part.shifts is not None for parts, _ in [self.lm_head] + [
+            layer[name] for layer in self.layers for name in ("qkv", "o", "gate_up", "down")] for part in parts)
         # per layer its K [slots, row] and its V transposed [row, slots] (in ggml's order of sizes, innermost first)
         self.caches = [(self.weights.place(pool.k_cache[i], ne=(self.row, self.num_slots)),
                         self.weights.place(pool.v_cache[i].permute(1, 2, 0), ne=(self.num_slots, self.row)))
@@ -211,8 +213,9 @@ class _Step:
         cfg, self.steps = steps.config, steps
         batch = sum(rows)
         self.batch, self.rows, self.layouts, self.precise = batch, rows, layouts, precise
-        # tensors per layer: ~40, ~12 per sequence's attention, and up to ~17 per weight (up to 7) for precise rows
-        size = (cfg.num_layers + 1) * (64 + 12 * batch + 112 * bool(precise))
+        # tensors per layer: ~40, ~12 per sequence's attention, up to ~17 per weight (up to 7) for precise rows,
+        # and up to 7 per product of a shifted weight (repacked.ShiftedWeight)
+        size = (cfg.num_layers + 1) * (64 + 12 * batch + 112 * bool(precise) + 56 * (1 + bool(precise)) * steps.shifted)
         ctx = self.ctx = ggml.Context(steps.weights.lib.threads, max_tensors=size, max_nodes=size)
         try:
             self._build()

@@ -67,6 +67,9 @@ DEQUANTIZED_BYTES = 64 << 20     # the most weight a prompt row's product dequan
 # scratch memory), which two engines' threads would otherwise write at once
 DEQUANTIZING = threading.Lock()
 _ROLES: contextvars.ContextVar[_Roles | None] = contextvars.ContextVar("roles", default=None)   # `decoding`
+# bumped when decode rows' products over the blocks change what they compute, so that KV saved before is a miss
+# (2: Q4_1 as Q4_0 plus shifts, repacked.py)
+DECODE_PRODUCTS = 2
 # `--quantize`: the block type of every projection; embeddings and the LM head take Q8_0 in both
 QUANTIZE_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
 
@@ -81,13 +84,17 @@ class _Roles:
 
 @dataclass(frozen=True)
 class Placed:
-    """A weight's tensors in a ggml context (`GgmlWeight.placed`), and the ops of its products there."""
+    """A weight's tensors in a ggml context (`GgmlWeight.placed`), and the ops of its products there: its blocks,
+    and where the weight is those blocks plus a shift per block of 32 weights (repacked.ShiftedWeight), the shifts
+    [out, in / 32] in float32."""
     blocks: int
+    shifts: int | None = None
 
     def product(self, ctx: ggml.Context, x: int, precise: bool = False) -> int:
         """The weight times x [in, rows] (float32): as ggml's product over the blocks rounds x, or to about
-        float32's precision (`ggml.precise_product`)."""
-        return ggml.precise_product(ctx, self.blocks, x) if precise else ctx.op("mul_mat", self.blocks, x)
+        float32's precision (`ggml.precise_product`); the shifts' part in float32 either way."""
+        y = ggml.precise_product(ctx, self.blocks, x) if precise else ctx.op("mul_mat", self.blocks, x)
+        return y if self.shifts is None else ctx.op("add", y, ggml.block_sums_product(ctx, self.shifts, x))
 
 
 def _product(ctx: ggml.Context, placed: Placed, x: int) -> int:

@@ -1,11 +1,20 @@
-"""Q4_0 weights in ggml's interleaved CPU_REPACK layout, where decode rows multiply faster.
+"""Q4_0 weights, and Q4_1 ones as Q4_0 plus a shift per block, in ggml's interleaved CPU_REPACK layout, where decode
+rows multiply faster.
 
 ggml multiplies a weight whose rows it has interleaved eight at a time (`block_q4_0x8`: eight rows' scales, then
 their quants in 8-byte turns) by up to four activation rows at once, unpacking each block once for all of them:
 1.3-1.45x as fast as the file's layout at one row, 1.6-2x at eight (`kvtier bench kernels`). Its one-row and
 multi-row kernels round a row alike, so a row's logits still do not depend on what else is in its step; Q4_K's
 repacked kernels do not (a row rounds by its batch), so Q4_K keeps the file's layout, as do the types ggml has no
-layout for on this CPU (Q4_1, Q8_0, Q6_K with AVX2).
+layout for on this CPU (Q8_0, Q6_K with AVX2).
+
+Q4_1 has no such layout, and its product over the file's blocks (vec_dot_q4_1_q8_1, a row at a time) bounded the
+bundled model's decode. But Q4_1's weight d·q + m is Q4_0's d·(q − 8) with the same scale and quants, plus 8d + m:
+`ShiftedWeight` keeps those Q4_0 blocks interleaved and the shifts in float32 (4 bytes per 32 weights: 1.1x the
+file's bytes), and its product is the Q4_0 one plus the shifts times x's sums per block of 32, which ggml takes in
+float32 (`ggml.block_sums_product`): the bundled model's four projections took 0.76x the time at one row and 0.57x
+at nine. The shifts' part adds x exactly where Q4_1's kernel adds the block sums of x rounded to 8 bits, in
+float16.
 
 The repacked copy is the weight's only one, so weights take the file's memory: prompt rows, which dequantize the
 weight for torch's product, get its rows back in the file's layout (`plain`) for the slice they dequantize. At load
@@ -21,11 +30,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvtier.models import ggml
-from kvtier.models.quantized import DEQUANTIZING, GgmlWeight, QuantizedWeight
+from kvtier.models.quantized import DEQUANTIZING, GgmlWeight, Placed, QuantizedWeight
 
 GROUP_ROWS = 8                                      # rows ggml interleaves
-Q4_0 = GGMLQuantizationType.Q4_0
-_SCALE_BYTES, _QUANT_BYTES = 2, 16                  # a Q4_0 block: float16 scale, 32 4-bit quants
+Q4_0, Q4_1 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1
+_SCALE_BYTES, _QUANT_BYTES = 2, 16                  # a Q4_0 block: float16 scale, 32 4-bit quants (Q4_1: a minimum too)
+BLOCK = GGML_QUANT_SIZES[Q4_0][0]                   # weights per block
 _TURN = 8                                           # bytes of a row's quants per turn in an interleaved block
 # ggml flips each 4-bit quant's high bit when it interleaves: 0x88 in every byte of an int64 turn
 _FLIPPED = torch.tensor(int.from_bytes(b"\x88" * 8, "little", signed=True), dtype=torch.int64)
@@ -38,7 +48,7 @@ class RepackedWeight(GgmlWeight):
         self.ctx, self.tensor = ctx, tensor
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, out_features
         # [groups of 8 rows, blocks per row, 8 scales then 8 rows' quants]
-        self.groups = ggml.memory(tensor).view(out_features // GROUP_ROWS, in_features // GGML_QUANT_SIZES[Q4_0][0],
+        self.groups = ggml.memory(tensor).view(out_features // GROUP_ROWS, in_features // BLOCK,
                                                GROUP_ROWS * (_SCALE_BYTES + _QUANT_BYTES))
         weakref.finalize(self, ctx.close)
 
@@ -80,6 +90,30 @@ class RepackedWeight(GgmlWeight):
         return out.view(torch.uint8).view(n * GROUP_ROWS, -1)
 
 
+class ShiftedWeight(GgmlWeight):
+    """A Q4_1 weight [out_features, in_features] as Q4_0 blocks of its scales and quants, interleaved, and its shifts
+    8d + m per block (module doc)."""
+    ggml_type = Q4_1
+
+    def __init__(self, base: RepackedWeight, shifts: torch.Tensor):
+        self.base = base
+        self.shifts = shifts        # float32 [in_features / 32, out_features]: ggml's [out, blocks]
+        self.in_features, self.out_features = base.in_features, base.out_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.base.nbytes + self.shifts.numel() * self.shifts.element_size()
+
+    def placed(self, ctx: ggml.Context) -> Placed:
+        return Placed(self.base.placed_blocks(ctx), ctx.place(self.shifts))
+
+    def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int = 1) -> torch.Tensor:
+        """Rows of the weight, dequantized: the Q4_0 blocks' rows plus their shifts."""
+        out = self.base.rows(ids, out, threads)
+        out.view(len(ids), -1, BLOCK).add_(self.shifts.T[ids.long()].unsqueeze(-1))
+        return out
+
+
 _SCRATCH: dict[str, torch.Tensor] = {}     # memory `plain` reuses, by name
 
 
@@ -90,18 +124,31 @@ def _scratch(name: str, nbytes: int) -> torch.Tensor:
     return _SCRATCH[name][:nbytes]
 
 
-def repacked(weight: QuantizedWeight) -> QuantizedWeight | RepackedWeight:
-    """The weight in ggml's interleaved layout where that is Q4_0's and rounds rows alike (module doc); else itself."""
+def repacked(weight: QuantizedWeight) -> QuantizedWeight | RepackedWeight | ShiftedWeight:
+    """The weight in ggml's interleaved layout where that is Q4_0's, or Q4_1's as Q4_0 and shifts, and rounds rows
+    alike (module doc); else itself."""
     threads = torch.get_num_threads()
-    if weight.ggml_type != Q4_0 or weight.out_features % GROUP_ROWS or not _rounds_rows_alike(threads):
+    if weight.ggml_type not in (Q4_0, Q4_1) or weight.out_features % GROUP_ROWS or not _rounds_rows_alike(threads):
         return weight
-    packed = _interleaved(weight, threads)
+    blocks, shifts = _as_q4_0(weight.blocks) if weight.ggml_type == Q4_1 else (weight.blocks, None)
+    packed = _interleaved(QuantizedWeight(blocks, Q4_0, weight.in_features), threads)
     ends = torch.tensor([0, weight.out_features // GROUP_ROWS - 1])
     # another interleaving than block_q4_0x8's (another ggml, another CPU) would not come back as the file's blocks
     with DEQUANTIZING:      # `plain` writes memory that prompt products share
         same = packed is not None and torch.equal(
-            packed.plain(ends), weight.blocks.view(-1, GROUP_ROWS, weight.blocks.shape[1])[ends].flatten(0, 1))
-    return packed if same else weight
+            packed.plain(ends), blocks.view(-1, GROUP_ROWS, blocks.shape[1])[ends].flatten(0, 1))
+    if not same:
+        return weight
+    return packed if shifts is None else ShiftedWeight(packed, shifts)
+
+
+def _as_q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1 blocks (uint8 [out, bytes per row]) as Q4_0 blocks of the same scales and quants, and the shifts 8d + m
+    (float32 [blocks per row, out])."""
+    b = blocks.view(len(blocks), -1, 2 * _SCALE_BYTES + _QUANT_BYTES)
+    d, m = (b[..., at:at + _SCALE_BYTES].contiguous().view(torch.float16).squeeze(-1).float() for at in (0, 2))
+    q4_0 = torch.cat([b[..., :_SCALE_BYTES], b[..., 2 * _SCALE_BYTES:]], -1).reshape(len(blocks), -1)
+    return q4_0, (8 * d + m).T.contiguous()
 
 
 def _interleaved(weight: QuantizedWeight, threads: int) -> RepackedWeight | None:
