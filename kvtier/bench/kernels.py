@@ -25,7 +25,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish
 from kvtier.models import ggml, triton_int4pack
@@ -88,7 +88,7 @@ def cuda_candidates(weights: list[torch.Tensor], device: torch.device, dtype: to
     dense = [w.to(device, dtype) for w in weights]
     found = {DENSE: ([lambda x, w=w: F.linear(x, w) for w in dense], dense[0].numel() * dtype.itemsize)}
     for kind in PACKED_TYPES:
-        if in_features % 256 and kind.name.endswith("_K"):
+        if in_features % GGML_QUANT_SIZES[kind][0]:     # rows not whole blocks (the K-quants', IQ4_XS's 256)
             continue
         packed = [pack(ggml.quantize(w, int(kind)), int(kind), in_features, device, dtype) for w in weights]
         found[f"kvtier Triton {kind.name}"] = ([lambda x, p=p: p.product(x) for p in packed], packed[0].nbytes)

@@ -224,7 +224,7 @@ class Decoder(nn.Module):
     def from_weights(cls, cfg: ModelConfig, weights: dict, dtype: torch.dtype, device: torch.device,
                      packed: bool | None = None, positions: int = 0) -> "Decoder":
         """Build on the meta device, then adopt the checkpoint tensors (no random init, no copy twice). Quantized
-        weights replace their modules with quantized ones: ggml's blocks on CPU (float32 activations; Q4_0
+        weights replace their modules with quantized ones: ggml's blocks on CPU (float32 activations; Q4_0 and Q4_1
         projections interleaved as ggml's faster kernels want them: repacked.py), packed for Triton's kernels
         elsewhere (packed=True takes those on CPU too, in Triton's interpreter: how the tests check them). There, a
         block type no kernel multiplies (and a GGUF's F16 / BF16 matrix) is dequantized to dtype, and so is an

@@ -69,7 +69,8 @@ _FUNCTIONS = {
     "ggml_new_tensor_4d": (_P, [_I, _I64, _I64, _I64, _I64]),
     "!ggml_nbytes": (_SZ, [_P]), "!ggml_row_size": (_SZ, [_I, _I64]),
     "!ggml_quantize_chunk": (_SZ, [_I, _P, _P, _I64, _I64, _I64, _P]),
-    "ggml_mul_mat": (_P, [_P, _P]), "ggml_sum_rows": (_P, [_P]), "ggml_repeat": (_P, [_P, _P]), "ggml_add": (_P, [_P, _P]), "ggml_mul": (_P, [_P, _P]),
+    "ggml_mul_mat": (_P, [_P, _P]), "ggml_add": (_P, [_P, _P]), "ggml_mul": (_P, [_P, _P]),
+    "ggml_sum_rows": (_P, [_P]), "ggml_repeat_4d": (_P, [_P, _I64, _I64, _I64, _I64]),
     "ggml_get_rows": (_P, [_P, _P]), "ggml_set_rows": (_P, [_P, _P, _P]), "ggml_rms_norm": (_P, [_P, _F]),
     "ggml_swiglu_split": (_P, [_P, _P]), "ggml_concat": (_P, [_P, _P, _I]),
     "ggml_reshape_2d": (_P, [_P, _I64, _I64]),
@@ -186,8 +187,8 @@ def block_sums_product(ctx: Context, weight: int, x: int) -> int:
     products over 18 sums (a 576-wide row's) took ~3x as long. One row's outputs are cut in a part per thread, so
     that no thread waits. Each row comes out as it would alone."""
     (size, rows, *_), (item, stride, *_) = shape(x)
-    if stride != size * item:       # a view of some rows' first values: its rows copied together
-        x = ctx.op("cont", x)
+    if stride != size * item:       # ggml would abort the process at the reshape below
+        raise ValueError("block sums need x's rows whole and side by side")
     blocks = size // 32
     sums = ctx.op("sum_rows", ctx.op("reshape_2d", x, 32, blocks * rows))     # [1, blocks * rows]
     (out, *_), (_, weight_stride, *_) = shape(weight)
@@ -196,7 +197,7 @@ def block_sums_product(ctx: Context, weight: int, x: int) -> int:
         return ctx.op("out_prod", weight, ctx.op("permute", ctx.op("reshape_2d", sums, blocks, rows), 1, 0, 2, 3))
     # [out / parts, blocks, parts] of the weight times the row's sums [1, blocks], repeated for each part
     cut = ctx.op("view_3d", weight, out // parts, blocks, parts, weight_stride, out // parts * item, 0)
-    each = ctx.op("repeat", ctx.op("reshape_3d", sums, 1, blocks, 1), ctx.tensor(F32, 1, blocks, parts))
+    each = ctx.op("repeat_4d", ctx.op("reshape_3d", sums, 1, blocks, 1), 1, blocks, parts, 1)
     return ctx.op("reshape_2d", ctx.op("out_prod", cut, each), out, 1)
 
 

@@ -214,8 +214,9 @@ class _Step:
         batch = sum(rows)
         self.batch, self.rows, self.layouts, self.precise = batch, rows, layouts, precise
         # tensors per layer: ~40, ~12 per sequence's attention, up to ~17 per weight (up to 7) for precise rows,
-        # and up to 7 per product of a shifted weight (repacked.ShiftedWeight)
-        size = (cfg.num_layers + 1) * (64 + 12 * batch + 112 * bool(precise) + 56 * (1 + bool(precise)) * steps.shifted)
+        # and up to 9 per product of a shifted weight (repacked.ShiftedWeight)
+        shifted = 63 * (1 + bool(precise)) * steps.shifted
+        size = (cfg.num_layers + 1) * (64 + 12 * batch + 112 * bool(precise) + shifted)
         ctx = self.ctx = ggml.Context(steps.weights.lib.threads, max_tensors=size, max_nodes=size)
         try:
             self._build()

@@ -3,7 +3,7 @@
 A GGUF row interleaves each block's scales with its quants (18 bytes per 32 weights for Q4_0, 210 per 256 for Q6_K),
 and every type orders its 4-bit quants its own way. The kernels want each field in an array of its own and one
 order for all, so `pack` splits the blocks once at load, on the device (the file's bytes, plus 4 bytes per 256
-weights where Q4_K and Q5_K's 6-bit sub-block scales are unpacked to one byte each):
+weights where Q3_K's, Q4_K's and Q5_K's 6-bit sub-block scales are unpacked to one byte each, 2 for IQ4_XS's):
 - q:    int8 [N, K] for Q8_0; Q2_K's and Q3_K's 2 low bits as the file holds them (per 128 weights 32 bytes, byte l
         holding weights l, 32 + l, 64 + l, 96 + l from its low bits up); else the low 4 bits of each quant, 16
         bytes per 32 weights, byte i holding weight i (low nibble) and weight i + 16 (high nibble), as Q4_0 does

@@ -1,10 +1,11 @@
 """Weights kept in GGUF's quantized blocks, and the decoder modules that multiply by them: on CPU through ggml, on
 CUDA through kvtier's Triton kernels (the blocks repacked once at load: packed.py, triton_quantized.py).
 
-A GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (and on CPU ggml's other block types and
-its F16 and BF16 matrices, which ggml multiplies as they are; on CUDA those are dequantized at load) stay as the
-file holds them, so the weights take about the file's memory (on CUDA an untied LM head that tinygemm does not
-take is kept in bfloat16, and Q4_0 / Q4_1 hold bfloat16 scales and zeros: int4pack.py);
+A GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (and on CPU ggml's other
+block types and its F16 and BF16 matrices, which ggml multiplies as they are; on CUDA those are dequantized at load)
+stay as the file holds them, so the weights take about the file's memory (on CPU Q4_1 1.1x it, as Q4_0 plus shifts:
+repacked.py; on CUDA an untied LM head that tinygemm does not take is kept in bfloat16, and Q4_0 / Q4_1 hold
+bfloat16 scales and zeros: int4pack.py);
 `--quantize int8|int4` makes Q8_0 or Q4_0 blocks (weight-only, groups of 32) of a float checkpoint the same way.
 
 Which product a row gets depends on its token's role, never on what else is in the step, so a sequence's output
@@ -12,8 +13,9 @@ does not change with the traffic beside it:
 - decode rows: a product over the blocks, which reads 4-8x fewer bytes than float weights. On CPU ggml's (the
   activations quantized to 8 bits per block of 32, as llama.cpp does; over F16 and BF16 weights rounded to that
   type, where a value past float16's 65504 overflows as in llama.cpp), whole decode steps as one ggml graph
-  (ggml_decoder.py), Q4_0 projections in ggml's interleaved layout, whose multi-row kernel rounds each row as it
-  would alone (repacked.py); on CUDA a Triton kernel that dequantizes tiles in registers into the activations' dtype;
+  (ggml_decoder.py), Q4_0 projections (and Q4_1 ones, as Q4_0 plus a shift per block) in ggml's interleaved
+  layout, whose multi-row kernel rounds each row as it would alone (repacked.py); on CUDA a Triton kernel that
+  dequantizes tiles in registers into the activations' dtype;
 - prompt rows: the weight dequantized, a slice at a time, for torch's product: on CUDA in the activations' dtype;
   on CPU in bfloat16 where the CPU has bfloat16 dot products (AVX512-BF16, AMX; `products.dequantized_dtype`),
   else in float32 (F16 weights always in float32: bfloat16 would round their values). torch's float32 product
@@ -107,7 +109,8 @@ def _precise_product(ctx: ggml.Context, placed: Placed, x: int) -> int:
 
 class GgmlWeight:
     """What a weight in ggml's blocks does through its `placed` tensors and its `rows`, in whichever layout it keeps
-    them (QuantizedWeight: the file's; repacked.RepackedWeight: ggml's interleaved one)."""
+    them (QuantizedWeight: the file's; repacked.RepackedWeight: ggml's interleaved one; repacked.ShiftedWeight: Q4_1
+    as an interleaved Q4_0 weight plus shifts)."""
 
     @property
     def type_name(self) -> str:

@@ -16,10 +16,11 @@ float32 (`ggml.block_sums_product`): the bundled model's four projections took 0
 at nine. The shifts' part adds x exactly where Q4_1's kernel adds the block sums of x rounded to 8 bits, in
 float16.
 
-The repacked copy is the weight's only one, so weights take the file's memory: prompt rows, which dequantize the
-weight for torch's product, get its rows back in the file's layout (`plain`) for the slice they dequantize. At load
-a weight is repacked only where that round trip gives back its blocks and (once per process) where the
-repacked product rounds a row alike alone and among others; else it keeps the file's layout.
+The repacked copy is the weight's only one, so weights take the file's memory (Q4_1 1.1x it, with its shifts):
+prompt rows, which dequantize the weight for torch's product, get its rows back in the file's layout (`plain`) for
+the slice they dequantize. At load a weight is repacked only where that round trip gives back its blocks and (once
+per process) where the repacked product rounds a row alike alone and among others; else it keeps the file's
+layout.
 """
 from __future__ import annotations
 
@@ -64,29 +65,36 @@ class RepackedWeight(GgmlWeight):
     def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int = 1) -> torch.Tensor:
         """Rows of the weight, dequantized (QuantizedWeight.rows) from the groups that hold them, put back in the
         file's layout (under quantized.DEQUANTIZING, as prompt products call it: `plain` writes shared memory)."""
-        ids = ids.long()
-        groups, local = torch.unique(ids // GROUP_ROWS, return_inverse=True)
-        plain = QuantizedWeight(self.plain(groups), self.ggml_type, self.in_features)
-        return plain.rows(local * GROUP_ROWS + ids % GROUP_ROWS, out, threads)
+        groups, local = _groups(ids)
+        return QuantizedWeight(self.plain(groups), self.ggml_type, self.in_features).rows(local, out, threads)
 
-    def plain(self, groups: torch.Tensor) -> torch.Tensor:
+    def plain(self, groups: torch.Tensor, shifts: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks of the given groups' rows (ascending) in the file's layout: uint8 [8 * len(groups), bytes per
         row], valid until the next call (its memory is reused: fresh memory would cost its page faults each
         prompt). A group's interleaved block is 8 scales, then 16 turns of 8 quant bytes, turn t row t % 8's bytes
-        8 * (t // 8) onwards: the turns move as int64s, the flipped bits flipped back in the same pass."""
+        8 * (t // 8) onwards: the turns move as int64s, the flipped bits flipped back in the same pass. shifts: a
+        ShiftedWeight's, float32 [blocks per row, out_features]: Q4_1 blocks then, each with its minimum 8d less
+        than its shift."""
         first, last = groups[0].item(), groups[-1].item()
-        g = self.groups[first:last + 1] if last - first + 1 == len(groups) else self.groups[groups]
+        whole = last - first + 1 == len(groups)
+        g = self.groups[first:last + 1] if whole else self.groups[groups]
         n, blocks = g.shape[:2]
         turns_per_row = _QUANT_BYTES // _TURN
-        block_words = (_SCALE_BYTES + _QUANT_BYTES) // 2
+        scale_words = 1 if shifts is None else 2        # Q4_1's minimum after the scale
+        block_words = scale_words + _QUANT_BYTES // 2
         out = _scratch("blocks", n * GROUP_ROWS * blocks * block_words * 2).view(torch.int16).view(
             n, GROUP_ROWS, blocks, block_words)
         out[..., 0] = g.view(torch.int16)[..., :GROUP_ROWS].transpose(1, 2)
+        if shifts is not None:
+            held = shifts[:, first * GROUP_ROWS:(last + 1) * GROUP_ROWS] if whole else \
+                shifts[:, (groups[:, None] * GROUP_ROWS + torch.arange(GROUP_ROWS)).flatten()]
+            scales = out[..., 0].view(torch.float16).float().view(n * GROUP_ROWS, blocks)
+            out[..., 1] = (held.T - 8 * scales).half().view(torch.int16).view(n, GROUP_ROWS, blocks)
         turns = g.view(torch.int64)[..., GROUP_ROWS * _SCALE_BYTES // 8:].view(n, blocks, turns_per_row, GROUP_ROWS)
         rows = _scratch("turns", n * GROUP_ROWS * blocks * _QUANT_BYTES).view(torch.int64).view(
             n, GROUP_ROWS, blocks, turns_per_row)
         torch.bitwise_xor(turns.permute(0, 3, 1, 2), _FLIPPED, out=rows)
-        out[..., 1:] = rows.view(torch.int16)
+        out[..., scale_words:] = rows.view(torch.int16)
         return out.view(torch.uint8).view(n * GROUP_ROWS, -1)
 
 
@@ -108,10 +116,18 @@ class ShiftedWeight(GgmlWeight):
         return Placed(self.base.placed_blocks(ctx), ctx.place(self.shifts))
 
     def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int = 1) -> torch.Tensor:
-        """Rows of the weight, dequantized: the Q4_0 blocks' rows plus their shifts."""
-        out = self.base.rows(ids, out, threads)
-        out.view(len(ids), -1, BLOCK).add_(self.shifts.T[ids.long()].unsqueeze(-1))
-        return out
+        """Rows of the weight, dequantized from the file's Q4_1 blocks, put back from the groups that hold them
+        (`RepackedWeight.plain`: each block's minimum m = shift − 8d, exact by `_as_q4_0`)."""
+        groups, local = _groups(ids)
+        plain = self.base.plain(groups, self.shifts)
+        return QuantizedWeight(plain, Q4_1, self.in_features).rows(local, out, threads)
+
+
+def _groups(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The groups of 8 rows that hold rows `ids` (ascending, once each), and each id's place among their rows."""
+    ids = ids.long()
+    groups, which = torch.unique(ids // GROUP_ROWS, return_inverse=True)
+    return groups, which * GROUP_ROWS + ids % GROUP_ROWS
 
 
 _SCRATCH: dict[str, torch.Tensor] = {}     # memory `plain` reuses, by name
@@ -128,9 +144,12 @@ def repacked(weight: QuantizedWeight) -> QuantizedWeight | RepackedWeight | Shif
     """The weight in ggml's interleaved layout where that is Q4_0's, or Q4_1's as Q4_0 and shifts, and rounds rows
     alike (module doc); else itself."""
     threads = torch.get_num_threads()
-    if weight.ggml_type not in (Q4_0, Q4_1) or weight.out_features % GROUP_ROWS or not _rounds_rows_alike(threads):
+    if weight.ggml_type not in (Q4_0, Q4_1) or weight.out_features % GROUP_ROWS or \
+            not _rounds_rows_alike(threads, shifted=weight.ggml_type == Q4_1):
         return weight
     blocks, shifts = _as_q4_0(weight.blocks) if weight.ggml_type == Q4_1 else (weight.blocks, None)
+    if blocks is None:
+        return weight
     packed = _interleaved(QuantizedWeight(blocks, Q4_0, weight.in_features), threads)
     ends = torch.tensor([0, weight.out_features // GROUP_ROWS - 1])
     # another interleaving than block_q4_0x8's (another ggml, another CPU) would not come back as the file's blocks
@@ -142,13 +161,17 @@ def repacked(weight: QuantizedWeight) -> QuantizedWeight | RepackedWeight | Shif
     return packed if shifts is None else ShiftedWeight(packed, shifts)
 
 
-def _as_q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _as_q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
     """Q4_1 blocks (uint8 [out, bytes per row]) as Q4_0 blocks of the same scales and quants, and the shifts 8d + m
-    (float32 [blocks per row, out])."""
+    (float32 [blocks per row, out]); (None, None) where some minimum would not come back from its shift exactly
+    (float32 holds 8d + m of two float16s exactly unless their magnitudes lie more than 2^13 apart)."""
     b = blocks.view(len(blocks), -1, 2 * _SCALE_BYTES + _QUANT_BYTES)
     d, m = (b[..., at:at + _SCALE_BYTES].contiguous().view(torch.float16).squeeze(-1).float() for at in (0, 2))
+    shifts = 8 * d + m
+    if not torch.equal((shifts - 8 * d).half().float(), m):
+        return None, None
     q4_0 = torch.cat([b[..., :_SCALE_BYTES], b[..., 2 * _SCALE_BYTES:]], -1).reshape(len(blocks), -1)
-    return q4_0, (8 * d + m).T.contiguous()
+    return q4_0, shifts.T.contiguous()
 
 
 def _interleaved(weight: QuantizedWeight, threads: int) -> RepackedWeight | None:
@@ -162,14 +185,17 @@ def _interleaved(weight: QuantizedWeight, threads: int) -> RepackedWeight | None
 
 
 @functools.cache
-def _rounds_rows_alike(threads: int) -> bool:
-    """Whether ggml's repacked Q4_0 product gives each of 5 rows (its multi-row kernel takes 4 at a time, the fifth
-    alone) bitwise what that row gives alone."""
+def _rounds_rows_alike(threads: int, shifted: bool) -> bool:
+    """Whether ggml's repacked Q4_0 product (shifted: a ShiftedWeight's, whose one row's shifts multiply in a part
+    per thread, several rows' a row per thread) gives each of 5 rows (its multi-row kernel takes 4 at a time, the
+    fifth alone) bitwise what that row gives alone."""
     generator = torch.Generator().manual_seed(0)
-    packed = _interleaved(QuantizedWeight(ggml.quantize(torch.randn(64, 256, generator=generator), Q4_0), Q4_0, 256),
-                          threads)
+    weight = QuantizedWeight(ggml.quantize(torch.randn(64 * threads, 256, generator=generator) + 1, Q4_1), Q4_1, 256)
+    blocks, shifts = _as_q4_0(weight.blocks)
+    packed = _interleaved(QuantizedWeight(blocks, Q4_0, 256), threads)
     if packed is None:
         return False
+    product = ShiftedWeight(packed, shifts).product if shifted else packed.product
     x = torch.randn(5, 256, generator=generator)
-    together = packed.product(x)
-    return all(torch.equal(packed.product(x[i:i + 1])[0], together[i]) for i in range(len(x)))
+    together = product(x)
+    return all(torch.equal(product(x[i:i + 1])[0], together[i]) for i in range(len(x)))

@@ -3,8 +3,9 @@ dequantized tile by tile in registers, never in memory.
 
 - `product(x, w)`: x [rows, K] @ W.T, for decode rows. A program serves BLOCK_N outputs of BLOCK_M rows and walks
   K, BLOCK_K weights a step: per output row it reads BLOCK_K / 2 consecutive bytes of nibbles (packed.py's layout:
-  in each group of 32 weights, byte i holds weight i and weight i + 16), dequantizes the low nibbles and the high
-  ones into x's dtype, and multiplies each half by the matching columns of x in a tl.dot. So W's bytes are read
+  in each group of 32 weights, byte i holds weight i and weight i + 16; Q2_K and Q3_K read BLOCK_K / 4 bytes of
+  2-bit quants), dequantizes the low nibbles and the high ones into x's dtype, and multiplies each half by the
+  matching columns of x in a tl.dot. So W's bytes are read
   once per BLOCK_M rows: a decode step reads 2.6-8.5 bits per weight where bfloat16 weights take 16. A row's sums
   run in the same order whatever the other rows are, so its result does not depend on its batch.
 - `dequantize(w, ids)`: rows of W in its dtype: an embedding lookup, or a slice of W that cuBLAS then multiplies by
