@@ -91,7 +91,7 @@ _FUNCTIONS = {
     "!ggml_backend_reg_get_proc_address": (_P, [_P, ctypes.c_char_p]),
     "!ggml_backend_buft_alloc_buffer": (_P, [_P, _SZ]), "!ggml_backend_buft_get_alloc_size": (_SZ, [_P, _P]),
     "!ggml_backend_buffer_get_base": (_P, [_P]), "!ggml_backend_tensor_set": (None, [_P, _P, _SZ, _SZ]),
-    "!ggml_get_type_traits_cpu": (ctypes.POINTER(_TypeTraitsCpu), [_I]),
+    "!ggml_get_type_traits_cpu": (ctypes.POINTER(_TypeTraitsCpu), [_I]), "!ggml_cpu_has_avx512": (_I, []),
 }
 
 
@@ -193,7 +193,9 @@ def block_sums_product(ctx: Context, weight: int, x: int) -> int:
     sums = ctx.op("sum_rows", ctx.op("reshape_2d", x, 32, blocks * rows))     # [1, blocks * rows]
     (out, *_), (_, weight_stride, *_) = shape(weight)
     parts = ctx.lib.threads
-    if rows > 1 or parts == 1 or out % (32 * parts):     # (each part whole vectors, as the whole row takes them)
+    # each part whole steps of ggml's float32 loops (64 floats with AVX-512, else 32), as the whole row takes them
+    step = 64 if ctx.lib.cpu_has_avx512() else 32
+    if rows > 1 or parts == 1 or out % (step * parts):
         return ctx.op("out_prod", weight, ctx.op("permute", ctx.op("reshape_2d", sums, blocks, rows), 1, 0, 2, 3))
     # [out / parts, blocks, parts] of the weight times the row's sums [1, blocks], repeated for each part
     cut = ctx.op("view_3d", weight, out // parts, blocks, parts, weight_stride, out // parts * item, 0)

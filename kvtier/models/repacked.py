@@ -156,9 +156,12 @@ def repacked(weight: QuantizedWeight) -> QuantizedWeight | RepackedWeight | Shif
     with DEQUANTIZING:      # `plain` writes memory that prompt products share
         same = packed is not None and torch.equal(
             packed.plain(ends), blocks.view(-1, GROUP_ROWS, blocks.shape[1])[ends].flatten(0, 1))
-    if not same:
-        return weight
-    return packed if shifts is None else ShiftedWeight(packed, shifts)
+    if not same or shifts is None:
+        return packed if same else weight
+    # and the Q4_1 rows that prompt products read come back as the file's
+    shifted, rows = ShiftedWeight(packed, shifts), (ends[:, None] * GROUP_ROWS + torch.arange(GROUP_ROWS)).flatten()
+    with DEQUANTIZING:
+        return shifted if torch.equal(shifted.rows(rows), weight.rows(rows)) else weight
 
 
 def _as_q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
@@ -192,7 +195,7 @@ def _rounds_rows_alike(threads: int, shifted: bool) -> bool:
     generator = torch.Generator().manual_seed(0)
     weight = QuantizedWeight(ggml.quantize(torch.randn(64 * threads, 256, generator=generator) + 1, Q4_1), Q4_1, 256)
     blocks, shifts = _as_q4_0(weight.blocks)
-    packed = _interleaved(QuantizedWeight(blocks, Q4_0, 256), threads)
+    packed = None if blocks is None else _interleaved(QuantizedWeight(blocks, Q4_0, 256), threads)
     if packed is None:
         return False
     product = ShiftedWeight(packed, shifts).product if shifted else packed.product
