@@ -156,8 +156,10 @@ def repacked(weight: QuantizedWeight) -> QuantizedWeight | RepackedWeight | Shif
     with DEQUANTIZING:      # `plain` writes memory that prompt products share
         same = packed is not None and torch.equal(
             packed.plain(ends), blocks.view(-1, GROUP_ROWS, blocks.shape[1])[ends].flatten(0, 1))
-    if not same or shifts is None:
-        return packed if same else weight
+    if not same:
+        return weight
+    if shifts is None:
+        return packed
     # and the Q4_1 rows that prompt products read come back as the file's
     shifted, rows = ShiftedWeight(packed, shifts), (ends[:, None] * GROUP_ROWS + torch.arange(GROUP_ROWS)).flatten()
     with DEQUANTIZING:
