@@ -121,6 +121,7 @@ class _Lib:
         ctypes.c_uint32.from_buffer(params, _POLL_OFFSET).value = 0
         libs[1].ggml_threadpool_new.restype, libs[1].ggml_threadpool_new.argtypes = _P, [_P]
         self.threads = threads
+        self.float_step = 64 if self.cpu_has_avx512() else 32     # floats per step of ggml's float32 loops
         self.threadpool = libs[1].ggml_threadpool_new(params)
         self.computing = threading.Lock()      # one graph at a time on the threadpool (two engines' threads share it)
 
@@ -193,9 +194,8 @@ def block_sums_product(ctx: Context, weight: int, x: int) -> int:
     sums = ctx.op("sum_rows", ctx.op("reshape_2d", x, 32, blocks * rows))     # [1, blocks * rows]
     (out, *_), (_, weight_stride, *_) = shape(weight)
     parts = ctx.lib.threads
-    # each part whole steps of ggml's float32 loops (64 floats with AVX-512, else 32), as the whole row takes them
-    step = 64 if ctx.lib.cpu_has_avx512() else 32
-    if rows > 1 or parts == 1 or out % (step * parts):
+    # each part whole steps of ggml's float32 loops, as the whole row takes them
+    if rows > 1 or parts == 1 or out % (ctx.lib.float_step * parts):
         return ctx.op("out_prod", weight, ctx.op("permute", ctx.op("reshape_2d", sums, blocks, rows), 1, 0, 2, 3))
     # [out / parts, blocks, parts] of the weight times the row's sums [1, blocks], repeated for each part
     cut = ctx.op("view_3d", weight, out // parts, blocks, parts, weight_stride, out // parts * item, 0)

@@ -86,8 +86,7 @@ class RepackedWeight(GgmlWeight):
             n, GROUP_ROWS, blocks, block_words)
         out[..., 0] = g.view(torch.int16)[..., :GROUP_ROWS].transpose(1, 2)
         if shifts is not None:
-            held = shifts[:, first * GROUP_ROWS:(last + 1) * GROUP_ROWS] if whole else \
-                shifts[:, (groups[:, None] * GROUP_ROWS + torch.arange(GROUP_ROWS)).flatten()]
+            held = shifts[:, first * GROUP_ROWS:(last + 1) * GROUP_ROWS] if whole else shifts[:, _rows_of(groups)]
             scales = out[..., 0].view(torch.float16).float().view(n * GROUP_ROWS, blocks)
             out[..., 1] = (held.T - 8 * scales).half().view(torch.int16).view(n, GROUP_ROWS, blocks)
         turns = g.view(torch.int64)[..., GROUP_ROWS * _SCALE_BYTES // 8:].view(n, blocks, turns_per_row, GROUP_ROWS)
@@ -130,6 +129,11 @@ def _groups(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return groups, which * GROUP_ROWS + ids % GROUP_ROWS
 
 
+def _rows_of(groups: torch.Tensor) -> torch.Tensor:
+    """The rows of the given groups of 8, group by group."""
+    return (groups[:, None] * GROUP_ROWS + torch.arange(GROUP_ROWS)).flatten()
+
+
 _SCRATCH: dict[str, torch.Tensor] = {}     # memory `plain` reuses, by name
 
 
@@ -161,7 +165,7 @@ def repacked(weight: QuantizedWeight) -> QuantizedWeight | RepackedWeight | Shif
     if shifts is None:
         return packed
     # and the Q4_1 rows that prompt products read come back as the file's
-    shifted, rows = ShiftedWeight(packed, shifts), (ends[:, None] * GROUP_ROWS + torch.arange(GROUP_ROWS)).flatten()
+    shifted, rows = ShiftedWeight(packed, shifts), _rows_of(ends)
     with DEQUANTIZING:
         return shifted if torch.equal(shifted.rows(rows), weight.rows(rows)) else weight
 

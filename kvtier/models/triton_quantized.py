@@ -32,9 +32,9 @@ IQ4_NL_LOW, IQ4_NL_HIGH = tl.constexpr(0x766A5D4F3F2D1801), tl.constexpr(0x71594
 
 
 @triton.jit
-def _per_32(ptr, r, c, mask, stride):
-    """Each weight's block-of-32 value (a float16 scale or minimum), in float32."""
-    return tl.load(ptr + r * stride + c // 32, mask=mask, other=0).to(tl.float32)
+def _per(ptr, r, c, mask, stride, WEIGHTS: tl.constexpr):
+    """Each weight's value of its block of WEIGHTS weights (a scale or minimum), in float32."""
+    return tl.load(ptr + r * stride + c // WEIGHTS, mask=mask, other=0).to(tl.float32)
 
 
 @triton.jit
@@ -42,12 +42,6 @@ def _fifth_bit(q, qh_ptr, r, c, mask, s_qh):
     """q with each weight's fifth bit from qh (byte j: weights 8j..8j+7, bit i of a byte weight 8j + i)."""
     high = tl.load(qh_ptr + r * s_qh + c // 8, mask=mask, other=0).to(tl.int32)
     return q | (((high >> (c % 8)) & 1) << 4)
-
-
-@triton.jit
-def _per_256(ptr, r, c, mask, stride):
-    """Each weight's block-of-256 float16 scale or minimum, in float32."""
-    return tl.load(ptr + r * stride + c // 256, mask=mask, other=0).to(tl.float32)
 
 
 @triton.jit
@@ -66,47 +60,45 @@ def _half(q_ptr, qh_ptr, d_ptr, dmin_ptr, sub_ptr, rows, start, mask, s_q, s_qh,
     r, c = rows[:, None], (start + j // 16 * 32 + 16 * HIGH + j % 16)[None, :]
     if TYPE == Q8_0:
         q = tl.load(q_ptr + r * s_q + c, mask=mask, other=0).to(tl.float32)
-        w = q * _per_32(d_ptr, r, c, mask, s_d)
+        w = q * _per(d_ptr, r, c, mask, s_d, 32)
     elif TYPE == Q2_K or TYPE == Q3_K:      # 2-bit quants: weight 32j + l of 128 in bits 2j of byte l
         two = tl.load(q_ptr + r * s_q + c // 128 * 32 + c % 32, mask=mask, other=0).to(tl.int32)
         q = (two >> (c // 32 % 4 * 2)) & 3
         if TYPE == Q2_K:
             sub = tl.load(sub_ptr + r * s_sub + c // 16, mask=mask, other=0).to(tl.int32)
-            w = (_per_256(d_ptr, r, c, mask, s_d) * (sub & 15).to(tl.float32)) * q.to(tl.float32) \
-                - _per_256(dmin_ptr, r, c, mask, s_dmin) * (sub >> 4).to(tl.float32)
+            w = (_per(d_ptr, r, c, mask, s_d, 256) * (sub & 15).to(tl.float32)) * q.to(tl.float32) \
+                - _per(dmin_ptr, r, c, mask, s_dmin, 256) * (sub >> 4).to(tl.float32)
         else:                               # the third bit: weight 32j + l of 256 in bit j of byte l
             high = tl.load(qh_ptr + r * s_qh + c // 256 * 32 + c % 32, mask=mask, other=0).to(tl.int32)
             q = q | (((high >> (c % 256 // 32)) & 1) << 2)
-            scale = _per_256(d_ptr, r, c, mask, s_d) * tl.load(sub_ptr + r * s_sub + c // 16, mask=mask,
-                                                                other=0).to(tl.float32)
+            scale = _per(d_ptr, r, c, mask, s_d, 256) * _per(sub_ptr, r, c, mask, s_sub, 16)
             w = scale * (q - 4).to(tl.float32)
     else:
         nibbles = tl.load(q_ptr + r * s_q + (start // 2 + j)[None, :], mask=mask, other=0).to(tl.int32)
         q = (nibbles >> (4 * HIGH)) & 15
         if TYPE == Q4_0:
-            w = (q - 8).to(tl.float32) * _per_32(d_ptr, r, c, mask, s_d)
+            w = (q - 8).to(tl.float32) * _per(d_ptr, r, c, mask, s_d, 32)
         elif TYPE == Q5_0:
             q = _fifth_bit(q, qh_ptr, r, c, mask, s_qh)
-            w = (q - 16).to(tl.float32) * _per_32(d_ptr, r, c, mask, s_d)
+            w = (q - 16).to(tl.float32) * _per(d_ptr, r, c, mask, s_d, 32)
         elif TYPE == IQ4_NL:        # q picks one of 16 values
-            w = _iq4_value(q).to(tl.float32) * _per_32(d_ptr, r, c, mask, s_d)
+            w = _iq4_value(q).to(tl.float32) * _per(d_ptr, r, c, mask, s_d, 32)
         elif TYPE == IQ4_XS:        # and a scale per 32
-            scale = _per_256(d_ptr, r, c, mask, s_d) * _per_32(sub_ptr, r, c, mask, s_sub)
+            scale = _per(d_ptr, r, c, mask, s_d, 256) * _per(sub_ptr, r, c, mask, s_sub, 32)
             w = scale * _iq4_value(q).to(tl.float32)
         elif TYPE == Q4_1 or TYPE == Q5_1:
             if TYPE == Q5_1:
                 q = _fifth_bit(q, qh_ptr, r, c, mask, s_qh)
-            w = q.to(tl.float32) * _per_32(d_ptr, r, c, mask, s_d) + _per_32(dmin_ptr, r, c, mask, s_dmin)
+            w = q.to(tl.float32) * _per(d_ptr, r, c, mask, s_d, 32) + _per(dmin_ptr, r, c, mask, s_dmin, 32)
         elif TYPE == Q6_K:
             high = tl.load(qh_ptr + r * s_qh + c // 4, mask=mask, other=0).to(tl.int32)
             q = q | (((high >> (c % 4 * 2)) & 3) << 4)
-            scale = _per_256(d_ptr, r, c, mask, s_d) * tl.load(sub_ptr + r * s_sub + c // 16, mask=mask,
-                                                                other=0).to(tl.float32)
+            scale = _per(d_ptr, r, c, mask, s_d, 256) * _per(sub_ptr, r, c, mask, s_sub, 16)
             w = scale * (q - 32).to(tl.float32)
         else:               # Q4_K, Q5_K
             if TYPE == Q5_K:
                 q = _fifth_bit(q, qh_ptr, r, c, mask, s_qh)
-            d, dmin = _per_256(d_ptr, r, c, mask, s_d), _per_256(dmin_ptr, r, c, mask, s_dmin)
+            d, dmin = _per(d_ptr, r, c, mask, s_d, 256), _per(dmin_ptr, r, c, mask, s_dmin, 256)
             sc = tl.load(sub_ptr + r * s_sub + c // 32 * 2, mask=mask, other=0).to(tl.float32)
             m = tl.load(sub_ptr + r * s_sub + c // 32 * 2 + 1, mask=mask, other=0).to(tl.float32)
             w = (d * sc) * q.to(tl.float32) - dmin * m
