@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
                             "and 12)")
     group.add_argument("--num-speculative-tokens", type=int, metavar="K",
                        help="the most tokens a sequence proposes per step; each sequence adapts its own to how "
-                            "many it gets accepted (default: 8)")
+                            "many it gets accepted (default: 16)")
     group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                        help="do not reuse device blocks of earlier requests' prefixes")
     group.add_argument("--kv-host-gib", type=float, metavar="GIB",

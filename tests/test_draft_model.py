@@ -144,7 +144,8 @@ def test_only_the_targets_tokens_become_draft_cache(monkeypatch, tiny_model_dir,
 def test_a_conversation_reuses_the_draft_models_cache(monkeypatch, plain, tiny_model_dir, other_draft_dir):
     """Three turns: the same outputs and cached tokens as without speculation, and the draft model computes only
     each turn's new tokens."""
-    engine = drafting(tiny_model_dir, other_draft_dir)
+    # 8 tokens a step at most: a turn's rounds then stay below what computing the whole history again would take
+    engine = drafting(tiny_model_dir, other_draft_dir, num_speculative_tokens=8)
     computed = []
     run_draft = engine.drafter.runner.run
     monkeypatch.setattr(engine.drafter.runner, "run", lambda batch, capture=None: (

@@ -210,7 +210,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quantize", default=None, help="the server's --quantize (default: auto)")
     p.add_argument("--conversations", type=int, default=3, help="conversations per workload")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per turn at most")
-    p.add_argument("--num-speculative-tokens", type=int, default=8)
+    p.add_argument("--num-speculative-tokens", type=int, default=Config.num_speculative_tokens)
     p.add_argument("--workloads", default="editing,quoting,chat")
     p.add_argument("--methods", default="off,ngram,draft", help="off first, then the --speculative methods to run")
     p.add_argument("--draft-model", default=None, help="the draft model (default: the model itself)")
