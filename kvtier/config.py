@@ -107,8 +107,8 @@ class Config:
     speculative: str | None = None
     draft_model: str | None = None        # the draft model (a smaller one, the same tokenizer) or DFlash drafter
     # the most tokens a sequence proposes for one step (llama.cpp's --draft-max): each sequence adapts its own to
-    # what pays, so a long copy runs in long drafts; on the 2-core CPU 16 made editing 2.02-2.05x against 8's
-    # 1.92-2.00x (docs/BENCHMARKS.md)
+    # what pays, so a long copy runs in long drafts; on a 2-core CPU 16 made editing 2.02x (median of 7 runs)
+    # against 8's 1.92x (of 5; docs/BENCHMARKS.md)
     num_speculative_tokens: int = 16
     prompt_lookup_min: int = LOOKUP_MIN   # ngram: the shortest ending of a sequence looked up in its context
     prompt_lookup_max: int = LOOKUP_MAX   # and the longest (the longest that occurred before proposes)
