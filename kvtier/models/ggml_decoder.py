@@ -17,7 +17,8 @@ llama.cpp keeps it, so that V's weighted sum is a product over contiguous keys (
 context ggml's out_prod over V's rows took 1.5x as long, its chains of dependent multiply-adds slower than reading V.
 A step writes each new token's V into its column, one value at a time (ggml_set_rows over single values).
 
-A sequence feeds one token, or a verify step's several (its last token and a draft). Its rows attend together: one
+A sequence feeds one token, or a verify step's several (its last token and a draft), or a short prompt's (the runner's
+SHORT_PROMPT_TOKENS: their logits left out, `sampled`). Its rows attend together: one
 product of its keys with all its queries, one softmax, one product of V with the weights, each row's keys past its
 own position masked, so a verify step reads its context once, not once per row. Each row still scores bitwise as
 it would decode alone (tested), which greedy output under speculation and under load depends on: a score is one dot
@@ -59,9 +60,9 @@ KEPT_GRAPHS = 8         # graphs of the last shapes kept: verify steps of a few 
 
 
 class GgmlDecodeSteps:
-    """run(token_ids, positions, slots, tables, lens, rows, precise) → logits [rows, vocab] of one decode step (its
-    last `precise` rows prompts' last tokens), and `features` its feature layers' outputs (the interface of the CUDA
-    graphs, engine/graphs.py). The logits are the graph's memory, valid until the next step (the engine samples from
+    """run(token_ids, positions, slots, tables, lens, rows, precise, sampled) → logits [rows, vocab] of one decode
+    step's sampled rows (its last `precise` rows prompts' last tokens), and `features` its feature layers' outputs
+    over every row (the interface of the CUDA graphs, engine/graphs.py). The logits are the graph's memory, valid until the next step (the engine samples from
     them within the step): a copy of 49K floats took ~0.12 ms a step, its fresh memory's page faults, where the
     whole step takes ~12."""
 
@@ -102,10 +103,12 @@ class GgmlDecodeSteps:
         self._finalizer = weakref.finalize(self, _close, self.weights, self.__dict__)
 
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            lens: list[int], rows: list[int], precise: int = 0) -> torch.Tensor:
+            lens: list[int], rows: list[int], precise: int = 0, sampled: list[bool] | None = None) -> torch.Tensor:
         """token_ids, positions, slots: per row; tables, lens (its context after the step), rows: per sequence.
         precise: how many of the last sequences are a prompt's last token, one row each, which multiplies by the
-        weights to about float32's precision (`ggml.precise_product`), as eager forwards multiply it."""
+        weights to about float32's precision (`ggml.precise_product`), as eager forwards multiply it. sampled: per
+        sequence whether its rows' logits are wanted (by default all): the LM head multiplies those rows only, and
+        the logits hold theirs alone, in order (a prompt's rows before its last token want none)."""
         lens = np.asarray(lens)
         spans = (-(-lens // CONTEXT_STEP) * CONTEXT_STEP).tolist()
         starts = [self._start(table) for table in tables]
@@ -113,7 +116,8 @@ class GgmlDecodeSteps:
         # view against its memory when it builds it); a step reads its context's keys only (`lengths`, below)
         layouts = tuple((start is not None, min(span, self.num_slots // KEY_STEP * KEY_STEP))
                         for start, span in zip(starts, spans))
-        key = (tuple(rows), layouts, precise)
+        sampled = (True,) * len(rows) if sampled is None else tuple(sampled)
+        key = (tuple(rows), layouts, precise, sampled)
         step = self.built.get(key)
         if step is None:
             if len(self.built) == KEPT_GRAPHS:
@@ -206,13 +210,18 @@ def _close(weights: ggml.Context, state: dict) -> None:
 
 class _Step:
     """The graph of a decode step of sequences of `rows` rows each, each laid out as `layouts` gives (read in place or
-    gathered, its most keys), the last `precise` rows a prompt's last token each, with its inputs and output in torch
-    tensors."""
+    gathered, its most keys), the last `precise` rows a prompt's last token each, the logits of the sequences marked
+    in `sampled` (at least one), with its inputs and output in torch tensors."""
 
-    def __init__(self, steps: GgmlDecodeSteps, rows: tuple[int, ...], layouts: tuple[tuple, ...], precise: int):
+    def __init__(self, steps: GgmlDecodeSteps, rows: tuple[int, ...], layouts: tuple[tuple, ...], precise: int,
+                 sampled: tuple[bool, ...]):
         cfg, self.steps = steps.config, steps
         batch = sum(rows)
         self.batch, self.rows, self.layouts, self.precise = batch, rows, layouts, precise
+        # the rows whose logits are wanted, by their place in the step
+        self.sampled_rows = torch.cat([torch.arange(first, first + r, dtype=torch.int32) for first, r, wanted in
+                                       zip(np.cumsum((0,) + rows[:-1]).tolist(), rows, sampled) if wanted] or
+                                      [torch.zeros(0, dtype=torch.int32)])
         # tensors per layer: ~40, ~12 per sequence's attention, up to ~17 per weight (up to 7) for precise rows,
         # and up to 9 per product of a shifted weight (repacked.ShiftedWeight)
         shifted = 63 * (1 + bool(precise)) * steps.shifted
@@ -232,7 +241,7 @@ class _Step:
         self.positions = torch.zeros(batch, dtype=torch.int32)
         self.slots = torch.zeros(batch, dtype=torch.int64)
         self.value_slots = torch.zeros(batch * steps.row, dtype=torch.int64)    # each new V value's place
-        self.logits = torch.empty(batch, cfg.vocab_size)
+        self.logits = torch.empty(len(self.sampled_rows), cfg.vocab_size)
         self.features = torch.empty(len(steps.feature_layers), batch, cfg.hidden_size)
         self.queries = torch.empty(cfg.num_layers, batch, cfg.num_heads, cfg.head_dim)
         self.inputs = {"pos": ctx.place(self.positions), "slots": ctx.place(self.slots),
@@ -258,6 +267,8 @@ class _Step:
         x = ctx.op("mul", ctx.op("rms_norm", x, cfg.rms_norm_eps), steps.norm)
         if last in steps.feature_layers:      # as transformers hands the last layer's output: normed
             x = self._feature(x, last)
+        if len(self.sampled_rows) < batch:     # the LM head over the sampled rows alone
+            x = ctx.op("get_rows", x, ctx.place(self.sampled_rows))
         (logits,) = self._project(x, steps.lm_head, [cfg.vocab_size])
         self.graph = ggml.Graph(ctx, [ctx.place(self.logits, tensor=logits)])
         self.lengths.freeze()
@@ -270,13 +281,13 @@ class _Step:
     def _project(self, x: int, linear: tuple[list[Placed], int | None], sizes: list[int]) -> list[int]:
         """x's product with a projection, cut into pieces of `sizes` output rows each (q/k/v, gate/up)."""
         parts, bias = linear
-        ctx = self.ctx
+        ctx, batch = self.ctx, ggml.shape(x)[0][1]
         offsets = np.cumsum([0] + sizes[:-1])
         ys = [self._product(w, x) for w in parts]
         if len(ys) != len(sizes):     # one fused part: views of its rows
             (y,) = ys
             nb1 = ggml.shape(y)[1][1]
-            ys = [ctx.op("view_2d", y, n, self.batch, nb1, int(a) * 4) for a, n in zip(offsets, sizes)]
+            ys = [ctx.op("view_2d", y, n, batch, nb1, int(a) * 4) for a, n in zip(offsets, sizes)]
         if bias is None:
             return ys
         return [ctx.op("add", y, ctx.op("view_2d", bias, n, 1, n * 4, int(a) * 4)) for y, a, n in zip(ys, offsets, sizes)]
@@ -286,8 +297,8 @@ class _Step:
         others' as ggml's product over the blocks takes them (the activations in 8 bits, or a 16-bit weight's type)."""
         if not self.precise:
             return weight.product(self.ctx, x)
-        ctx, plain = self.ctx, self.batch - self.precise
-        (size, _, *_), (_, stride, *_) = ggml.shape(x)
+        (size, rows, *_), (_, stride, *_) = ggml.shape(x)
+        ctx, plain = self.ctx, rows - self.precise
         last = weight.product(ctx, ctx.op("view_2d", x, size, self.precise, stride, plain * stride), precise=True)
         if not plain:
             return last
