@@ -23,7 +23,7 @@ from kvtier.engine.graphs import DecodeGraphs
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import ScheduledBatch
 from kvtier.engine.sequence import Sequence
-from kvtier.engine.runner import slot_runs
+from kvtier.engine.runner import ModelRunner, slot_runs
 from kvtier.kv.pool import KVPool
 from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from kvtier.models.decoder import Decoder
@@ -668,14 +668,54 @@ def test_a_prompts_last_token_beside_other_sequences_answers_as_alone(tiny_model
     alone = {name: answers(alone_engine, [name])[name] for name in prompts}
     alone_engine.shutdown()
     steps, run = [], GgmlDecodeSteps.run
-    monkeypatch.setattr(GgmlDecodeSteps, "run", lambda self, *a, precise=0: steps.append((a[-1], precise)) or
-                        run(self, *a, precise=precise))
+    monkeypatch.setattr(GgmlDecodeSteps, "run", lambda self, *a, precise=0, **kw: steps.append((a[-1], precise)) or
+                        run(self, *a, precise=precise, **kw))
     engine = LLMEngine(Config(**config))
     for pass_ in ("cold", "warm"):
         steps.clear()
         assert answers(engine, list(prompts)) == alone, pass_
         assert any(0 < precise < len(rows) for rows, precise in steps), pass_      # beside other rows
     engine.shutdown()
+
+
+def test_a_short_turn_after_a_cached_prefix_runs_in_the_decode_graph(tiny_model_dir, monkeypatch):
+    """A prompt whose uncached part is short (runner.SHORT_PROMPT_TOKENS) runs in ggml's decode graph, cold and after
+    a cached prefix, no weight dequantized for it: in one step of its rows and its last token, whose logits are the
+    graph's only ones, and bitwise as with its tokens fed one a step (max_batched_tokens=1), since its rows are
+    decided by what the cache held, not by how the scheduler cut them."""
+    eager_runs = []
+    run_eagerly = ModelRunner._run_eagerly
+    monkeypatch.setattr(ModelRunner, "_run_eagerly", lambda self, *a: eager_runs.append(a) or run_eagerly(self, *a))
+    steps, run = [], GgmlDecodeSteps.run
+    monkeypatch.setattr(GgmlDecodeSteps, "run", lambda self, *a, **kw: steps.append((a[-1], kw)) or
+                        run(self, *a, **kw))
+    prefix = [(13 * j) % 900 + 20 for j in range(20)]
+    turn = prefix + [(7 * j) % 900 + 31 for j in range(10)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+
+    def answer(engine: LLMEngine, name: str, prompt: list[int]) -> tuple[list[int], list, int]:
+        tokens, logprobs, cached = [], [], None
+        engine.add_request(name, prompt, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.new_token_ids
+                logprobs += out.logprobs
+                cached = out.num_cached_tokens
+        return tokens, [(lp.token_id, lp.logprob, lp.top) for lp in logprobs], cached
+
+    results = {}
+    for budget in (2048, 1):
+        engine = LLMEngine(Config(model=tiny_model_dir, quantize="int8", device="cpu", block_size=16,
+                                  kv_pool_tokens=1024, max_batched_tokens=budget, kv_host_gib=0, kv_disk=False))
+        results[budget] = [answer(engine, f"{name}-{budget}", prompt)
+                           for name, prompt in (("cold", prefix), ("turn", turn))]
+        engine.shutdown()
+        assert not eager_runs, budget
+        if budget > 1:      # the turn's 9 uncached rows and its last token in one step, only the last one sampled
+            assert ([9, 1], {"precise": 1, "sampled": [False, True]}) in steps, [s for s in steps if s[0] != [1]]
+        steps.clear()
+    assert results[2048][1][2] == len(prefix)       # the prefix came from the cache (its partial block too)
+    assert results[2048] == results[1]
 
 
 def load_peak(load: str, warm_up: str, path: str, weights_file: str | None = None, env: dict | None = None

@@ -45,6 +45,15 @@ def generates(seq: Sequence, n: int) -> bool:
 
 # torch's own thread count, taken before any ggml decode step lowered it
 TORCH_THREADS = torch.get_num_threads()
+# A prompt whose uncached part is at most SHORT_PROMPT_TOKENS tokens, and at most SHORT_PROMPT_KEYS of its tokens
+# times its length, runs in ggml's decode steps as rows beside the decodes: an agent's turn after a cached prefix (a
+# tool's result, a reply). Eagerly, its rows would dequantize every weight for torch's product, whatever their
+# count: on a 2-core Xeon 16 new tokens after a cached 1,024 took ~190 ms eagerly for the bundled model and ~1.16 s
+# for a 1B Q4_K_M one, against 75 ms in the graph for the bundled model; a graph row costs ~2.8 ms there plus
+# ~1.8 µs per key of its context, so past ~37 rows at 1K of context, ~17 at 4K and ~10 at 8K the eager forward is
+# sooner (docs/BENCHMARKS.md, "Agent turns on quantized weights").
+SHORT_PROMPT_TOKENS = 32
+SHORT_PROMPT_KEYS = 32 * 2048
 
 
 class ModelRunner:
@@ -137,7 +146,7 @@ class ModelRunner:
         capture = capture or [0] * len(batch.seqs)
         self.features = None
         graphed = self._graphed(batch, capture)
-        after_chunk = self._last_tokens_after_chunks(batch)
+        after_chunk = [i for i in self._last_tokens_after_chunks(batch) if i not in graphed]
         if len(graphed) == len(batch.seqs):
             return self._run_graphs(batch, graphed, capture)
         if not graphed and not after_chunk:
@@ -187,7 +196,9 @@ class ModelRunner:
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Per sequence of `which`, its logits [rows, vocab] from the decode graphs, and its last capture[i] rows'
         queries [rows, layers, heads, head_dim] (ggml's graphs hand them back; CUDA's take no sequence that
-        wants them). Those of after_chunk run their prompt's last token only, after the rest of their chunk."""
+        wants them). Those of after_chunk run their prompt's last token only, after the rest of their chunk; a
+        short prompt's chunk (SHORT_PROMPT_TOKENS) runs as two: the rows before its prompt's last token, whose
+        logits nothing samples, then that token, which attends over them."""
         ggml_steps = isinstance(self.graphs, GgmlDecodeSteps)
         if ggml_steps and torch.get_num_threads() != 1:
             # torch's threads spin a while after each parallel region, on the cores ggml's threads need (12 ms a
@@ -195,28 +206,50 @@ class ModelRunner:
             # the threads still spinning after this step's prompt chunk are stopped (openmp.py)
             torch.set_num_threads(1)
             stop_spinning()
-        steps = [(i, batch.seqs[i].num_computed_tokens + batch.num_tokens[i] - 1, 1) if i in after_chunk else
-                 (i, batch.seqs[i].num_computed_tokens, batch.num_tokens[i]) for i in which]
-        # a prompt's last token (cached or after its chunk) multiplies precisely in ggml's graphs, which take those
-        # rows last
-        precise = [i in after_chunk or (batch.num_tokens[i] == 1 and not generates(batch.seqs[i], 1)) for i in which]
+        # (sequence, first position, rows, precise, sampled): a prompt's last token (cached, after its chunk, or a
+        # short prompt's) multiplies precisely in ggml's graphs, which take those rows last
+        steps = []
+        for i in which:
+            seq, n = batch.seqs[i], batch.num_tokens[i]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            if i in after_chunk:
+                steps.append((i, end - 1, 1, True, True))
+            elif not decodes(seq, n):     # a short prompt's chunk
+                last = end >= len(seq.token_ids)
+                if n > last:
+                    steps.append((i, start, n - last, False, False))
+                if last:
+                    steps.append((i, end - 1, 1, True, True))
+            else:
+                steps.append((i, start, n, n == 1 and not generates(seq, 1), True))
         if ggml_steps:
-            steps = [step for step, last in zip(steps, precise) if not last] + \
-                    [step for step, last in zip(steps, precise) if last]
-        inputs = self._decode_inputs(batch, steps)
-        rows = inputs[-1]
-        logits = self.graphs.run(*inputs, precise=sum(precise)) if ggml_steps else self.graphs.run(*inputs)
-        logits = logits.split(rows)
+            steps = [step for step in steps if not step[3]] + [step for step in steps if step[3]]
+        inputs = self._decode_inputs(batch, [(i, start, n) for i, start, n, _, _ in steps])
+        rows, sampled = inputs[-1], [step[4] for step in steps]
+        if not ggml_steps:
+            logits = self.graphs.run(*inputs).split(rows)
+        elif all(sampled) or not any(sampled):     # the graphs' logits of every row (none wanted: a chunk's alone)
+            logits = self.graphs.run(*inputs, precise=sum(step[3] for step in steps)).split(rows)
+        else:
+            logits = self.graphs.run(*inputs, precise=sum(step[3] for step in steps), sampled=sampled).split(
+                [n if wanted else 0 for n, wanted in zip(rows, sampled)])
         features = self.graphs.features.split(rows) if self.graphs.features is not None else None
-        by_sequence, end = {}, 0
-        for (i, _, n), seq_logits, seq_features in zip(steps, logits, features or [None] * len(steps)):
+        found, end = {}, 0      # per sequence: its logits, features and queries, over its steps
+        for (i, _, n, _, wanted), step_logits, step_features in zip(steps, logits, features or [None] * len(steps)):
             end += n
-            wanted = min(capture[i], n)
-            by_sequence[i] = (seq_logits, seq_features, self.graphs.queries[:, end - wanted:end].transpose(0, 1).clone(
-                memory_format=torch.contiguous_format) if wanted else None)
+            wanted_queries = min(capture[i], n)
+            queries = self.graphs.queries[:, end - wanted_queries:end].transpose(0, 1).clone(
+                memory_format=torch.contiguous_format) if wanted_queries else None
+            before = found.get(i)
+            if before is not None:      # a short prompt's last token, after its rows
+                step_features = torch.cat([before[1], step_features]) if step_features is not None else None
+            found[i] = (step_logits if wanted or before is None else before[0], step_features, queries)
+        vocab = self.model.config.vocab_size
         if features is not None:
-            self.features = [by_sequence[i][1] for i in which]
-        return [by_sequence[i][0] for i in which], [by_sequence[i][2] for i in which]
+            self.features = [found[i][1] for i in which]
+        # a short prompt's chunk that does not end it: nothing samples there
+        return [found[i][0] if len(found[i][0]) else torch.zeros(1, vocab) for i in which], \
+            [found[i][2] for i in which]
 
     def _run_eagerly(self, batch: ScheduledBatch, capture: list[int]) -> tuple[list[torch.Tensor], list]:
         self.restore_threads()
@@ -253,7 +286,8 @@ class ModelRunner:
         """The sequences whose step the decode graphs run: those decoding. CUDA graphs take a step of such decodes
         (and verify steps) only, whose rows a graph holds, none of whose queries the pager wants; ggml's decode steps
         take a mixed step's decodes too, bounded ones with them (they hand back their queries), so that every
-        decode and verify row of quantized weights scores as any other would."""
+        decode and verify row of quantized weights scores as any other would, and short prompts' chunks
+        (SHORT_PROMPT_TOKENS)."""
         if self.graphs is None:
             return []
         ggml_steps = isinstance(self.graphs, GgmlDecodeSteps)
@@ -266,10 +300,20 @@ class ModelRunner:
             # rest of its prompt and a draft: decode rows, run op by op)
             decoding = [i for i in decoding if generates(batch.seqs[i], batch.num_tokens[i]) or
                         (ggml_steps and batch.num_tokens[i] == 1 and not batch.seqs[i].kv.residency)]
-        if ggml_steps:
-            return decoding
+        if ggml_steps:      # and short prompts (SHORT_PROMPT_TOKENS), as rows of their own
+            return decoding + [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                               if not decodes(seq, n) and self._short_prompt(seq)]
         rows = sum(batch.num_tokens[i] for i in decoding)
         return decoding if len(decoding) == len(batch.seqs) and self.graphs.bucket(rows) is not None else []
+
+    def _short_prompt(self, seq: Sequence) -> bool:
+        """Whether the sequence's prompt chunks run in ggml's decode steps (SHORT_PROMPT_TOKENS): decided by what
+        the cache held of it, never by how the scheduler cut it, so that its rows multiply alike whatever the traffic.
+        Not a bounded sequence's: the pager's prompt chunks attend to paged-out blocks, which the graphs do not
+        read."""
+        uncached = len(seq.token_ids) - seq.kv.num_cached_tokens
+        return not seq.kv.residency and uncached <= SHORT_PROMPT_TOKENS and uncached * len(seq.token_ids) <= \
+            SHORT_PROMPT_KEYS
 
     def _last_tokens_after_chunks(self, batch: ScheduledBatch) -> list[int]:
         """The sequences whose prompt's last token ggml's decode steps run after the rest of its chunk: those whose

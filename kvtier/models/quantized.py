@@ -31,6 +31,8 @@ does not change with the traffic beside it:
   first-token logits sit 0.05-0.17% of the largest from the dequantized weights' (1.0-1.2% with the LM head's
   activations in 8 bits, as decode rows have them; a whole row in 8 bits, 2.5%, turned the bundled model's answer
   to "What is the capital of France?" away from Paris).
+A short prompt's rows (runner.SHORT_PROMPT_TOKENS: an agent's turn after a cached prefix) run in ggml's decode graph
+as decode rows, its last token precise: dequantizing every weight for a few rows took longer than their products.
 `Decoder.forward` says which rows decode and which are a prompt's last token (`decoding`); the others are prompt
 rows. On CPU the decode rows' quantized activations and the prompt rows' bfloat16 round differently from
 float32's, so greedy output can differ from float32 weights' where two tokens nearly tie, and a prompt whose last
