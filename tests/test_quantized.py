@@ -263,6 +263,26 @@ def test_a_step_of_many_rows_fits_its_graph(tmp_path):
 
 
 @torch.inference_mode()
+def test_a_step_multiplies_the_lm_head_over_its_sampled_rows_alone(tmp_path):
+    """`sampled`: a step's logits hold the rows of the sequences marked, in order, each the bits it has when every
+    row's logits are computed (a precise last row among them), and the step writes the same K/V."""
+    model = decoder(tiny_gguf(tmp_path / "m.gguf", qtype=Q.Q4_1), quantized=True)
+    pool = pool_for(model)
+    steps = GgmlDecodeSteps(model, pool, threads=2)
+    tables, rows, length = [[0, 1], [2, 3], [4, 5], [6, 7]], [2, 4, 3, 1], 20
+    positions = [p for r in rows for p in range(length - r, length)]
+    slots = [t[p // BLOCK] * BLOCK + p % BLOCK for t, r in zip(tables, rows) for p in range(length - r, length)]
+    args = (TEXT[:sum(rows)], positions, slots, tables, [length] * len(rows), rows)
+    before = [cache.clone() for cache in pool.caches]
+    every = steps.run(*args, precise=1).clone()
+    written = [cache.clone() for cache in pool.caches]
+    assert not any(torch.equal(cache, empty) for cache, empty in zip(written, before))
+    some = steps.run(*args, precise=1, sampled=[True, False, False, True]).clone()
+    assert torch.equal(some, torch.cat([every[:2], every[-1:]]))
+    assert all(torch.equal(cache, first) for cache, first in zip(pool.caches, written))
+
+
+@torch.inference_mode()
 def test_a_ggml_decode_step_hands_back_the_feature_layers_outputs(tmp_path):
     """A DFlash drafter's input: the outputs of the layers it reads (the last one normed), from ggml's step as the
     decoder computes them op by op, each row's layers side by side."""
