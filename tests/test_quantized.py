@@ -738,6 +738,37 @@ def test_a_short_turn_after_a_cached_prefix_runs_in_the_decode_graph(tiny_model_
     assert results[2048] == results[1]
 
 
+def test_a_short_turn_beside_a_resent_prompt_answers_as_alone(tiny_model_dir):
+    """A short prompt's chunk ahead of a decode in the batch (a cached prompt sent again, its last token), one graph
+    step for both, where the decode's rows come first: each request gets the tokens it gets alone."""
+    prefix = [(13 * j) % 900 + 20 for j in range(40)]
+    prompts = {"turn": prefix + [(7 * j) % 900 + 31 for j in range(10)], "again": prefix}
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def engine() -> LLMEngine:
+        eng = LLMEngine(Config(model=tiny_model_dir, quantize="int8", device="cpu", block_size=16,
+                               kv_pool_tokens=1024, kv_host_gib=0, kv_disk=False))
+        answers(eng, {"prefix": prefix})      # cached now
+        return eng
+
+    def answers(eng: LLMEngine, requests: dict[str, list[int]]) -> dict[str, list[int]]:
+        tokens = {name: [] for name in requests}
+        for name, prompt in requests.items():       # added together: one step
+            eng.add_request(name, prompt, params)
+        while eng.has_unfinished():
+            for out in eng.step():
+                tokens[out.request_id] += out.new_token_ids
+        return tokens
+
+    alone_engine = engine()
+    alone = {name: answers(alone_engine, {name: prompt})[name] for name, prompt in prompts.items()}
+    alone_engine.shutdown()
+    together_engine = engine()
+    assert answers(together_engine, prompts) == alone
+    together_engine.shutdown()
+    assert alone["turn"] != alone["again"]
+
+
 def load_peak(load: str, warm_up: str, path: str, weights_file: str | None = None, env: dict | None = None
               ) -> tuple[float, str]:
     """Run, in a process of its own, `load` (Python over `path`: a load) once over `warm_up` (which brings in every

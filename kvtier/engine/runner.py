@@ -1,6 +1,8 @@
 """Turns a scheduled batch into one model forward: flat token batch + attention metadata."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kvtier.engine.graphs import DecodeGraphs
@@ -41,6 +43,16 @@ def generates(seq: Sequence, n: int) -> bool:
     """Whether a decode step of n tokens feeds the sequence tokens the model generated or proposed, not a prompt
     token (a cached prompt's last token)."""
     return decodes(seq, n) and seq.num_computed_tokens >= seq.num_prompt_tokens
+
+
+class GraphStep(NamedTuple):
+    """Rows of one sequence that a step of the decode graphs runs: from position `start`, whether they are a
+    prompt's last token (precise products) and whether their logits are wanted."""
+    seq: int            # its place in the batch
+    start: int
+    rows: int
+    precise: bool
+    sampled: bool
 
 
 # torch's own thread count, taken before any ggml decode step lowered it
@@ -197,8 +209,8 @@ class ModelRunner:
         """Per sequence of `which`, its logits [rows, vocab] from the decode graphs, and its last capture[i] rows'
         queries [rows, layers, heads, head_dim] (ggml's graphs hand them back; CUDA's take no sequence that
         wants them). Those of after_chunk run their prompt's last token only, after the rest of their chunk; a
-        short prompt's chunk (SHORT_PROMPT_TOKENS) runs as two: the rows before its prompt's last token, whose
-        logits nothing samples, then that token, which attends over them."""
+        short prompt's chunk (SHORT_PROMPT_TOKENS) runs its rows before its prompt's last token, whose logits
+        nothing samples, then that token, which attends over them (`_graph_steps`)."""
         ggml_steps = isinstance(self.graphs, GgmlDecodeSteps)
         if ggml_steps and torch.get_num_threads() != 1:
             # torch's threads spin a while after each parallel region, on the cores ggml's threads need (12 ms a
@@ -206,50 +218,61 @@ class ModelRunner:
             # the threads still spinning after this step's prompt chunk are stopped (openmp.py)
             torch.set_num_threads(1)
             stop_spinning()
-        # (sequence, first position, rows, precise, sampled): a prompt's last token (cached, after its chunk, or a
-        # short prompt's) multiplies precisely in ggml's graphs, which take those rows last
+        steps = self._graph_steps(batch, which, after_chunk)
+        if ggml_steps:      # a prompt's last token multiplies precisely in ggml's graphs, which take those rows last
+            steps = [step for step in steps if not step.precise] + [step for step in steps if step.precise]
+        inputs = self._decode_inputs(batch, [(step.seq, step.start, step.rows) for step in steps])
+        rows = inputs[-1]
+        if not ggml_steps:
+            logits = self.graphs.run(*inputs).split(rows)
+        else:
+            sampled = [step.sampled for step in steps]
+            some = any(sampled) and not all(sampled)      # else every row's logits (none wanted: a chunk's alone)
+            logits = self.graphs.run(*inputs, precise=sum(step.precise for step in steps),
+                                     sampled=sampled if some else None)
+            logits = logits.split([n * wanted for n, wanted in zip(rows, sampled)] if some else rows)
+        return self._per_sequence(steps, which, capture, logits)
+
+    def _graph_steps(self, batch: ScheduledBatch, which: list[int], after_chunk: list[int]) -> list[GraphStep]:
+        """What the graphs run of each sequence of `which`: a decode or a verify step whole, the last token of one
+        of after_chunk, or a short prompt's chunk as its rows before the prompt's last token then that token."""
         steps = []
         for i in which:
             seq, n = batch.seqs[i], batch.num_tokens[i]
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            if i in after_chunk:
-                steps.append((i, end - 1, 1, True, True))
-            elif not decodes(seq, n):     # a short prompt's chunk
-                last = end >= len(seq.token_ids)
-                if n > last:
-                    steps.append((i, start, n - last, False, False))
-                if last:
-                    steps.append((i, end - 1, 1, True, True))
-            else:
-                steps.append((i, start, n, n == 1 and not generates(seq, 1), True))
-        if ggml_steps:
-            steps = [step for step in steps if not step[3]] + [step for step in steps if step[3]]
-        inputs = self._decode_inputs(batch, [(i, start, n) for i, start, n, _, _ in steps])
-        rows, sampled = inputs[-1], [step[4] for step in steps]
-        if not ggml_steps:
-            logits = self.graphs.run(*inputs).split(rows)
-        elif all(sampled) or not any(sampled):     # the graphs' logits of every row (none wanted: a chunk's alone)
-            logits = self.graphs.run(*inputs, precise=sum(step[3] for step in steps)).split(rows)
-        else:
-            logits = self.graphs.run(*inputs, precise=sum(step[3] for step in steps), sampled=sampled).split(
-                [n if wanted else 0 for n, wanted in zip(rows, sampled)])
-        features = self.graphs.features.split(rows) if self.graphs.features is not None else None
-        found, end = {}, 0      # per sequence: its logits, features and queries, over its steps
-        for (i, _, n, _, wanted), step_logits, step_features in zip(steps, logits, features or [None] * len(steps)):
-            end += n
-            wanted_queries = min(capture[i], n)
-            queries = self.graphs.queries[:, end - wanted_queries:end].transpose(0, 1).clone(
-                memory_format=torch.contiguous_format) if wanted_queries else None
-            before = found.get(i)
-            if before is not None:      # a short prompt's last token, after its rows
-                step_features = torch.cat([before[1], step_features]) if step_features is not None else None
-            found[i] = (step_logits if wanted or before is None else before[0], step_features, queries)
+            if decodes(seq, n):
+                steps.append(GraphStep(i, start, n, precise=n == 1 and not generates(seq, 1), sampled=True))
+                continue
+            ends = end >= len(seq.token_ids)
+            if i not in after_chunk and n > ends:       # a short prompt's rows
+                steps.append(GraphStep(i, start, n - ends, precise=False, sampled=False))
+            if ends:
+                steps.append(GraphStep(i, end - 1, 1, precise=True, sampled=True))
+        return steps
+
+    def _per_sequence(self, steps: list[GraphStep], which: list[int], capture: list[int],
+                      logits: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """The graphs' outputs per sequence of `which`: its sampled step's logits (zeros for a short prompt's chunk
+        that does not end it: nothing samples there), its captured queries, and into `features` its rows'
+        features in order (a short prompt's rows, then its last token)."""
+        features = self.graphs.features.split([step.rows for step in steps]) \
+            if self.graphs.features is not None else [None] * len(steps)
+        found_logits, found_features, found_queries, end = {}, {}, {}, 0
+        for step, step_logits, step_features in zip(steps, logits, features):
+            end += step.rows
+            if step.sampled:
+                found_logits[step.seq] = step_logits
+            if capture[step.seq]:       # a bounded sequence's: one step of its own
+                wanted = min(capture[step.seq], step.rows)
+                found_queries[step.seq] = self.graphs.queries[:, end - wanted:end].transpose(0, 1).clone(
+                    memory_format=torch.contiguous_format)
+            if step_features is not None:
+                earlier = found_features.get(step.seq)
+                found_features[step.seq] = step_features if earlier is None else torch.cat([earlier, step_features])
+        if self.graphs.features is not None:
+            self.features = [found_features[i] for i in which]
         vocab = self.model.config.vocab_size
-        if features is not None:
-            self.features = [found[i][1] for i in which]
-        # a short prompt's chunk that does not end it: nothing samples there
-        return [found[i][0] if len(found[i][0]) else torch.zeros(1, vocab) for i in which], \
-            [found[i][2] for i in which]
+        return [found_logits.get(i, torch.zeros(1, vocab)) for i in which], [found_queries.get(i) for i in which]
 
     def _run_eagerly(self, batch: ScheduledBatch, capture: list[int]) -> tuple[list[torch.Tensor], list]:
         self.restore_threads()
@@ -300,15 +323,18 @@ class ModelRunner:
             # rest of its prompt and a draft: decode rows, run op by op)
             decoding = [i for i in decoding if generates(batch.seqs[i], batch.num_tokens[i]) or
                         (ggml_steps and batch.num_tokens[i] == 1 and not batch.seqs[i].kv.residency)]
-        if ggml_steps:      # and short prompts (SHORT_PROMPT_TOKENS), as rows of their own
-            return decoding + [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                               if not decodes(seq, n) and self._short_prompt(seq)]
+        if ggml_steps:      # and short prompts (SHORT_PROMPT_TOKENS), as rows of their own; in the batch's order
+            return sorted(decoding + [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                                      if not decodes(seq, n) and self._short_prompt(seq)])
         rows = sum(batch.num_tokens[i] for i in decoding)
         return decoding if len(decoding) == len(batch.seqs) and self.graphs.bucket(rows) is not None else []
 
     def _short_prompt(self, seq: Sequence) -> bool:
         """Whether the sequence's prompt chunks run in ggml's decode steps (SHORT_PROMPT_TOKENS): decided by what
-        the cache held of it, never by how the scheduler cut it, so that its rows multiply alike whatever the traffic.
+        the cache gave of it, never by how the scheduler cut it. With tiers that is what compute-or-load restored:
+        a cached prefix it computes instead (its rates' choice), or a compute-first load not landed yet when the
+        last chunk runs, leaves the prompt long, so its last rows then multiply as prompt rows, not decode rows
+        (their K/V ~1e-2 apart, as a reply's decode rows and a cold prompt's rows already are in the next turn).
         Not a bounded sequence's: the pager's prompt chunks attend to paged-out blocks, which the graphs do not
         read."""
         uncached = len(seq.token_ids) - seq.kv.num_cached_tokens

@@ -5,12 +5,12 @@ multiplying by its weights. Here the whole step (embedding, per layer the norms,
 RoPE, the K/V write into kvtier's pool, attention, the MLP; the final norm and the LM head) is one ggml graph run on
 ggml's threadpool, as llama.cpp runs it. The graph reads the weights and the pool where torch keeps them, and is
 built once per shape (rows per sequence, each sequence's context length rounded up to CONTEXT_STEP, whether each
-context is read in place or gathered, how many rows are prompts' last tokens: below), the last KEPT_GRAPHS kept: a
-step writes its token ids, positions, K/V slots and attention masks into the graph's inputs, sets the sizes of each
-sequence's attention tensors to its context rounded up to KEY_STEP keys (`ggml.Lengths`: the graph, planned for the
-longest, computes over the lengths of the step), and points the views of a context read in place at the slot where
-it starts (`ggml.Starts`), so that a new sequence, wherever the pool put its blocks, takes a graph already built
-(building one took 9-21 ms).
+context is read in place or gathered, how many rows are prompts' last tokens: below, which sequences' logits are
+wanted), the last KEPT_GRAPHS kept: a step writes its token ids, positions, K/V slots and attention masks into the
+graph's inputs, sets the sizes of each sequence's attention tensors to its context rounded up to KEY_STEP keys
+(`ggml.Lengths`: the graph, planned for the longest, computes over the lengths of the step), and points the views of
+a context read in place at the slot where it starts (`ggml.Starts`), so that a new sequence, wherever the pool put
+its blocks, takes a graph already built (building one took 9-21 ms).
 
 The pool keeps V transposed (KVPool's `values_transposed`: each layer's V as [kv_heads, head_dim, slots]), as
 llama.cpp keeps it, so that V's weighted sum is a product over contiguous keys (ggml_mul_mat): at 7.7K tokens of
@@ -62,9 +62,9 @@ KEPT_GRAPHS = 8         # graphs of the last shapes kept: verify steps of a few 
 class GgmlDecodeSteps:
     """run(token_ids, positions, slots, tables, lens, rows, precise, sampled) → logits [rows, vocab] of one decode
     step's sampled rows (its last `precise` rows prompts' last tokens), and `features` its feature layers' outputs
-    over every row (the interface of the CUDA graphs, engine/graphs.py). The logits are the graph's memory, valid until the next step (the engine samples from
-    them within the step): a copy of 49K floats took ~0.12 ms a step, its fresh memory's page faults, where the
-    whole step takes ~12."""
+    over every row (the interface of the CUDA graphs, engine/graphs.py). The logits are the graph's memory, valid
+    until the next step (the engine samples from them within the step): a copy of 49K floats took ~0.12 ms a step,
+    its fresh memory's page faults, where the whole step takes ~12."""
 
     def __init__(self, model: Decoder, pool: KVPool, threads: int, feature_layers: tuple[int, ...] = ()):
         cfg = self.config = model.config
@@ -117,6 +117,8 @@ class GgmlDecodeSteps:
         layouts = tuple((start is not None, min(span, self.num_slots // KEY_STEP * KEY_STEP))
                         for start, span in zip(starts, spans))
         sampled = (True,) * len(rows) if sampled is None else tuple(sampled)
+        if not any(sampled) or not all(sampled[len(sampled) - precise:]):
+            raise ValueError("a decode step's logits need a sampled sequence, and its precise ones (its last) are")
         key = (tuple(rows), layouts, precise, sampled)
         step = self.built.get(key)
         if step is None:
