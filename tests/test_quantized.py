@@ -769,6 +769,35 @@ def test_a_short_turn_beside_a_resent_prompt_answers_as_alone(tiny_model_dir):
     assert alone["turn"] != alone["again"]
 
 
+@pytest.mark.parametrize("compute", [False, True], ids=["restored", "computed-again"])
+def test_a_short_turn_runs_its_new_rows_in_the_graph_whether_its_prefix_is_restored_or_computed(
+        tiny_model_dir, monkeypatch, compute):
+    """What makes a prompt short is what the cache held of it, not compute-or-load's choice: a turn's 10 new tokens
+    after a prefix in the host tier run in ggml's decode graph, its last token precise, whether the prefix is
+    restored or (where the rates say computing is faster) computed again eagerly before them in the same step."""
+    steps, run = [], GgmlDecodeSteps.run
+    monkeypatch.setattr(GgmlDecodeSteps, "run", lambda self, *a, **kw: steps.append((a[-1], kw)) or
+                        run(self, *a, **kw))
+    engine = LLMEngine(Config(model=tiny_model_dir, quantize="int8", device="cpu", block_size=16,
+                              kv_pool_tokens=1024, prefix_cache=False, kv_host_gib=0.01, kv_disk=False))
+    prefix = [(13 * j) % 900 + 20 for j in range(40)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def answer(name: str, prompt: list[int]) -> None:
+        engine.add_request(name, prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+
+    answer("prefix", prefix)        # saved to the host tier, its last partial block too
+    if compute:      # computing beats any load
+        engine.kv.rates.prefill_tokens_per_s, engine.kv.rates.tier_bytes_per_s = 1e12, {"host": 1.0}
+    steps.clear()
+    answer("turn", prefix + [(7 * j) % 900 + 31 for j in range(10)])
+    engine.shutdown()
+    assert ([9, 1], {"precise": 1, "sampled": [False, True]}) in steps, [s for s in steps if s[0] != [1]]
+    assert bool(engine.kv.rates.computed_instead.get("host")) == compute
+
+
 def load_peak(load: str, warm_up: str, path: str, weights_file: str | None = None, env: dict | None = None
               ) -> tuple[float, str]:
     """Run, in a process of its own, `load` (Python over `path`: a load) once over `warm_up` (which brings in every

@@ -158,22 +158,22 @@ class ModelRunner:
         capture = capture or [0] * len(batch.seqs)
         self.features = None
         graphed = self._graphed(batch, capture)
-        after_chunk = [i for i in self._last_tokens_after_chunks(batch) if i not in graphed]
+        tails = {i: rows for i, rows in self._graph_tails(batch).items() if i not in graphed}
         if len(graphed) == len(batch.seqs):
             return self._run_graphs(batch, graphed, capture)
-        if not graphed and not after_chunk:
+        if not graphed and not tails:
             return self._run_eagerly(batch, capture)
-        # the eager sequences first, a prompt chunk whose last token the decode graphs take without that token
-        # (which attends over the chunk's K/V), then the decode graphs: a decode row's numerics never depend on
-        # the step, so ggml's take a mixed step's decodes too
+        # the eager sequences first, a prompt chunk without the rows the decode graphs take of it (which attend
+        # over the chunk's K/V), then the decode graphs: a decode row's numerics never depend on the step, so
+        # ggml's take a mixed step's decodes too
         eager = [i for i in range(len(batch.seqs)) if i not in graphed]
         part = ScheduledBatch()
         for i in eager:
-            part.add(batch.seqs[i], batch.num_tokens[i] - (i in after_chunk))
+            part.add(batch.seqs[i], batch.num_tokens[i] - tails.get(i, 0))
         eager_logits, eager_queries = self._run_eagerly(part, [capture[i] for i in eager])
         eager_features, self.features = self.features, None
-        in_graphs = graphed + after_chunk
-        graph_logits, graph_queries = self._run_graphs(batch, in_graphs, capture, after_chunk)
+        in_graphs = graphed + list(tails)
+        graph_logits, graph_queries = self._run_graphs(batch, in_graphs, capture, tails)
         logits, queries = [None] * len(batch.seqs), [None] * len(batch.seqs)
         for part_of, part_logits, part_queries in ((eager, eager_logits, eager_queries),
                                                     (in_graphs, graph_logits, graph_queries)):
@@ -204,13 +204,13 @@ class ModelRunner:
         if torch.get_num_threads() != self.torch_threads:
             torch.set_num_threads(self.torch_threads)
 
-    def _run_graphs(self, batch: ScheduledBatch, which: list[int], capture: list[int], after_chunk: list[int] = ()
-                    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    def _run_graphs(self, batch: ScheduledBatch, which: list[int], capture: list[int],
+                    tails: dict[int, int] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Per sequence of `which`, its logits [rows, vocab] from the decode graphs, and its last capture[i] rows'
         queries [rows, layers, heads, head_dim] (ggml's graphs hand them back; CUDA's take no sequence that
-        wants them). Those of after_chunk run their prompt's last token only, after the rest of their chunk; a
-        short prompt's chunk (SHORT_PROMPT_TOKENS) runs its rows before its prompt's last token, whose logits
-        nothing samples, then that token, which attends over them (`_graph_steps`)."""
+        wants them). Those of `tails` run their chunk's last tails[i] rows only, after the rest of it (`_graph_tails`);
+        a prompt's rows before its last token, whose logits nothing samples, then that token, which attends over
+        them (`_graph_steps`)."""
         ggml_steps = isinstance(self.graphs, GgmlDecodeSteps)
         if ggml_steps and torch.get_num_threads() != 1:
             # torch's threads spin a while after each parallel region, on the cores ggml's threads need (12 ms a
@@ -218,7 +218,7 @@ class ModelRunner:
             # the threads still spinning after this step's prompt chunk are stopped (openmp.py)
             torch.set_num_threads(1)
             stop_spinning()
-        steps = self._graph_steps(batch, which, after_chunk)
+        steps = self._graph_steps(batch, which, tails or {})
         if ggml_steps:      # a prompt's last token multiplies precisely in ggml's graphs, which take those rows last
             steps = [step for step in steps if not step.precise] + [step for step in steps if step.precise]
         inputs = self._decode_inputs(batch, [(step.seq, step.start, step.rows) for step in steps])
@@ -233,9 +233,9 @@ class ModelRunner:
             logits = logits.split([n * wanted for n, wanted in zip(rows, sampled)] if some else rows)
         return self._per_sequence(steps, which, capture, logits)
 
-    def _graph_steps(self, batch: ScheduledBatch, which: list[int], after_chunk: list[int]) -> list[GraphStep]:
-        """What the graphs run of each sequence of `which`: a decode or a verify step whole, the last token of one
-        of after_chunk, or a short prompt's chunk as its rows before the prompt's last token then that token."""
+    def _graph_steps(self, batch: ScheduledBatch, which: list[int], tails: dict[int, int]) -> list[GraphStep]:
+        """What the graphs run of each sequence of `which`: a decode or a verify step whole; of a prompt chunk
+        (whole, or its last tails[i] rows) its rows before the prompt's last token, then that token."""
         steps = []
         for i in which:
             seq, n = batch.seqs[i], batch.num_tokens[i]
@@ -243,9 +243,9 @@ class ModelRunner:
             if decodes(seq, n):
                 steps.append(GraphStep(i, start, n, precise=n == 1 and not generates(seq, 1), sampled=True))
                 continue
-            ends = end >= len(seq.token_ids)
-            if i not in after_chunk and n > ends:       # a short prompt's rows
-                steps.append(GraphStep(i, start, n - ends, precise=False, sampled=False))
+            first, ends = end - tails.get(i, n), end >= len(seq.token_ids)
+            if end - ends > first:       # a short prompt's rows
+                steps.append(GraphStep(i, first, end - ends - first, precise=False, sampled=False))
             if ends:
                 steps.append(GraphStep(i, end - 1, 1, precise=True, sampled=True))
         return steps
@@ -323,31 +323,39 @@ class ModelRunner:
             # rest of its prompt and a draft: decode rows, run op by op)
             decoding = [i for i in decoding if generates(batch.seqs[i], batch.num_tokens[i]) or
                         (ggml_steps and batch.num_tokens[i] == 1 and not batch.seqs[i].kv.residency)]
-        if ggml_steps:      # and short prompts (SHORT_PROMPT_TOKENS), as rows of their own; in the batch's order
+        if ggml_steps:      # and short prompts' chunks past what the cache held (SHORT_PROMPT_TOKENS); batch order
             return sorted(decoding + [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                                      if not decodes(seq, n) and self._short_prompt(seq)])
+                                      if not decodes(seq, n) and self._short_prompt(seq) and
+                                      seq.num_computed_tokens >= seq.kv.held_tokens])
         rows = sum(batch.num_tokens[i] for i in decoding)
         return decoding if len(decoding) == len(batch.seqs) and self.graphs.bucket(rows) is not None else []
 
     def _short_prompt(self, seq: Sequence) -> bool:
-        """Whether the sequence's prompt chunks run in ggml's decode steps (SHORT_PROMPT_TOKENS): decided by what
-        the cache gave of it, never by how the scheduler cut it. With tiers that is what compute-or-load restored:
-        a cached prefix it computes instead (its rates' choice), or a compute-first load not landed yet when the
-        last chunk runs, leaves the prompt long, so its last rows then multiply as prompt rows, not decode rows
-        (their K/V ~1e-2 apart, as a reply's decode rows and a cold prompt's rows already are in the next turn).
-        Not a bounded sequence's: the pager's prompt chunks attend to paged-out blocks, which the graphs do not
-        read."""
-        uncached = len(seq.token_ids) - seq.kv.num_cached_tokens
+        """Whether the sequence's prompt tokens past what the cache held of it (`KVState.held_tokens`) run in
+        ggml's decode steps (SHORT_PROMPT_TOKENS): decided by what the cache held, never by how the scheduler cut
+        the prompt, nor by whether compute-or-load restored the prefix or computed it again (then eagerly, before
+        them), nor by when a load landed. Not a bounded sequence's: the pager's prompt chunks attend to paged-out
+        blocks, which the graphs do not read."""
+        uncached = len(seq.token_ids) - seq.kv.held_tokens
         return not seq.kv.residency and uncached <= SHORT_PROMPT_TOKENS and uncached * len(seq.token_ids) <= \
             SHORT_PROMPT_KEYS
 
-    def _last_tokens_after_chunks(self, batch: ScheduledBatch) -> list[int]:
-        """The sequences whose prompt's last token ggml's decode steps run after the rest of its chunk: those whose
-        chunk ends their prompt and whose last token runs alone (`_runs_last_alone`)."""
+    def _graph_tails(self, batch: ScheduledBatch) -> dict[int, int]:
+        """Per prompt chunk whose last rows ggml's decode steps run after the rest of it, those rows: a short
+        prompt's past what the cache held (`_short_prompt`: the chunk computes a held prefix again before them),
+        else the prompt's last token where it runs alone (`_runs_last_alone`)."""
         if not isinstance(self.graphs, GgmlDecodeSteps):
-            return []
-        return [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                if not decodes(seq, n) and self._runs_last_alone(seq, n)]
+            return {}
+        tails = {}
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            end = seq.num_computed_tokens + n
+            if decodes(seq, n):
+                continue
+            if self._short_prompt(seq) and end > seq.kv.held_tokens:
+                tails[i] = min(n, end - seq.kv.held_tokens)
+            elif self._runs_last_alone(seq, n):
+                tails[i] = 1
+        return tails
 
     def _runs_last_alone(self, seq: Sequence, n: int) -> bool:
         """Whether a prompt chunk of n tokens ends its prompt with a token that runs alone after it, as it does when

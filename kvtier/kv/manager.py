@@ -186,6 +186,7 @@ class KVManager:
         if copied is not None:
             cached.append(copied[0])
             start += copied[1]
+        state.held_tokens = max(state.held_tokens, start)
         n = self.chunk(state, start, min(len(state.token_ids) - start, budget))
         if state.residency and state.restored:     # restored over its budget: make room before growing
             self._page_out(state, self.pager.victims(state, start + n))

@@ -71,6 +71,7 @@ class LoadPlanner:
             if partial is not None and 0 < front == count:    # computed with the whole prefix before it
                 self.rates.count_computed(partial[0], partial[2])
                 partial = None
+        state.held_tokens = max(state.held_tokens, self._held_tokens(state, exact[:on_device] + keys[:count]))
         if front == count and partial is None:
             return None
         # blocks for the whole prompt, so that a restored request never waits for more while holding some
@@ -101,6 +102,13 @@ class LoadPlanner:
         parent = keys[-1] if keys else state.root_key
         start = len(keys) * self.block_size
         return self.partials.match(parent, state.token_ids[start:len(state.token_ids) - 1])
+
+    def _held_tokens(self, state: KVState, keys: list[bytes]) -> int:
+        """The prompt tokens these leading full blocks hold, and a partial block after them, on the device or in a
+        tier, whether it is to be loaded or computed again."""
+        hit = self.partial_after(state, keys)
+        held = hit is not None and (hit[0] in self.pool.cached or any(t.contains(hit[0]) for t in self.stack.tiers))
+        return len(keys) * self.block_size + (hit[1] if held else 0)
 
     def _partial_in_tiers(self, state: KVState, keys: list[bytes],
                           on_device_too: bool) -> tuple[str, bytes, int] | None:

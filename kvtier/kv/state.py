@@ -27,6 +27,9 @@ class KVState:
     aborted: bool = False                   # cancelled while loading: released once the copy lands
     admitted: bool = False                  # admitted once: a preempted sequence keeps its first cache report
     num_cached_tokens: int = 0              # prompt tokens served from a cache
+    # prompt tokens the cache held at lookup (device, tiers, partial blocks), served or computed again: what makes a
+    # prompt short for ggml's decode steps (engine/runner.py), whatever compute-or-load chose
+    held_tokens: int = 0
     tier_tokens: dict[str, int] = field(default_factory=dict)   # of those, how many came from which tier
 
     @property

@@ -9,7 +9,7 @@ bfloat16 scales and zeros: int4pack.py);
 `--quantize int8|int4` makes Q8_0 or Q4_0 blocks (weight-only, groups of 32) of a float checkpoint the same way.
 
 Which product a row gets depends on its token's role, never on what else is in the step, so a sequence's output
-does not change with the traffic beside it (but for what the cache gave of its prompt, below):
+does not change with the traffic beside it (but for what the cache held of its prompt, below):
 - decode rows: a product over the blocks, which reads 4-8x fewer bytes than float weights. On CPU ggml's (the
   activations quantized to 8 bits per block of 32, as llama.cpp does; over F16 and BF16 weights rounded to that
   type, where a value past float16's 65504 overflows as in llama.cpp), whole decode steps as one ggml graph
@@ -33,8 +33,8 @@ does not change with the traffic beside it (but for what the cache gave of its p
   to "What is the capital of France?" away from Paris).
 A short prompt's rows (runner.SHORT_PROMPT_TOKENS: an agent's turn after a cached prefix) run in ggml's decode graph
 as decode rows, its last token precise: dequantizing every weight for a few rows took longer than their products.
-What is short depends on what the cache gave of the prompt (with tiers, on what compute-or-load restored), so a
-turn's rows can round as decode rows one time and as prompt rows another.
+What is short depends on what the cache held of the prompt (`KVState.held_tokens`), whether compute-or-load restored
+that or computed it again.
 `Decoder.forward` says which rows decode and which are a prompt's last token (`decoding`); the others are prompt
 rows. On CPU the decode rows' quantized activations and the prompt rows' bfloat16 round differently from
 float32's, so greedy output can differ from float32 weights' where two tokens nearly tie, and a prompt whose last
