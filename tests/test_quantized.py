@@ -769,33 +769,44 @@ def test_a_short_turn_beside_a_resent_prompt_answers_as_alone(tiny_model_dir):
     assert alone["turn"] != alone["again"]
 
 
-@pytest.mark.parametrize("compute", [False, True], ids=["restored", "computed-again"])
 def test_a_short_turn_runs_its_new_rows_in_the_graph_whether_its_prefix_is_restored_or_computed(
-        tiny_model_dir, monkeypatch, compute):
+        tiny_model_dir, monkeypatch):
     """What makes a prompt short is what the cache held of it, not compute-or-load's choice: a turn's 10 new tokens
     after a prefix in the host tier run in ggml's decode graph, its last token precise, whether the prefix is
-    restored or (where the rates say computing is faster) computed again eagerly before them in the same step."""
+    restored or (where the rates say computing is faster) computed again eagerly before them, in the same step or,
+    cut by the step's budget across what the cache held, in the next (the same bits either way)."""
     steps, run = [], GgmlDecodeSteps.run
     monkeypatch.setattr(GgmlDecodeSteps, "run", lambda self, *a, **kw: steps.append((a[-1], kw)) or
                         run(self, *a, **kw))
-    engine = LLMEngine(Config(model=tiny_model_dir, quantize="int8", device="cpu", block_size=16,
-                              kv_pool_tokens=1024, prefix_cache=False, kv_host_gib=0.01, kv_disk=False))
     prefix = [(13 * j) % 900 + 20 for j in range(40)]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
 
-    def answer(name: str, prompt: list[int]) -> None:
-        engine.add_request(name, prompt, params)
-        while engine.has_unfinished():
-            engine.step()
+    def turn(compute: bool, budget: int) -> tuple[list, list]:
+        engine = LLMEngine(Config(model=tiny_model_dir, quantize="int8", device="cpu", block_size=16,
+                                  kv_pool_tokens=1024, prefix_cache=False, kv_host_gib=0.01, kv_disk=False,
+                                  max_batched_tokens=budget))
+        logprobs = []
 
-    answer("prefix", prefix)        # saved to the host tier, its last partial block too
-    if compute:      # computing beats any load
-        engine.kv.rates.prefill_tokens_per_s, engine.kv.rates.tier_bytes_per_s = 1e12, {"host": 1.0}
-    steps.clear()
-    answer("turn", prefix + [(7 * j) % 900 + 31 for j in range(10)])
-    engine.shutdown()
-    assert ([9, 1], {"precise": 1, "sampled": [False, True]}) in steps, [s for s in steps if s[0] != [1]]
-    assert bool(engine.kv.rates.computed_instead.get("host")) == compute
+        def answer(name: str, prompt: list[int]) -> None:
+            engine.add_request(name, prompt, params)
+            while engine.has_unfinished():
+                for out in engine.step():
+                    logprobs.extend((lp.token_id, lp.logprob, lp.top) for lp in out.logprobs)
+
+        answer("prefix", prefix)        # saved to the host tier, its last partial block too
+        if compute:      # computing beats any load
+            engine.kv.rates.prefill_tokens_per_s, engine.kv.rates.tier_bytes_per_s = 1e12, {"host": 1.0}
+        steps.clear()
+        logprobs.clear()
+        answer("turn", prefix + [(7 * j) % 900 + 31 for j in range(10)])
+        engine.shutdown()
+        assert bool(engine.kv.rates.computed_instead.get("host")) == compute
+        return [s for s in steps if s[0] != [1]], logprobs
+
+    assert turn(False, 2048)[0] == turn(True, 2048)[0] == [([9, 1], {"precise": 1, "sampled": [False, True]})]
+    cut, logprobs = turn(True, 45)     # 40 held tokens and 5 new ones, then the other 5
+    assert cut == [([5], {"precise": 0, "sampled": None}), ([4, 1], {"precise": 1, "sampled": [False, True]})], cut
+    assert logprobs == turn(True, 2048)[1]
 
 
 def load_peak(load: str, warm_up: str, path: str, weights_file: str | None = None, env: dict | None = None

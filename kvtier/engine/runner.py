@@ -158,9 +158,9 @@ class ModelRunner:
         capture = capture or [0] * len(batch.seqs)
         self.features = None
         graphed = self._graphed(batch, capture)
-        tails = {i: rows for i, rows in self._graph_tails(batch).items() if i not in graphed}
+        tails = self._graph_tails(batch, graphed)
         if len(graphed) == len(batch.seqs):
-            return self._run_graphs(batch, graphed, capture)
+            return self._run_graphs(batch, graphed, capture, {})
         if not graphed and not tails:
             return self._run_eagerly(batch, capture)
         # the eager sequences first, a prompt chunk without the rows the decode graphs take of it (which attend
@@ -204,8 +204,8 @@ class ModelRunner:
         if torch.get_num_threads() != self.torch_threads:
             torch.set_num_threads(self.torch_threads)
 
-    def _run_graphs(self, batch: ScheduledBatch, which: list[int], capture: list[int],
-                    tails: dict[int, int] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    def _run_graphs(self, batch: ScheduledBatch, which: list[int], capture: list[int], tails: dict[int, int]
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Per sequence of `which`, its logits [rows, vocab] from the decode graphs, and its last capture[i] rows'
         queries [rows, layers, heads, head_dim] (ggml's graphs hand them back; CUDA's take no sequence that
         wants them). Those of `tails` run their chunk's last tails[i] rows only, after the rest of it (`_graph_tails`);
@@ -218,7 +218,7 @@ class ModelRunner:
             # the threads still spinning after this step's prompt chunk are stopped (openmp.py)
             torch.set_num_threads(1)
             stop_spinning()
-        steps = self._graph_steps(batch, which, tails or {})
+        steps = self._graph_steps(batch, which, tails)
         if ggml_steps:      # a prompt's last token multiplies precisely in ggml's graphs, which take those rows last
             steps = [step for step in steps if not step.precise] + [step for step in steps if step.precise]
         inputs = self._decode_inputs(batch, [(step.seq, step.start, step.rows) for step in steps])
@@ -310,7 +310,7 @@ class ModelRunner:
         (and verify steps) only, whose rows a graph holds, none of whose queries the pager wants; ggml's decode steps
         take a mixed step's decodes too, bounded ones with them (they hand back their queries), so that every
         decode and verify row of quantized weights scores as any other would, and short prompts' chunks
-        (SHORT_PROMPT_TOKENS)."""
+        (SHORT_PROMPT_TOKENS) that start at or past what the cache held of their prompt."""
         if self.graphs is None:
             return []
         ggml_steps = isinstance(self.graphs, GgmlDecodeSteps)
@@ -340,19 +340,19 @@ class ModelRunner:
         return not seq.kv.residency and uncached <= SHORT_PROMPT_TOKENS and uncached * len(seq.token_ids) <= \
             SHORT_PROMPT_KEYS
 
-    def _graph_tails(self, batch: ScheduledBatch) -> dict[int, int]:
-        """Per prompt chunk whose last rows ggml's decode steps run after the rest of it, those rows: a short
-        prompt's past what the cache held (`_short_prompt`: the chunk computes a held prefix again before them),
-        else the prompt's last token where it runs alone (`_runs_last_alone`)."""
+    def _graph_tails(self, batch: ScheduledBatch, graphed: list[int]) -> dict[int, int]:
+        """Per prompt chunk the graphs do not take whole whose last rows ggml's decode steps run after the rest of
+        it, those rows: a short prompt's past what the cache held (the chunk computes a held prefix again before
+        them: `_short_prompt`), else the prompt's last token where it runs alone (`_runs_last_alone`)."""
         if not isinstance(self.graphs, GgmlDecodeSteps):
             return {}
         tails = {}
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            end = seq.num_computed_tokens + n
-            if decodes(seq, n):
+            held, end = seq.kv.held_tokens, seq.num_computed_tokens + n
+            if i in graphed or decodes(seq, n):
                 continue
-            if self._short_prompt(seq) and end > seq.kv.held_tokens:
-                tails[i] = min(n, end - seq.kv.held_tokens)
+            if self._short_prompt(seq) and end > held:      # and it starts before: else the graphs take it whole
+                tails[i] = end - held
             elif self._runs_last_alone(seq, n):
                 tails[i] = 1
         return tails

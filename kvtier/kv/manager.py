@@ -107,7 +107,8 @@ class KVManager:
             plan, on_device = self.planner.bounded(exact) if state.residency else None, []
             if plan is None:
                 on_device = self._device_prefix(exact[:self.planner.shared_limit])
-                plan = self.planner.prefix(state, exact, len(on_device))
+                plan, held = self.planner.prefix(state, exact, len(on_device))
+                state.held_tokens = max(state.held_tokens, held)
             if plan is None:
                 self.pool.free(on_device)     # admission matches the device part again
                 continue
@@ -186,7 +187,9 @@ class KVManager:
         if copied is not None:
             cached.append(copied[0])
             start += copied[1]
-        state.held_tokens = max(state.held_tokens, start)
+        # what the cache holds, copied here or not (a full pool), loaded or computed again
+        state.held_tokens = max(state.held_tokens, start if state.block_table else
+                                self.planner.held_tokens(state, keys))
         n = self.chunk(state, start, min(len(state.token_ids) - start, budget))
         if state.residency and state.restored:     # restored over its budget: make room before growing
             self._page_out(state, self.pager.victims(state, start + n))

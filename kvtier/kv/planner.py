@@ -54,9 +54,10 @@ class LoadPlanner:
         """Blocks a new sequence may take from caches: a bounded one's first chunk must still fit its budget."""
         return self.pager.max_shared_blocks if self.pager else None
 
-    def prefix(self, state: KVState, exact: list[bytes], on_device: int) -> LoadPlan | None:
-        """The prompt's exact prefix after the `on_device` blocks the pool holds; None when nothing is worth
-        loading or the pool cannot reserve the blocks."""
+    def prefix(self, state: KVState, exact: list[bytes], on_device: int) -> tuple[LoadPlan | None, int]:
+        """The prompt's exact prefix after the `on_device` blocks the pool holds (None when nothing is worth
+        loading or the pool cannot reserve the blocks), and the prompt tokens the cache holds (`held_tokens`),
+        whatever of them is loaded."""
         bs, limit = self.block_size, self.shared_limit
         keys = exact[on_device:limit]
         tiers = [tier for tier, n in self.stack.lookup(keys).items() for _ in range(n)]     # each block's tier
@@ -71,16 +72,16 @@ class LoadPlanner:
             if partial is not None and 0 < front == count:    # computed with the whole prefix before it
                 self.rates.count_computed(partial[0], partial[2])
                 partial = None
-        state.held_tokens = max(state.held_tokens, self._held_tokens(state, exact[:on_device] + keys[:count]))
+        held = self.held_tokens(state, exact[:on_device] + keys[:count])
         if front == count and partial is None:
-            return None
+            return None, held
         # blocks for the whole prompt, so that a restored request never waits for more while holding some
         # (two such requests could otherwise starve each other); under bounded residency, the budget's worth
         need = self.pool.blocks_for(len(state.token_ids))
         if limit is not None:
             need = min(need, self.pager.budget_blocks)
         if not self.pool.can_allocate(need - on_device):
-            return None
+            return None, held
         if front:
             log.info("computing %d cached tokens while the next %d load (%s)", front * bs, (count - front) * bs,
                      self.rates.stats())
@@ -91,7 +92,7 @@ class LoadPlanner:
             tier, key, plan.partial_tokens = partial
             plan.keys.append(key)
             plan.tier_tokens[tier] = plan.tier_tokens.get(tier, 0) + plan.partial_tokens
-        return plan
+        return plan, held
 
     def bounded(self, exact: list[bytes]) -> LoadPlan | None:
         """A bounded sequence's restore over its budget, from a manifest or else from the exact prefix."""
@@ -103,12 +104,18 @@ class LoadPlanner:
         start = len(keys) * self.block_size
         return self.partials.match(parent, state.token_ids[start:len(state.token_ids) - 1])
 
-    def _held_tokens(self, state: KVState, keys: list[bytes]) -> int:
-        """The prompt tokens these leading full blocks hold, and a partial block after them, on the device or in a
-        tier, whether it is to be loaded or computed again."""
+    def held_tokens(self, state: KVState, keys: list[bytes]) -> int:
+        """The prompt tokens these leading full blocks hold, and a partial block continuing them wherever it lies
+        (the device, a save in flight, a tier), whether it is loaded or computed again: what makes a prompt short
+        for ggml's decode steps (engine/runner.py)."""
         hit = self.partial_after(state, keys)
-        held = hit is not None and (hit[0] in self.pool.cached or any(t.contains(hit[0]) for t in self.stack.tiers))
+        held = hit is not None and (hit[0] in self.pool.cached or self.saving_run([hit[0]]) > 0 or
+                                    self._tier_of(hit[0]) is not None)
         return len(keys) * self.block_size + (hit[1] if held else 0)
+
+    def _tier_of(self, key: bytes):
+        """The first tier that holds the key, or None."""
+        return next((tier for tier in self.stack.tiers if tier.contains(key)), None) if self.stack else None
 
     def _partial_in_tiers(self, state: KVState, keys: list[bytes],
                           on_device_too: bool) -> tuple[str, bytes, int] | None:
@@ -117,7 +124,7 @@ class LoadPlanner:
         hit = self.partial_after(state, keys)
         if hit is None or (on_device_too and hit[0] in self.pool.cached):
             return None
-        tier = next((t for t in self.stack.tiers if t.contains(hit[0])), None)
+        tier = self._tier_of(hit[0])
         return None if tier is None else (tier.name, *hit)
 
     def _from_manifest(self, exact: list[bytes]) -> LoadPlan | None:

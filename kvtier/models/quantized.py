@@ -33,8 +33,9 @@ does not change with the traffic beside it (but for what the cache held of its p
   to "What is the capital of France?" away from Paris).
 A short prompt's rows (runner.SHORT_PROMPT_TOKENS: an agent's turn after a cached prefix) run in ggml's decode graph
 as decode rows, its last token precise: dequantizing every weight for a few rows took longer than their products.
-What is short depends on what the cache held of the prompt (`KVState.held_tokens`), whether compute-or-load restored
-that or computed it again.
+What is short depends on what the cache held of the prompt (`KVState.held_tokens`), not on whether compute-or-load
+restored that or computed it again; what the held part's K/V hold does (restored, or computed again in another
+chunk: ~1.5e-3 apart in a tiny model's log-probabilities), so greedy output can differ where two tokens nearly tie.
 `Decoder.forward` says which rows decode and which are a prompt's last token (`decoding`); the others are prompt
 rows. On CPU the decode rows' quantized activations and the prompt rows' bfloat16 round differently from
 float32's, so greedy output can differ from float32 weights' where two tokens nearly tie, and a prompt whose last
