@@ -57,13 +57,13 @@ class GraphStep(NamedTuple):
 
 # torch's own thread count, taken before any ggml decode step lowered it
 TORCH_THREADS = torch.get_num_threads()
-# A prompt whose uncached part is at most SHORT_PROMPT_TOKENS tokens, and at most SHORT_PROMPT_KEYS of its tokens
-# times its length, runs in ggml's decode steps as rows beside the decodes: an agent's turn after a cached prefix (a
-# tool's result, a reply). Eagerly, its rows would dequantize every weight for torch's product, whatever their
-# count: on a 2-core Xeon 16 new tokens after a cached 1,024 took ~190 ms eagerly for the bundled model and ~1.16 s
-# for a 1B Q4_K_M one, against 75 ms in the graph for the bundled model; a graph row costs ~2.8 ms there plus
-# ~1.8 µs per key of its context, so past ~37 rows at 1K of context, ~17 at 4K and ~10 at 8K the eager forward is
-# sooner (docs/BENCHMARKS.md, "Agent turns on quantized weights").
+# A prompt whose part past what the cache held is at most SHORT_PROMPT_TOKENS tokens, and at most SHORT_PROMPT_KEYS
+# of them times its length, runs that part in ggml's decode steps as rows beside the decodes: an agent's turn after a
+# cached prefix (a tool's result, a reply). Eagerly, its rows would dequantize every weight for torch's product,
+# whatever their count: on a 2-core Xeon 16 new tokens after a cached 1,024 took ~190 ms eagerly for the bundled
+# model and ~1.16 s for a 1B Q4_K_M one, against 75 ms in the graph for the bundled model; a graph row costs ~2.8 ms
+# there plus ~1.8 µs per key of its context, so past ~37 rows at 1K of context, ~17 at 4K and ~10 at 8K the eager
+# forward is sooner (docs/BENCHMARKS.md, "Agent turns on quantized weights").
 SHORT_PROMPT_TOKENS = 32
 SHORT_PROMPT_KEYS = 32 * 2048
 
