@@ -698,7 +698,31 @@ def test_a_prompts_last_token_beside_other_sequences_answers_as_alone(tiny_model
     engine.shutdown()
 
 
-def test_a_short_turn_after_a_cached_prefix_runs_in_the_decode_graph(tiny_model_dir, monkeypatch):
+@pytest.fixture
+def graph_steps(monkeypatch) -> list[tuple[list[int], dict]]:
+    """Every ggml decode step run from here on: its rows per sequence and its keyword arguments."""
+    steps, run = [], GgmlDecodeSteps.run
+    monkeypatch.setattr(GgmlDecodeSteps, "run", lambda self, *a, **kw: steps.append((a[-1], kw)) or
+                        run(self, *a, **kw))
+    return steps
+
+
+def served(engine: LLMEngine, requests: dict[str, list[int]], params: SamplingParams) -> dict[str, tuple]:
+    """The requests added together and served to their end: per request its tokens, its logprobs (token, logprob,
+    top) and the prompt tokens the cache held."""
+    found = {name: ([], [], None) for name in requests}
+    for name, prompt in requests.items():
+        engine.add_request(name, prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens, logprobs, _ = found[out.request_id]
+            tokens += out.new_token_ids
+            logprobs += [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or []]
+            found[out.request_id] = (tokens, logprobs, out.num_cached_tokens)
+    return found
+
+
+def test_a_short_turn_after_a_cached_prefix_runs_in_the_decode_graph(tiny_model_dir, monkeypatch, graph_steps):
     """A prompt whose uncached part is short (runner.SHORT_PROMPT_TOKENS) runs in ggml's decode graph, cold and after
     a cached prefix, no weight dequantized for it: in one step of its rows and its last token, whose logits are the
     graph's only ones, and bitwise as with its tokens fed one a step (max_batched_tokens=1), since its rows are
@@ -706,28 +730,15 @@ def test_a_short_turn_after_a_cached_prefix_runs_in_the_decode_graph(tiny_model_
     eager_runs = []
     run_eagerly = ModelRunner._run_eagerly
     monkeypatch.setattr(ModelRunner, "_run_eagerly", lambda self, *a: eager_runs.append(a) or run_eagerly(self, *a))
-    steps, run = [], GgmlDecodeSteps.run
-    monkeypatch.setattr(GgmlDecodeSteps, "run", lambda self, *a, **kw: steps.append((a[-1], kw)) or
-                        run(self, *a, **kw))
+    steps = graph_steps
     prefix = [(13 * j) % 900 + 20 for j in range(20)]
     turn = prefix + [(7 * j) % 900 + 31 for j in range(10)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
-
-    def answer(engine: LLMEngine, name: str, prompt: list[int]) -> tuple[list[int], list, int]:
-        tokens, logprobs, cached = [], [], None
-        engine.add_request(name, prompt, params)
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens += out.new_token_ids
-                logprobs += out.logprobs
-                cached = out.num_cached_tokens
-        return tokens, [(lp.token_id, lp.logprob, lp.top) for lp in logprobs], cached
-
     results = {}
     for budget in (2048, 1):
         engine = LLMEngine(Config(model=tiny_model_dir, quantize="int8", device="cpu", block_size=16,
                                   kv_pool_tokens=1024, max_batched_tokens=budget, kv_host_gib=0, kv_disk=False))
-        results[budget] = [answer(engine, f"{name}-{budget}", prompt)
+        results[budget] = [served(engine, {f"{name}-{budget}": prompt}, params)[f"{name}-{budget}"]
                            for name, prompt in (("cold", prefix), ("turn", turn))]
         engine.shutdown()
         assert not eager_runs, budget
@@ -748,17 +759,11 @@ def test_a_short_turn_beside_a_resent_prompt_answers_as_alone(tiny_model_dir):
     def engine() -> LLMEngine:
         eng = LLMEngine(Config(model=tiny_model_dir, quantize="int8", device="cpu", block_size=16,
                                kv_pool_tokens=1024, kv_host_gib=0, kv_disk=False))
-        answers(eng, {"prefix": prefix})      # cached now
+        served(eng, {"prefix": prefix}, params)      # cached now
         return eng
 
     def answers(eng: LLMEngine, requests: dict[str, list[int]]) -> dict[str, list[int]]:
-        tokens = {name: [] for name in requests}
-        for name, prompt in requests.items():       # added together: one step
-            eng.add_request(name, prompt, params)
-        while eng.has_unfinished():
-            for out in eng.step():
-                tokens[out.request_id] += out.new_token_ids
-        return tokens
+        return {name: tokens for name, (tokens, _, _) in served(eng, requests, params).items()}
 
     alone_engine = engine()
     alone = {name: answers(alone_engine, {name: prompt})[name] for name, prompt in prompts.items()}
@@ -770,14 +775,12 @@ def test_a_short_turn_beside_a_resent_prompt_answers_as_alone(tiny_model_dir):
 
 
 def test_a_short_turn_runs_its_new_rows_in_the_graph_whether_its_prefix_is_restored_or_computed(
-        tiny_model_dir, monkeypatch):
+        tiny_model_dir, graph_steps):
     """What makes a prompt short is what the cache held of it, not compute-or-load's choice: a turn's 10 new tokens
     after a prefix in the host tier run in ggml's decode graph, its last token precise, whether the prefix is
     restored or (where the rates say computing is faster) computed again eagerly before them, in the same step or,
     cut by the step's budget across what the cache held, in the next (the same bits either way)."""
-    steps, run = [], GgmlDecodeSteps.run
-    monkeypatch.setattr(GgmlDecodeSteps, "run", lambda self, *a, **kw: steps.append((a[-1], kw)) or
-                        run(self, *a, **kw))
+    steps = graph_steps
     prefix = [(13 * j) % 900 + 20 for j in range(40)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
 
@@ -785,20 +788,11 @@ def test_a_short_turn_runs_its_new_rows_in_the_graph_whether_its_prefix_is_resto
         engine = LLMEngine(Config(model=tiny_model_dir, quantize="int8", device="cpu", block_size=16,
                                   kv_pool_tokens=1024, prefix_cache=False, kv_host_gib=0.01, kv_disk=False,
                                   max_batched_tokens=budget))
-        logprobs = []
-
-        def answer(name: str, prompt: list[int]) -> None:
-            engine.add_request(name, prompt, params)
-            while engine.has_unfinished():
-                for out in engine.step():
-                    logprobs.extend((lp.token_id, lp.logprob, lp.top) for lp in out.logprobs)
-
-        answer("prefix", prefix)        # saved to the host tier, its last partial block too
+        served(engine, {"prefix": prefix}, params)        # saved to the host tier, its last partial block too
         if compute:      # computing beats any load
             engine.kv.rates.prefill_tokens_per_s, engine.kv.rates.tier_bytes_per_s = 1e12, {"host": 1.0}
         steps.clear()
-        logprobs.clear()
-        answer("turn", prefix + [(7 * j) % 900 + 31 for j in range(10)])
+        _, logprobs, _ = served(engine, {"turn": prefix + [(7 * j) % 900 + 31 for j in range(10)]}, params)["turn"]
         engine.shutdown()
         assert bool(engine.kv.rates.computed_instead.get("host")) == compute
         return [s for s in steps if s[0] != [1]], logprobs

@@ -6,6 +6,7 @@ each sequence's logits, read back as kvtier reads its own) over as many sequence
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -19,6 +20,7 @@ def available() -> bool:
     return True
 
 
+@functools.cache
 def has_avx_vnni() -> bool:
     """Whether this CPU has AVX-VNNI: the wheel's own check, which reads py-cpuinfo's flags and says no where
     py-cpuinfo is missing (it is no dependency of the wheel), else the kernel's flags. Without it, llama.cpp ran with

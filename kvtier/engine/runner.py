@@ -346,11 +346,11 @@ class ModelRunner:
         them: `_short_prompt`), else the prompt's last token where it runs alone (`_runs_last_alone`)."""
         if not isinstance(self.graphs, GgmlDecodeSteps):
             return {}
-        tails = {}
+        tails, graphed = {}, set(graphed)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            held, end = seq.kv.held_tokens, seq.num_computed_tokens + n
             if i in graphed or decodes(seq, n):
                 continue
+            held, end = seq.kv.held_tokens, seq.num_computed_tokens + n
             if self._short_prompt(seq) and end > held:      # and it starts before: else the graphs take it whole
                 tails[i] = end - held
             elif self._runs_last_alone(seq, n):
