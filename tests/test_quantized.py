@@ -327,14 +327,14 @@ def test_prompt_rows_multiply_by_dequantized_weights_in_the_chosen_dtype(monkeyp
 def test_prompt_rows_dequantize_through_ops_planned_once(monkeypatch):
     """Each slice a prompt product dequantizes has its ggml op planned at the first product and run again after:
     the same rows as `rows` gives, product after product."""
-    monkeypatch.setattr("kvtier.models.quantized.DEQUANTIZED_BYTES", 100 * 64 * 4)     # 3 slices of 100 rows
-    weight = quantize(torch.randn(300, 64), Q.Q4_1)
+    monkeypatch.setattr("kvtier.models.quantized.DEQUANTIZED_BYTES", 96 * 64 * 4)     # 3 slices of 96 rows
+    weight = quantize(torch.randn(288, 64), Q.Q4_1)
     x = torch.randn(5, 64)
     first = dequantized_product(weight, x)
     plans = dict(weight.plans)
     assert len(plans) == 3
     assert torch.equal(dequantized_product(weight, x), first) and weight.plans == plans
-    assert torch.equal(weight.dequantize(100, torch.empty(100, 64)), weight.rows(torch.arange(100, 200)))
+    assert torch.equal(weight.dequantize(96, torch.empty(96, 64)), weight.rows(torch.arange(96, 192)))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16],

@@ -54,6 +54,26 @@ def test_a_q4_1_weight_is_q4_0_plus_shifts_and_gives_back_the_files_rows():
     assert torch.equal(shifted.dequantized(), plain.dequantized())
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+def test_a_repacked_weights_prompt_slices_dequantize_through_ops_planned_once(qtype, monkeypatch):
+    """A slice a prompt product dequantizes gets its file blocks back and its op planned at the first product, run
+    again after: the file layout's rows, slice after slice; planned again where the memory `plain` reuses moved; a
+    slice that is not whole groups of 8 rows goes as `rows`."""
+    plain = weight(qtype, 128)
+    packed = repacked(plain)
+    out = torch.empty(48, 256)
+    assert torch.equal(packed.dequantize(32, out), plain.rows(torch.arange(32, 80)))
+    planned = dict(packed.slices)
+    assert list(planned) == [(32, 48)]
+    assert torch.equal(packed.dequantize(80, out), plain.rows(torch.arange(80, 128)))
+    assert torch.equal(packed.dequantize(32, out), plain.rows(torch.arange(32, 80)))
+    assert packed.slices[32, 48] is planned[32, 48]
+    monkeypatch.setattr("kvtier.models.repacked._SCRATCH", {})      # as if another weight had grown it
+    assert torch.equal(packed.dequantize(32, out), plain.rows(torch.arange(32, 80)))
+    assert packed.slices[32, 48] is not planned[32, 48] and len(packed.slices) == 2
+    assert torch.equal(packed.dequantize(3, out[:9]), plain.rows(torch.arange(3, 12)))
+
+
 @pytest.fixture
 def two_threads():
     before = torch.get_num_threads()

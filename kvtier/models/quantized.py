@@ -281,7 +281,7 @@ def dequantized_product(weight: QuantizedWeight | PackedWeight | Int4PackWeight,
     if dtype is None:     # an F16 weight's prompt rows in x's dtype: bfloat16 would round its values
         dtype = x.dtype if weight.ggml_type == ggml.F16 else prompt_dtype(x.dtype, x.device.type)
     elements = DEQUANTIZED_BYTES // x.dtype.itemsize
-    step = max(1, elements // weight.in_features)
+    step = max(8, elements // weight.in_features // 8 * 8)     # whole groups of a repacked weight's 8 rows
     buffer = _dequantized_buffer(x.device, x.dtype, elements)
     copy = _dequantized_buffer(x.device, dtype, elements) if dtype != x.dtype else None
     multiply = cached_weight_product(dtype, len(x)) if cpu else F.linear
@@ -297,11 +297,11 @@ def dequantized_product(weight: QuantizedWeight | PackedWeight | Int4PackWeight,
     return _joined(slices).to(x.dtype)
 
 
-def _dequantized_slice(weight: QuantizedWeight | PackedWeight | Int4PackWeight, first: int,
+def _dequantized_slice(weight: GgmlWeight | PackedWeight | Int4PackWeight, first: int,
                        out: torch.Tensor) -> torch.Tensor:
-    """Rows first.. of the weight dequantized into out: ggml's blocks in the file's layout through their planned
-    ops, other weights (repacked, packed on CUDA) through `rows`."""
-    if isinstance(weight, QuantizedWeight):
+    """Rows first.. of the weight dequantized into out: ggml's blocks through their planned ops (in the file's
+    layout, or put back in it from the repacked one), weights packed for CUDA through `rows`."""
+    if isinstance(weight, GgmlWeight):
         return weight.dequantize(first, out)
     return weight.rows(torch.arange(first, first + len(out), dtype=torch.int32, device=out.device), out)
 
