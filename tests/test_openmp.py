@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from kvtier.engine import openmp
+from kvtier import openmp
 
 
 @pytest.mark.skipif(openmp._pause_all() is None, reason="torch here runs no GNU libgomp")

@@ -6,7 +6,7 @@ from typing import NamedTuple
 import torch
 
 from kvtier.engine.graphs import DecodeGraphs
-from kvtier.engine.openmp import stop_spinning
+from kvtier.openmp import stop_spinning
 from kvtier.engine.scheduler import ScheduledBatch
 from kvtier.engine.sequence import Sequence
 from kvtier.kv.manager import KVManager
