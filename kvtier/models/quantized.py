@@ -65,7 +65,8 @@ from torch import nn
 from kvtier.models import ggml
 from kvtier.models.int4pack import Int4PackWeight
 from kvtier.models.packed import PackedWeight
-from kvtier.models.products import cached_weight_product, dequantized_dtype
+from kvtier.models.products import (BFLOAT16_MATH_ROWS, bfloat16_math_product, cached_weight_product,
+                                    dequantized_dtype, native_bfloat16)
 
 # the block cache's format: each tensor's metadata is "type,in_features,xxh3 digest of its blocks"
 BLOCKS_FORMAT_KEY, BLOCKS_FORMAT = "__format__", "kvtier-blocks-2"
@@ -74,9 +75,10 @@ DEQUANTIZED_BYTES = 64 << 20     # the most weight a prompt row's product dequan
 # scratch memory), which two engines' threads would otherwise write at once
 DEQUANTIZING = threading.Lock()
 _ROLES: contextvars.ContextVar[_Roles | None] = contextvars.ContextVar("roles", default=None)   # `decoding`
-# bumped when decode rows' products over the blocks change what they compute, so that KV saved before is a miss
-# (2: Q4_1 as Q4_0 plus shifts, repacked.py)
-DECODE_PRODUCTS = 2
+# bumped when decode rows' products over the blocks, or prompt rows' over dequantized weights, change what they
+# compute, so that KV saved before is a miss (2: Q4_1 as Q4_0 plus shifts, repacked.py; 3: prompt rows in oneDNN's
+# bfloat16 math, products.in_bfloat16_math)
+PRODUCTS = 3
 # `--quantize`: the block type of every projection; embeddings and the LM head take Q8_0 in both
 QUANTIZE_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
 
@@ -283,9 +285,16 @@ def dequantized_product(weight: QuantizedWeight | PackedWeight | Int4PackWeight,
     elements = DEQUANTIZED_BYTES // x.dtype.itemsize
     step = max(8, elements // weight.in_features // 8 * 8)     # whole groups of a repacked weight's 8 rows
     buffer = _dequantized_buffer(x.device, x.dtype, elements)
-    copy = _dequantized_buffer(x.device, dtype, elements) if dtype != x.dtype else None
-    multiply = cached_weight_product(dtype, len(x)) if cpu else F.linear
-    xs = x.to(dtype)
+    # a few float32 rows on CPU multiply in bfloat16 over the float32 slice as it is (oneDNN's bfloat16 math) where
+    # the CPU has bfloat16 dot products, other rows in another dtype over a copy of the slice in it
+    in_math = cpu and x.dtype == torch.float32 and dtype == torch.bfloat16 and len(x) <= BFLOAT16_MATH_ROWS and \
+        native_bfloat16()
+    copy = _dequantized_buffer(x.device, dtype, elements) if dtype != x.dtype and not in_math else None
+    if in_math:
+        multiply = bfloat16_math_product
+    else:
+        multiply = cached_weight_product(dtype, len(x)) if cpu else F.linear
+    xs = x if in_math else x.to(dtype)
     slices = []
     with DEQUANTIZING:
         for a in range(0, weight.out_features, step):
