@@ -64,6 +64,13 @@ def torch_threads_restored():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def two_threads():
+    """torch (and so ggml's ops planned from torch's count) on two threads for the test (torch_threads_restored puts
+    the count back)."""
+    torch.set_num_threads(2)
+
+
 @pytest.fixture(scope="session")
 def bundled_tokenizer() -> Tokenizer:
     return Tokenizer.load(BUNDLED_MODEL)

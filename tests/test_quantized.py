@@ -347,17 +347,19 @@ def test_a_few_prompt_rows_multiply_in_bfloat16_math_and_more_over_bfloat16_copi
     assert torch.backends.mkldnn.matmul.fp32_precision == precision
 
 
-def test_prompt_rows_dequantize_through_ops_planned_once(monkeypatch):
-    """Each slice a prompt product dequantizes has its ggml op planned at the first product and run again after:
-    the same rows as `rows` gives, product after product."""
-    monkeypatch.setattr("kvtier.models.quantized.DEQUANTIZED_BYTES", 96 * 64 * 4)     # 3 slices of 96 rows
-    weight = quantize(torch.randn(288, 64), Q.Q4_1)
-    x = torch.randn(5, 64)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q6_K, Q.BF16], ids=lambda t: t.name)
+def test_prompt_rows_dequantize_through_ops_planned_once(monkeypatch, qtype, two_threads):
+    """Each slice a prompt product dequantizes has its ggml op planned at the first product and run again after
+    (ggml's get_rows on one thread, or for the K-quants and BF16 its copy on torch's two): the same rows as `rows`
+    gives, product after product."""
+    monkeypatch.setattr("kvtier.models.quantized.DEQUANTIZED_BYTES", 96 * 256 * 4)     # 3 slices of 96 rows
+    weight = quantize(torch.randn(288, 256), qtype)
+    x = torch.randn(5, 256)
     first = dequantized_product(weight, x)
     plans = dict(weight.plans)
-    assert len(plans) == 3
+    assert len(plans) == 3 and {key[-1] for key in plans} == {1 if qtype == Q.Q4_1 else 2}
     assert torch.equal(dequantized_product(weight, x), first) and weight.plans == plans
-    assert torch.equal(weight.dequantize(96, torch.empty(96, 64)), weight.rows(torch.arange(96, 192)))
+    assert torch.equal(weight.dequantize(96, torch.empty(96, 256)), weight.rows(torch.arange(96, 192)))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16],

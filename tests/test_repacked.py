@@ -74,14 +74,6 @@ def test_a_repacked_weights_prompt_slices_dequantize_through_ops_planned_once(qt
     assert torch.equal(packed.dequantize(3, out[:9]), plain.rows(torch.arange(3, 12)))
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("out_features", [128, 72], ids=["one-row-cut-per-thread", "one-row-whole"])
 def test_each_row_of_a_shifted_product_is_as_it_would_be_alone_and_as_precise_as_q4_1s(out_features, two_threads):
     """One row's shifts multiply in a part per thread where its outputs divide into whole vectors for each (128 on

@@ -67,6 +67,7 @@ from kvtier.models.int4pack import Int4PackWeight
 from kvtier.models.packed import PackedWeight
 from kvtier.models.products import (BFLOAT16_MATH_ROWS, bfloat16_math_product, cached_weight_product,
                                     dequantized_dtype, native_bfloat16)
+from kvtier.openmp import stop_spinning
 
 # the block cache's format: each tensor's metadata is "type,in_features,xxh3 digest of its blocks"
 BLOCKS_FORMAT_KEY, BLOCKS_FORMAT = "__format__", "kvtier-blocks-2"
@@ -197,15 +198,35 @@ class QuantizedWeight(GgmlWeight):
         return op.compute()
 
     def dequantize(self, first: int, out: torch.Tensor) -> torch.Tensor:
-        """Rows first.. of the weight dequantized into out (float32 [rows, in_features]), on one thread (`rows`),
-        through an op planned at the first call for that slice and memory and kept: prompt rows dequantize the
-        same slices into the same buffer forward after forward, and a graph built per call cost ~0.2 ms, ~25 ms a
-        forward of the bundled model."""
-        key = (first, len(out), out.data_ptr())
+        """Rows first.. of the weight dequantized into out (float32 [rows, in_features]), through an op planned at
+        the first call for that slice, memory and threads and kept: prompt rows dequantize the same slices into the
+        same buffer forward after forward, and a graph built per call cost ~0.2 ms, ~25 ms a forward of the bundled
+        model. The K-quants and BF16 on torch's threads (`ggml.Copy`, torch's own stopped spinning first: `rows`
+        says what they cost), the other types on one (ggml's get_rows: its copy takes their blocks of 32 one call
+        each, as slow on two threads as get_rows on one)."""
+        threads = torch.get_num_threads() if _dequantized_on_threads(self.ggml_type) else 1
+        key = (first, len(out), out.data_ptr(), threads)
         if key not in self.plans:
-            ids = torch.arange(first, first + len(out), dtype=torch.int32)
-            self.plans[key] = ggml.Op("get_rows", self.placed_blocks, ids, out, threads=1)
+            if threads == 1:
+                ids = torch.arange(first, first + len(out), dtype=torch.int32)
+                self.plans[key] = ggml.Op("get_rows", self.placed_blocks, ids, out, threads=1)
+            else:
+                self.plans[key] = ggml.Copy(functools.partial(self._placed_rows, first, len(out)), out, threads)
+        if threads > 1:
+            stop_spinning()
         return self.plans[key].compute()
+
+    def _placed_rows(self, first: int, rows: int, ctx: ggml.Context) -> int:
+        """Rows first.. of the weight as a ggml view of its blocks in ctx."""
+        blocks = self.placed_blocks(ctx)
+        _, (_, stride, *_) = ggml.shape(blocks)
+        return ctx.op("view_2d", blocks, self.in_features, rows, stride, first * stride)
+
+
+def _dequantized_on_threads(ggml_type: int) -> bool:
+    """Whether prompt products dequantize weights of this type on torch's threads: blocks of 256 (the K-quants) and
+    BF16 (`QuantizedWeight.dequantize`)."""
+    return ggml_type == ggml.BF16 or GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][0] >= 256
 
 
 def quantize(weight: torch.Tensor, ggml_type: int) -> QuantizedWeight:
