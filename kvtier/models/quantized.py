@@ -17,8 +17,9 @@ does not change with the traffic beside it (but for what the cache held of its p
   layout, whose multi-row kernel rounds each row as it would alone (repacked.py); on CUDA a Triton kernel that
   dequantizes tiles in registers into the activations' dtype;
 - prompt rows: the weight dequantized, a slice at a time, for torch's product: on CUDA in the activations' dtype;
-  on CPU in bfloat16 where the CPU has bfloat16 dot products (AVX512-BF16, AMX; `products.dequantized_dtype`),
-  else in float32 (F16 weights always in float32: bfloat16 would round their values). torch's float32 product
+  on CPU in bfloat16 where the CPU has bfloat16 dot products (AVX512-BF16, AMX; `products.dequantized_dtype`: up
+  to 256 rows in oneDNN's bfloat16 math with float32 results, `products.in_bfloat16_math`), else in float32 (F16
+  weights always in float32: bfloat16 would round their values). torch's float32 product
   multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0 kernels (the wheel's AVX2 build; Q4_K about
   even; `kvtier bench kernels`), its bfloat16 product about 2x faster again: prefill 1.13-1.23x as fast as with
   float32 weights on a 2-core EPYC (two runs);
