@@ -114,7 +114,10 @@ _left_in_blocks = _in_row_blocks(_weight_on_the_left, MKL_BLOCK)
 # (in_bfloat16_math), more through bfloat16 copies of both (many_rows_product): a forward's products with their
 # dequantization (2-core Xeon with AMX, best of 3) took for SmolLM2 172, 181, 253, 312 and 483 ms at 16, 64, 128,
 # 256 and 512 rows against 192, 208, 298, 332 and 455 through copies; for a 1B Q4_K_M shape 1.19, 1.64, 1.87 and
-# 3.34 s at 64, 128, 256 and 512 rows against 1.47, 1.71, 1.97 and 2.85 s.
+# 3.34 s at 64, 128, 256 and 512 rows against 1.47, 1.71, 1.97 and 2.85 s. Both pad the rows to whole blocks of
+# ROW_BLOCK, so that a row rounds alike beside other prompts' rows (unpadded, a forward of 255 rows took 0.83x the
+# time, but a tiny model's greedy tokens changed with the prompts beside it); a chunk beside others whose rows
+# together pass this count takes the other product, as SHORT_CHUNK's float32 rows do.
 BFLOAT16_MATH_ROWS = 256
 
 
