@@ -1,4 +1,4 @@
-"""torch's OpenMP threads are stopped before ggml's decode graphs take the cores (engine/openmp.py)."""
+"""torch's OpenMP threads are stopped before ggml's decode graphs take the cores (kvtier/openmp.py)."""
 import os
 import time
 

@@ -30,7 +30,7 @@ from kvtier.models.decoder import Decoder
 from kvtier.models.ggml_decoder import GgmlDecodeSteps
 from kvtier.models.gguf_file import GGUFFile
 from kvtier.models.loader import BUNDLED_MODEL, load_model, read_gguf
-from kvtier.models.products import BFLOAT16_MATH_ROWS, Linear, bfloat16_math_product, many_rows_product, native_bfloat16
+from kvtier.models.products import Linear, many_rows_product
 from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight, dequantized_product,
                                      model_weight_bytes, prompt_dtype, quantize)
 from kvtier.models import ggml, int4pack, quantized
@@ -322,29 +322,6 @@ def test_prompt_rows_multiply_by_dequantized_weights_in_the_chosen_dtype(monkeyp
     assert got.dtype == torch.float32 and got.shape == want.shape and error <= tolerance
     # bfloat16's rounding shows where the product took that dtype
     assert (error > 1e-5) == (dtype == torch.bfloat16 and qtype != Q.F16)
-
-
-@pytest.mark.skipif(not native_bfloat16(), reason="the CPU has no bfloat16 dot products (AVX512-BF16, AMX)")
-def test_a_few_prompt_rows_multiply_in_bfloat16_math_and_more_over_bfloat16_copies(monkeypatch):
-    """Up to BFLOAT16_MATH_ROWS float32 rows multiply in oneDNN's bfloat16 math: x and the weight rounded to
-    bfloat16, sums and results in float32; more rows over bfloat16 copies of both, whose product comes back rounded to
-    bfloat16. torch's process-wide float32 precision is as it was after either, and after a product that failed."""
-    monkeypatch.setattr("kvtier.models.quantized.dequantized_dtype", lambda: torch.bfloat16)
-    precision = torch.backends.mkldnn.matmul.fp32_precision
-    generator = torch.Generator().manual_seed(0)
-    weight = quantize(torch.randn(96, 64, generator=generator), Q.Q4_1)
-    rounded = weight.dequantized().bfloat16().double()
-    for rows in (7, BFLOAT16_MATH_ROWS, BFLOAT16_MATH_ROWS + 1):
-        x = torch.randn(rows, 64, generator=generator)
-        got = dequantized_product(weight, x)
-        want = x.bfloat16().double() @ rounded.T
-        in_math = rows <= BFLOAT16_MATH_ROWS
-        assert got.dtype == torch.float32 and torch.equal(got.bfloat16().float(), got) != in_math, rows
-        assert (got - want).abs().max() <= (1e-5 if in_math else 1e-2) * want.abs().max(), rows
-        assert torch.backends.mkldnn.matmul.fp32_precision == precision
-    with pytest.raises(RuntimeError):
-        bfloat16_math_product(torch.randn(3, 64), torch.randn(96, 65), None)
-    assert torch.backends.mkldnn.matmul.fp32_precision == precision
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q6_K, Q.BF16], ids=lambda t: t.name)

@@ -68,6 +68,7 @@ def test_a_repacked_weights_prompt_slices_dequantize_through_ops_planned_once(qt
     assert torch.equal(packed.dequantize(80, out), plain.rows(torch.arange(80, 128)))
     assert torch.equal(packed.dequantize(32, out), plain.rows(torch.arange(32, 80)))
     assert packed.slices[32, 48] is planned[32, 48]
+    packed.dequantize(80, out)      # the memory `plain` reuses holds other rows' blocks now
     monkeypatch.setattr("kvtier.models.repacked._SCRATCH", {})      # as if another weight had grown it
     assert torch.equal(packed.dequantize(32, out), plain.rows(torch.arange(32, 80)))
     assert packed.slices[32, 48] is not planned[32, 48] and len(packed.slices) == 2

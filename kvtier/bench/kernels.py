@@ -175,9 +175,9 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         f"with polling ggml threads). \"repacked\": the blocks copied into ggml's CPU_REPACK layout, rows interleaved "
         f"for its multi-row kernels; kvtier takes it for Q4_0 and keeps the file's layout for Q4_K (the module's "
         "docstring says why). "
-        "\"dequantized\": what prompt rows take, the blocks dequantized by ggml on one thread, a slice at a time, for "
-        "torch's product (in bfloat16 the slice copied to bfloat16 first; kvtier takes it where the CPU has bfloat16 "
-        f"dot products).{note}",
+        "\"dequantized\": what prompt rows take, the blocks dequantized by ggml a slice at a time (the K-quants and "
+        "BF16 on torch's threads, the other types on one: `QuantizedWeight.dequantize`), for torch's product (in "
+        f"bfloat16 the slice copied to bfloat16 first; kvtier takes it where the CPU has bfloat16 dot products).{note}",
         "",
     ])
 

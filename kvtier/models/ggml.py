@@ -407,41 +407,14 @@ class Graph:
         self.lib.gallocr_free(self.allocator)
 
 
-class Op:
-    """One op of a weight and an input, computed into `out`, over memory that stays where it is, planned once:
-    `compute()` runs it again over what the input then holds. weight(ctx) places the weight in the op's context; op:
-    ggml's op's name, or a function of (ctx, weight, x) that builds the ops (`precise_product`)."""
+class Planned:
+    """The ops `build(ctx)` adds to a context of their own (its outputs, computed into torch memory placed there),
+    planned once: `compute()` runs them again over what their inputs then hold, and returns `out`."""
 
-    def __init__(self, op: str | Callable[[Context, int, int], int], weight, x: torch.Tensor, out: torch.Tensor,
-                 threads: int):
-        built = 32 if callable(op) else 4     # the tensors it may make: the weight, x, out and the ops'
-        self.ctx = Context(threads, max_tensors=built, max_nodes=built)
-        build = op if callable(op) else lambda ctx, w, x: ctx.op(op, w, x)
+    def __init__(self, threads: int, max_tensors: int, build: Callable[[Context], list[int]], out: torch.Tensor):
+        self.ctx = Context(threads, max_tensors=max_tensors, max_nodes=max_tensors)
         try:
-            tensor = build(self.ctx, weight(self.ctx), self.ctx.place(x))
-            self.graph = Graph(self.ctx, [self.ctx.place(out, tensor=tensor)])
-        except BaseException:
-            self.ctx.close()
-            raise
-        self.x, self.out = x, out
-        self.close = weakref.finalize(self, _close_all, self.graph, self.ctx)
-
-    def compute(self) -> torch.Tensor:
-        self.graph.compute()
-        return self.out
-
-
-class Copy:
-    """A tensor (source(ctx) places it) copied into out's memory as out's type, planned once: `compute()` runs it
-    again over what the source then holds. A weight's blocks come out so dequantized to float32 on every thread of
-    the pool: ggml's copy splits their rows among its threads where its get_rows takes one (8192x2048 weights
-    with a 64-row product after each, 2-core Xeon: Q4_K 7.1 against 10.9 ms, Q6_K 15.4 against 25.4, BF16 6.8
-    against 11.9, Q4_0, Q4_1 and Q8_0 even)."""
-
-    def __init__(self, source: Callable[[Context], int], out: torch.Tensor, threads: int):
-        self.ctx = Context(threads, max_tensors=4, max_nodes=2)
-        try:
-            self.graph = Graph(self.ctx, [self.ctx.op("cpy", source(self.ctx), self.ctx.place(out))])
+            self.graph = Graph(self.ctx, build(self.ctx))
         except BaseException:
             self.ctx.close()
             raise
@@ -451,6 +424,31 @@ class Copy:
     def compute(self) -> torch.Tensor:
         self.graph.compute()
         return self.out
+
+
+class Op(Planned):
+    """One op of a weight and an input, computed into `out`, over memory that stays where it is, planned once:
+    `compute()` runs it again over what the input then holds. weight(ctx) places the weight in the op's context; op:
+    ggml's op's name, or a function of (ctx, weight, x) that builds the ops (`precise_product`)."""
+
+    def __init__(self, op: str | Callable[[Context, int, int], int], weight, x: torch.Tensor, out: torch.Tensor,
+                 threads: int):
+        built = 32 if callable(op) else 4     # the tensors it may make: the weight, x, out and the ops'
+        make = op if callable(op) else lambda ctx, w, x: ctx.op(op, w, x)
+        super().__init__(threads, built, lambda ctx: [ctx.place(out, tensor=make(ctx, weight(ctx), ctx.place(x)))],
+                         out)
+        self.x = x
+
+
+class Copy(Planned):
+    """A tensor (source(ctx) places it) copied into out's memory as out's type, planned once: `compute()` runs it
+    again over what the source then holds. A weight's blocks come out so dequantized to float32 on every thread of
+    the pool: ggml's copy splits their rows among its threads where its get_rows takes one (8192x2048 weights
+    with a 64-row product after each, 2-core Xeon: Q4_K 7.1 against 10.9 ms, Q6_K 15.4 against 25.4, BF16 6.8
+    against 11.9, Q4_0, Q4_1 and Q8_0 even)."""
+
+    def __init__(self, source: Callable[[Context], int], out: torch.Tensor, threads: int):
+        super().__init__(threads, 4, lambda ctx: [ctx.op("cpy", source(ctx), ctx.place(out))], out)
 
 
 class Product(Op):

@@ -23,7 +23,7 @@ from kvtier.config import cache_home
 from kvtier.models.config import ARCHITECTURES, ModelConfig
 from kvtier.models.digest import file_digest
 from kvtier.models.gguf_file import GGUFFile, GGUFTensor
-from kvtier.models.quantized import (PRODUCTS, QUANTIZE_TYPES, LoadQuantizer, QuantizedWeight, from_16_bit,
+from kvtier.models.quantized import (DECODE_PRODUCTS, QUANTIZE_TYPES, LoadQuantizer, QuantizedWeight, from_16_bit,
                                      from_gguf_bytes, kept_as_file, prompt_dtype)
 from kvtier.models.tokenizer import Tokenizer
 
@@ -89,9 +89,9 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, digest_cache: str 
     kept = any(isinstance(w, QuantizedWeight) for w in weights.values())
     if kept:
         # the K/V quantized weights compute differs a little from the float weights', with the dtype in which
-        # prompt rows multiply, and with how decode and prompt rows multiply (PRODUCTS)
+        # prompt rows multiply, and with how decode rows multiply (DECODE_PRODUCTS)
         fingerprint = xxhash.xxh3_128_hexdigest(f"{fingerprint};weights={quantize};prompt rows in "
-                                                f"{prompt_dtype(dtype)};products {PRODUCTS}".encode())
+                                                f"{prompt_dtype(dtype)};decode products {DECODE_PRODUCTS}".encode())
     tokenizer = Tokenizer.load(path, config.eos_token_ids)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the embedding only "

@@ -110,35 +110,6 @@ def _weight_on_the_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 _left_in_blocks = _in_row_blocks(_weight_on_the_left, MKL_BLOCK)
 
 
-# Up to this many float32 prompt rows multiply by a weight slice just dequantized in oneDNN's bfloat16 math
-# (in_bfloat16_math), more through bfloat16 copies of both (many_rows_product): a forward's products with their
-# dequantization (2-core Xeon with AMX, best of 3) took for SmolLM2 172, 181, 253, 312 and 483 ms at 16, 64, 128,
-# 256 and 512 rows against 192, 208, 298, 332 and 455 through copies; for a 1B Q4_K_M shape 1.19, 1.64, 1.87 and
-# 3.34 s at 64, 128, 256 and 512 rows against 1.47, 1.71, 1.97 and 2.85 s. Both pad the rows to whole blocks of
-# ROW_BLOCK, so that a row rounds alike beside other prompts' rows (unpadded, a forward of 255 rows took 0.83x the
-# time, but a tiny model's greedy tokens changed with the prompts beside it); a chunk beside others whose rows
-# together pass this count takes the other product, as SHORT_CHUNK's float32 rows do.
-BFLOAT16_MATH_ROWS = 256
-
-
-def in_bfloat16_math(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's product of float32 x and weight multiplied in bfloat16: its bfloat16 "fpmath" mode rounds each value
-    to bfloat16 (to the nearest) as it packs them for AMX / AVX512-BF16, and sums and returns float32: no pass copies
-    the weight to bfloat16 first, and the result is not rounded to bfloat16. The mode is torch's, process-wide: set
-    for this call alone and put back, so a float32 product that another thread ran at that moment (another engine's,
-    in the same process) would multiply in bfloat16 too."""
-    precision = torch.backends.mkldnn.matmul
-    before = precision.fp32_precision
-    precision.fp32_precision = "bf16"
-    try:
-        return onednn_linear(x, weight, bias)
-    finally:
-        precision.fp32_precision = before
-
-
-bfloat16_math_product = _in_row_blocks(in_bfloat16_math, ROW_BLOCK)
-
-
 @functools.cache
 def dequantized_dtype() -> torch.dtype:
     """The dtype in which prompt rows multiply by a quantized weight dequantized on CPU (quantized.py): bfloat16
@@ -148,12 +119,6 @@ def dequantized_dtype() -> torch.dtype:
     less time in bfloat16, dequantization included. Its rounding (at most 2^-8 of a value) is well below a 4-bit
     block's own (2^-5 of the block's range) and about that of Q8_0's blocks and of the decode rows' 8-bit
     activations."""
-    return torch.bfloat16 if native_bfloat16() else torch.float32
-
-
-@functools.cache
-def native_bfloat16() -> bool:
-    """Whether the CPU has bfloat16 dot products (AVX512-BF16, AMX) and torch oneDNN to run them."""
     capabilities = getattr(torch.cpu, "get_capabilities", dict)()
     native = capabilities.get("avx512_bf16") or capabilities.get("amx_bf16")
-    return bool(native) and torch.backends.mkldnn.is_available()
+    return torch.bfloat16 if native and torch.backends.mkldnn.is_available() else torch.float32

@@ -17,9 +17,8 @@ does not change with the traffic beside it (but for what the cache held of its p
   layout, whose multi-row kernel rounds each row as it would alone (repacked.py); on CUDA a Triton kernel that
   dequantizes tiles in registers into the activations' dtype;
 - prompt rows: the weight dequantized, a slice at a time, for torch's product: on CUDA in the activations' dtype;
-  on CPU in bfloat16 where the CPU has bfloat16 dot products (AVX512-BF16, AMX; `products.dequantized_dtype`: up
-  to 256 rows in oneDNN's bfloat16 math with float32 results, `products.in_bfloat16_math`), else in float32 (F16
-  weights always in float32: bfloat16 would round their values). torch's float32 product
+  on CPU in bfloat16 where the CPU has bfloat16 dot products (AVX512-BF16, AMX; `products.dequantized_dtype`),
+  else in float32 (F16 weights always in float32: bfloat16 would round their values). torch's float32 product
   multiplies 512 rows 1.4-2x faster than ggml's Q4_0, Q4_1 and Q8_0 kernels (the wheel's AVX2 build; Q4_K about
   even; `kvtier bench kernels`), its bfloat16 product about 2x faster again: prefill 1.13-1.23x as fast as with
   float32 weights on a 2-core EPYC (two runs);
@@ -66,8 +65,7 @@ from torch import nn
 from kvtier.models import ggml
 from kvtier.models.int4pack import Int4PackWeight
 from kvtier.models.packed import PackedWeight
-from kvtier.models.products import (BFLOAT16_MATH_ROWS, bfloat16_math_product, cached_weight_product,
-                                    dequantized_dtype, native_bfloat16)
+from kvtier.models.products import cached_weight_product, dequantized_dtype
 from kvtier.openmp import stop_spinning
 
 # the block cache's format: each tensor's metadata is "type,in_features,xxh3 digest of its blocks"
@@ -77,10 +75,9 @@ DEQUANTIZED_BYTES = 64 << 20     # the most weight a prompt row's product dequan
 # scratch memory), which two engines' threads would otherwise write at once
 DEQUANTIZING = threading.Lock()
 _ROLES: contextvars.ContextVar[_Roles | None] = contextvars.ContextVar("roles", default=None)   # `decoding`
-# bumped when decode rows' products over the blocks, or prompt rows' over dequantized weights, change what they
-# compute, so that KV saved before is a miss (2: Q4_1 as Q4_0 plus shifts, repacked.py; 3: prompt rows in oneDNN's
-# bfloat16 math, products.in_bfloat16_math)
-PRODUCTS = 3
+# bumped when decode rows' products over the blocks change what they compute, so that KV saved before is a miss
+# (2: Q4_1 as Q4_0 plus shifts, repacked.py)
+DECODE_PRODUCTS = 2
 # `--quantize`: the block type of every projection; embeddings and the LM head take Q8_0 in both
 QUANTIZE_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
 
@@ -129,6 +126,11 @@ class GgmlWeight:
         """The weight's tensors in ctx, for its products there."""
         return Placed(self.placed_blocks(ctx))
 
+    def dequantize(self, first: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows first.. of the weight dequantized into out (float32 [rows, in_features]): a prompt product's slice,
+        each layout through ops it keeps (`dequantized_product`)."""
+        raise NotImplementedError
+
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] float32 @ weight.T, through ggml."""
         return weight_op(_product, self, ggml.aligned(x), x.new_empty(x.shape[0], self.out_features),
@@ -161,9 +163,9 @@ class QuantizedWeight(GgmlWeight):
     blocks: torch.Tensor
     ggml_type: int
     in_features: int
-    # ops planned once and kept: dequantize's per slice of rows and memory they write (first row, rows, out's
-    # address), precise_product's per threads ("precise_product", threads)
-    plans: dict[tuple, ggml.Op] = field(default_factory=dict, repr=False, compare=False)
+    # ops planned once and kept: dequantize's per slice of rows, memory they write and threads (first row, rows,
+    # out's address, threads), precise_product's per threads ("precise_product", threads)
+    plans: dict[tuple, ggml.Planned] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def out_features(self) -> int:
@@ -296,7 +298,7 @@ def prompt_dtype(dtype: torch.dtype, device_type: str = "cpu") -> torch.dtype:
     return dequantized_dtype() if device_type == "cpu" and dtype == torch.float32 else dtype
 
 
-def dequantized_product(weight: QuantizedWeight | PackedWeight | Int4PackWeight, x: torch.Tensor,
+def dequantized_product(weight: GgmlWeight | PackedWeight | Int4PackWeight, x: torch.Tensor,
                         dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [rows, in_features] @ weight.T, returned in x's dtype, the weight dequantized DEQUANTIZED_BYTES at a time
     (an LM head of 128K rows would take 2 GB at once). dtype: what the product multiplies in, by default
@@ -307,16 +309,9 @@ def dequantized_product(weight: QuantizedWeight | PackedWeight | Int4PackWeight,
     elements = DEQUANTIZED_BYTES // x.dtype.itemsize
     step = max(8, elements // weight.in_features // 8 * 8)     # whole groups of a repacked weight's 8 rows
     buffer = _dequantized_buffer(x.device, x.dtype, elements)
-    # a few float32 rows on CPU multiply in bfloat16 over the float32 slice as it is (oneDNN's bfloat16 math) where
-    # the CPU has bfloat16 dot products, other rows in another dtype over a copy of the slice in it
-    in_math = cpu and x.dtype == torch.float32 and dtype == torch.bfloat16 and len(x) <= BFLOAT16_MATH_ROWS and \
-        native_bfloat16()
-    copy = _dequantized_buffer(x.device, dtype, elements) if dtype != x.dtype and not in_math else None
-    if in_math:
-        multiply = bfloat16_math_product
-    else:
-        multiply = cached_weight_product(dtype, len(x)) if cpu else F.linear
-    xs = x if in_math else x.to(dtype)
+    copy = _dequantized_buffer(x.device, dtype, elements) if dtype != x.dtype else None
+    multiply = cached_weight_product(dtype, len(x)) if cpu else F.linear
+    xs = x.to(dtype)
     slices = []
     with DEQUANTIZING:
         for a in range(0, weight.out_features, step):

@@ -65,7 +65,8 @@ class RepackedWeight(GgmlWeight):
 
     def rows(self, ids: torch.Tensor, out: torch.Tensor | None = None, threads: int = 1) -> torch.Tensor:
         """Rows of the weight, dequantized (QuantizedWeight.rows) from the groups that hold them, put back in the
-        file's layout (under quantized.DEQUANTIZING, as prompt products call it: `plain` writes shared memory)."""
+        file's layout (under quantized.DEQUANTIZING, as `repacked` and prompt products' slices call `plain`: it writes
+        shared memory)."""
         groups, local = _groups(ids)
         return QuantizedWeight(self.plain(groups), self.ggml_type, self.in_features).rows(local, out, threads)
 
@@ -139,7 +140,8 @@ def _dequantized(weight: RepackedWeight | ShiftedWeight, plain, first: int, out:
     groups), then dequantized as the file's blocks are, through ops planned once per slice and kept (its
     `QuantizedWeight.dequantize`, over the memory `plain` reuses: planned again should that memory have grown and
     moved). A graph built per call and the groups found by `torch.unique` took ~0.3 ms a slice, ~35 ms a forward of
-    the bundled model. A slice that is not whole groups goes through `rows`."""
+    the bundled model. A slice that is not whole groups (none of `dequantized_product`'s, whose slices are) goes
+    through `rows`."""
     if first % GROUP_ROWS or len(out) % GROUP_ROWS:
         return weight.rows(torch.arange(first, first + len(out)), out)
     blocks = plain(torch.arange(first // GROUP_ROWS, (first + len(out)) // GROUP_ROWS))
