@@ -147,13 +147,13 @@ class KVManager:
         bounded one, whose context is gathered anyway: sink, selected blocks, tail)."""
         return 0 if state.residency else self.pool.blocks_for(state.max_tokens) - len(held)
 
-    def _partial_on_device(self, state: KVState, keys: list[bytes], after: int | None) -> tuple[int, int] | None:
-        """Copy-on-write of a cached partial block continuing these full blocks (the last in block `after`): (a block
-        holding it, the tokens it gives), or None. Where the partial block follows `after` in the pool and no one
-        else holds it (a conversation's next turn, no save of it in flight), the copy is published in its stead and
-        the sequence takes the block: its context stays in consecutive slots, which ggml's decode steps read in
-        place (gathered, a 7.7K-token context cost a step ~40 ms more)."""
-        hit = self.planner.partial_after(state, keys)
+    def _partial_on_device(self, hit: tuple[bytes, int] | None, after: int | None) -> tuple[int, int] | None:
+        """Copy-on-write of a cached partial block continuing the prompt's full blocks (hit: the planner's
+        `partial_after`; the last full block in block `after`): (a block holding it, the tokens it gives), or None.
+        Where the partial block follows `after` in the pool and no one else holds it (a conversation's next turn, no
+        save of it in flight), the copy is published in its stead and the sequence takes the block: its context stays
+        in consecutive slots, which ggml's decode steps read in place (gathered, a 7.7K-token context cost a step
+        ~40 ms more)."""
         if hit is None:
             return None
         key, n = hit
@@ -182,14 +182,14 @@ class KVManager:
             cached = self._device_prefix(self.prompt_keys(state)[:self.planner.shared_limit])
             keys, start = state.prompt_keys[:len(cached)], len(cached) * self.block_size
         # a loaded table already has a block reserved where the copy would go: its load brought any partial
-        copied = None if state.residency or state.block_table else \
-            self._partial_on_device(state, keys, _last_block(cached))
+        hit = None if state.block_table else self.planner.partial_after(state, keys)
+        copied = None if state.residency else self._partial_on_device(hit, _last_block(cached))
         if copied is not None:
             cached.append(copied[0])
             start += copied[1]
         # what the cache holds, copied here or not (a full pool), loaded or computed again
         state.held_tokens = max(state.held_tokens, start if state.block_table else
-                                self.planner.held_tokens(state, keys))
+                                self.planner.held_tokens(keys, hit))
         n = self.chunk(state, start, min(len(state.token_ids) - start, budget))
         if state.residency and state.restored:     # restored over its budget: make room before growing
             self._page_out(state, self.pager.victims(state, start + n))

@@ -66,13 +66,14 @@ class LoadPlanner:
         count, front = len(tiers), self.rates.blocks_to_compute(tiers, bs)
         if limit is not None and front:      # a bounded sequence's restore is all or nothing
             front = count
-        partial = None
+        held_keys = exact[:on_device] + keys[:count]
+        hit, partial = self.partial_after(state, held_keys), None
         if limit is None:
-            partial = self._partial_in_tiers(state, exact[:on_device] + keys[:count], on_device_too=front == count)
+            partial = self._partial_in_tiers(hit, on_device_too=front == count)
             if partial is not None and 0 < front == count:    # computed with the whole prefix before it
                 self.rates.count_computed(partial[0], partial[2])
                 partial = None
-        held = self.held_tokens(state, exact[:on_device] + keys[:count])
+        held = self.held_tokens(held_keys, hit)
         if front == count and partial is None:
             return None, held
         # blocks for the whole prompt, so that a restored request never waits for more while holding some
@@ -104,11 +105,10 @@ class LoadPlanner:
         start = len(keys) * self.block_size
         return self.partials.match(parent, state.token_ids[start:len(state.token_ids) - 1])
 
-    def held_tokens(self, state: KVState, keys: list[bytes]) -> int:
-        """The prompt tokens these leading full blocks hold, and a partial block continuing them wherever it lies
-        (the device, a save in flight, a tier), whether it is loaded or computed again: what makes a prompt short
-        for ggml's decode steps (engine/runner.py)."""
-        hit = self.partial_after(state, keys)
+    def held_tokens(self, keys: list[bytes], hit: tuple[bytes, int] | None) -> int:
+        """The prompt tokens these leading full blocks hold, and the partial block continuing them (hit:
+        `partial_after`'s) wherever it lies (the device, a save in flight, a tier), whether it is loaded or computed
+        again: what makes a prompt short for ggml's decode steps (engine/runner.py)."""
         held = hit is not None and (hit[0] in self.pool.cached or self.saving_run([hit[0]]) > 0 or
                                     self._tier_of(hit[0]) is not None)
         return len(keys) * self.block_size + (hit[1] if held else 0)
@@ -117,11 +117,10 @@ class LoadPlanner:
         """The first tier that holds the key, or None."""
         return next((tier for tier in self.stack.tiers if tier.contains(key)), None) if self.stack else None
 
-    def _partial_in_tiers(self, state: KVState, keys: list[bytes],
-                          on_device_too: bool) -> tuple[str, bytes, int] | None:
-        """A partial block continuing these full blocks held by a tier: (the tier's name, its key, its tokens to
-        use). None where on_device_too and the device has it: admission copies it there, without a load."""
-        hit = self.partial_after(state, keys)
+    def _partial_in_tiers(self, hit: tuple[bytes, int] | None, on_device_too: bool) -> tuple[str, bytes, int] | None:
+        """The partial block continuing the prompt's full blocks (hit: `partial_after`'s) where a tier holds it:
+        (the tier's name, its key, its tokens to use). None where on_device_too and the device has it: admission
+        copies it there, without a load."""
         if hit is None or (on_device_too and hit[0] in self.pool.cached):
             return None
         tier = self._tier_of(hit[0])
