@@ -272,7 +272,9 @@ class ModelRunner:
         if self.graphs.features is not None:
             self.features = [found_features[i] for i in which]
         vocab = self.model.config.vocab_size
-        return [found_logits.get(i, torch.zeros(1, vocab)) for i in which], [found_queries.get(i) for i in which]
+        # a default made only where it is missing: a fresh row of 49K zeros costs its page faults every step
+        return [found_logits[i] if i in found_logits else torch.zeros(1, vocab) for i in which], \
+            [found_queries.get(i) for i in which]
 
     def _run_eagerly(self, batch: ScheduledBatch, capture: list[int]) -> tuple[list[torch.Tensor], list]:
         self.restore_threads()
