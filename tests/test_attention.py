@@ -1,5 +1,7 @@
 """Attention over the paged pool against a dense reference: ragged lengths, scattered and consecutive blocks,
 paged-out holes, GQA, block sizes 16 and 64."""
+import itertools
+
 import pytest
 import torch
 
@@ -135,11 +137,12 @@ def test_on_cpu_a_verify_steps_rows_read_their_context_once(monkeypatch):
     assert reads == [1, 1]      # one segment read once for the verify step, one for the decode
 
 
+@pytest.mark.parametrize("prompt_dtype", [None, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("length", [700, CONTEXT_SEGMENT + 300])
-def test_on_cpu_a_context_computes_the_same_wherever_its_blocks_lie(length):
-    """A prompt chunk after a cached prefix, and a decode, over the same context in consecutive blocks and in
-    scattered ones: bitwise the same (a context is cut into segments at fixed positions, never where its blocks
-    happen to lie), over one segment and over two."""
+def test_on_cpu_a_context_computes_the_same_wherever_its_blocks_lie(length, prompt_dtype):
+    """A prompt chunk after a cached prefix (attending in the queries' dtype or in bfloat16), and a decode, over the
+    same context in consecutive blocks and in scattered ones: bitwise the same (a context is cut into segments at
+    fixed positions, never where its blocks happen to lie), over one segment and over two."""
     bs, chunk, scale = 16, 9, DIM ** -0.5
     gen = torch.Generator().manual_seed(length)
     logical_k, logical_v = (torch.randn(length + chunk, KV_HEADS, DIM, generator=gen) for _ in range(2))
@@ -153,7 +156,8 @@ def test_on_cpu_a_context_computes_the_same_wherever_its_blocks_lie(length):
         meta = AttentionMetadata(positions=torch.zeros(chunk + 1, dtype=torch.long),
                                  slot_mapping=torch.tensor(slots[length:length + chunk] + [slots[-1]]),
                                  prefills=[PrefillSeq(0, chunk, slot_runs(table, length, bs), table)],
-                                 decode=DecodeGroup([chunk], [slot_runs(table, length + chunk + 1, bs)]), block_size=bs)
+                                 decode=DecodeGroup([chunk], [slot_runs(table, length + chunk + 1, bs)]), block_size=bs,
+                                 prompt_dtype=prompt_dtype)
         outs.append(paged_attention(q, k, v, k_cache, v_cache, meta, scale))
     assert torch.equal(*outs)
 
@@ -181,6 +185,34 @@ def test_in_a_float16_pool_a_chunk_attends_to_its_own_kv_as_the_next_chunk_reads
     one, two = outs
     assert (one - two).abs().max() < 1e-5
     assert (one - reference(q, k.half().float(), v.half().float(), scale)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("split", [16, 23, 300])
+def test_on_cpu_a_prompt_chunk_attends_in_the_dtype_the_decoder_names(split):
+    """meta.prompt_dtype (the decoder's prompt rows' products' dtype) is the flash kernel's on CPU: a prompt in
+    bfloat16's rounding of the float32 attention (not float32's own), bitwise the same whether computed in one chunk
+    or in two (a cold prompt, and a turn after its cached first part), over more keys than one of the kernel's
+    blocks and more rows than one call's."""
+    bs, n, scale = 16, 600, DIM ** -0.5
+    assert n > attention.PROMPT_KEY_BLOCK and n > attention.PROMPT_QUERY_BLOCK
+    gen = torch.Generator().manual_seed(split)
+    q, k, v = (torch.randn(n, heads, DIM, generator=gen) for heads in (HEADS, KV_HEADS, KV_HEADS))
+    table = list(range(-(-n // bs)))
+    outs = {}
+    for dtype, chunks in itertools.product((None, torch.bfloat16), ([(0, n)], [(0, split), (split, n)])):
+        k_cache, v_cache = (torch.zeros(len(table) * bs, KV_HEADS, DIM) for _ in range(2))
+        out = []
+        for a, b in chunks:
+            meta = AttentionMetadata(positions=torch.arange(a, b), slot_mapping=torch.arange(a, b),
+                                     prefills=[PrefillSeq(0, b - a, slot_runs(table, a, bs), table)], decode=None,
+                                     block_size=bs, prompt_dtype=dtype)
+            out.append(paged_attention(q[a:b], k[a:b], v[a:b], k_cache, v_cache, meta, scale))
+        outs[dtype, len(chunks)] = torch.cat(out)
+    want = reference(q, k, v, scale)
+    for chunks in (1, 2):
+        assert (outs[None, chunks].double() - want).abs().max() < 1e-5
+        assert 1e-4 < (outs[torch.bfloat16, chunks].double() - want).abs().max() < 2e-2
+    assert torch.equal(outs[torch.bfloat16, 1], outs[torch.bfloat16, 2])
 
 
 def test_where_only_math_takes_grouped_heads_each_kv_head_is_repeated_for_its_group():

@@ -324,6 +324,26 @@ def test_prompt_rows_multiply_by_dequantized_weights_in_the_chosen_dtype(monkeyp
     assert (error > 1e-5) == (dtype == torch.bfloat16 and qtype != Q.F16)
 
 
+@pytest.mark.parametrize("products", [torch.float32, torch.bfloat16], ids=str)
+def test_on_cpu_prompt_chunks_attend_in_the_dtype_their_rows_multiply_in(monkeypatch, tmp_path, products):
+    """A quantized model's prompt chunks attend on CPU in the dtype its prompt rows multiply in (bfloat16 where the
+    CPU has bfloat16 dot products: `prompt_dtype`), which its forward hands the attention (meta.prompt_dtype); over a
+    GGUF's F16 matrices (prompt rows in float32), and over float weights, in the activations' own."""
+    monkeypatch.setattr("kvtier.models.quantized.dequantized_dtype", lambda: products)
+    path = tiny_gguf(tmp_path / "q4_1.gguf", qtype=Q.Q4_1)
+    want = None if products == torch.float32 else products
+    model = decoder(path, quantized=True)
+    assert model.prompt_attention_dtype == want
+    assert decoder(path, quantized=False).prompt_attention_dtype is None
+    assert decoder(tiny_gguf(tmp_path / "f16.gguf", qtype=Q.F16), quantized=True).prompt_attention_dtype is None
+    n, pool = 20, pool_for(model)
+    meta = AttentionMetadata(positions=torch.arange(n), slot_mapping=torch.arange(n),
+                             prefills=[PrefillSeq(0, n, [], [0, 1])], decode=None, block_size=BLOCK)
+    with torch.inference_mode():
+        model(torch.arange(n), pool.caches, meta)
+    assert meta.prompt_dtype == want
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q6_K, Q.BF16], ids=lambda t: t.name)
 def test_prompt_rows_dequantize_through_ops_planned_once(monkeypatch, qtype, two_threads):
     """Each slice a prompt product dequantizes has its ggml op planned at the first product and run again after

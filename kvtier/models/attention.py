@@ -37,6 +37,12 @@ CPU_DECODE_APART = 512
 # over a copy (_segment_parts_cpu): at 7.6K tokens of context 3 rows took 4.8 ms a layer against 9.5, 24 as long
 # as a copy and the flash kernel, 192 2.7x as long
 TRANSPOSED_ROWS = 24
+# On CPU a prompt chunk attending in bfloat16 (AttentionMetadata.prompt_dtype) takes its context and its own K/V as one
+# run of keys padded to whole blocks of this many, torch's CPU flash kernel's own block of keys (its kv_split_size):
+# over a chunk and its context's segments merged, bfloat16's rounding of each part put a row ~5e-4 apart from one
+# prompt's cut into chunks to another's, and a tiny model's greedy tokens changed with the scheduler's chunks
+PROMPT_KEY_BLOCK = 512
+PROMPT_QUERY_BLOCK = 256     # and its rows this many a call, each call over the keys its last row needs
 
 
 @dataclass
@@ -123,6 +129,9 @@ class AttentionMetadata:
     feature_layers: tuple[int, ...] = ()       # layers whose outputs a drafter reads (DFlash)
     features: dict[int, torch.Tensor] = field(default_factory=dict)   # such a layer → its output rows [T, hidden]
     layer: int = 0                             # the layer being computed, set by the decoder
+    # on CPU, the dtype prompt chunks attend in (None: the queries' own), set by the decoder: its prompt rows'
+    # products' (`Decoder.prompt_attention_dtype`)
+    prompt_dtype: torch.dtype | None = None
     block_size: int = 0
     _kernel_args: dict = field(default_factory=dict)   # built by the first layer, used by every layer
 
@@ -229,7 +238,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
         qs, ks, vs = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, n, D]
         paged_out = None if seq.paged_out is None else (seq.paged_out[0, meta.layer], seq.paged_out[1, meta.layer])
-        if not seq.prefix_runs and paged_out is None:
+        if q.device.type == "cpu" and meta.prompt_dtype is not None:
+            segments = _context_segments(seq.prefix_runs, lambda: seq.prefix_slots(q.device), k_cache, v_cache)
+            o = _prompt_attention_cpu(qs, ks, vs, segments + ([paged_out] if paged_out else []), scale,
+                                      meta.prompt_dtype)
+        elif not seq.prefix_runs and paged_out is None:
             o = sdpa(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         elif q.device.type == "cpu":
             segments = _context_segments(seq.prefix_runs, lambda: seq.prefix_slots(q.device), k_cache, v_cache)
@@ -362,6 +375,50 @@ def _attention_after_segments_cpu(q, k, v, segments: list[tuple[torch.Tensor, to
     parts.append(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True, scale=scale))
     return _merged(parts)
+
+
+def _prompt_attention_cpu(q, k, v, segments: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """Causal attention of a prompt chunk (q [1, heads, n, D], k and v [1, kv_heads, n, D]) over its context
+    (segments [len, kv_heads, D] each, in order) and itself, in `dtype` by torch's flash kernel: [1, heads, n, D] in
+    dtype, bitwise the same however the prompt was cut into chunks. The context and the chunk's own K/V are one run
+    of keys from the context's first, padded with masked keys to whole blocks of PROMPT_KEY_BLOCK, the kernel's
+    block of keys: a row's sums over each block then take the same order whatever the chunk's length, and a row
+    depends on no other row. The rows go PROMPT_QUERY_BLOCK at a time (each over the keys its last row needs, in
+    whole blocks), in reverse order, so that the causal mask is a view of one row of values (`_staircase`), each
+    query head over its K/V head as the kernel takes them (no copy per query head)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    heads, n, dim = q.shape[1:]
+    kv_heads = k.shape[1]
+    start = sum(len(ks) for ks, _ in segments)
+    keys, values = (torch.zeros(kv_heads, _whole_key_blocks(start + n), dim, dtype=dtype) for _ in range(2))
+    at = 0
+    for ks, vs in segments:
+        keys[:, at:at + len(ks)], values[:, at:at + len(ks)] = ks.transpose(0, 1), vs.transpose(0, 1)
+        at += len(ks)
+    keys[:, start:start + n], values[:, start:start + n] = k[0], v[0]
+    out = torch.empty(1, heads, n, dim, dtype=dtype)
+    for a in range(0, n, PROMPT_QUERY_BLOCK):
+        b = min(n, a + PROMPT_QUERY_BLOCK)
+        end = _whole_key_blocks(start + b)
+        rows = q[:, :, a:b].flip(2).to(dtype)       # the kernel takes each query head's K/V head itself
+        o = flash(rows, keys[None, :, :end], values[None, :, :end], attn_mask=_staircase(b - a, end, start + b, dtype),
+                  scale=scale)[0]
+        out[:, :, a:b] = o.flip(2)
+    return out
+
+
+def _whole_key_blocks(keys: int) -> int:
+    return -(-keys // PROMPT_KEY_BLOCK) * PROMPT_KEY_BLOCK
+
+
+def _staircase(rows: int, keys: int, last_allowed: int, dtype: torch.dtype) -> torch.Tensor:
+    """The causal mask [1, 1, rows, keys] of `rows` query rows in reverse order, row r (the r-th from the last)
+    allowed its first last_allowed - r keys: 0 where allowed, -inf where not, as a view (strides 0, 0, 1, 1) of one
+    row of rows + keys values."""
+    line = torch.full((rows + keys,), float("-inf"), dtype=dtype)
+    line[:last_allowed] = 0
+    return line.as_strided((1, 1, rows, keys), (0, 0, 1, 1))
 
 
 def _segment_parts_cpu(q, kv_heads: int, segments: list[tuple[torch.Tensor, torch.Tensor]],

@@ -15,13 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtier.models import ggml
 from kvtier.models.attention import AttentionMetadata, paged_attention, triton_module
 from kvtier.models.config import ModelConfig
 from kvtier.models.products import Linear
 from kvtier.models.int4pack import TINYGEMM_TYPES, Int4PackWeight, choose_decode_products, int4packed
 from kvtier.models.packed import pack, packable
 from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding,
-                                     in_blocks)
+                                     in_blocks, prompt_dtype)
 from kvtier.models.repacked import repacked
 
 log = logging.getLogger("kvtier.models")
@@ -286,6 +287,21 @@ class Decoder(nn.Module):
         return model.eval()
 
     @functools.cached_property
+    def prompt_attention_dtype(self) -> torch.dtype | None:
+        """The dtype prompt chunks attend in on CPU (None: the activations' own): bfloat16 where the layers' quantized
+        projections multiply prompt rows in it (`prompt_dtype`; not a GGUF's F16 matrices, whose prompt rows keep
+        float32), as the rows are rounded to it for the product after attention anyway. torch's flash attention in
+        bfloat16 takes AMX or AVX512-BF16: a cold 4,096-token prompt of the bundled model on a 2-core Xeon 0.65x the
+        time, 2,048 tokens 0.74x, 256 new tokens after a cached 2,048 0.68x (docs/BENCHMARKS.md). Fixed at load: the
+        K/V of a prompt depend on it (the weights' fingerprint names it)."""
+        parts = [p for layer in self.model.layers for m in layer.modules() if isinstance(m, QuantizedLinear)
+                 for p in m.parts]
+        if not parts or any(getattr(p, "ggml_type", None) == ggml.F16 for p in parts):
+            return None
+        dtype = prompt_dtype(torch.float32)
+        return None if dtype == torch.float32 else dtype
+
+    @functools.cached_property
     def quantized(self) -> bool:
         """Whether any projection keeps quantized blocks (fixed at load; the runner asks every step)."""
         return any(isinstance(m, QuantizedLinear) for m in self.modules())
@@ -298,6 +314,7 @@ class Decoder(nn.Module):
         if meta.last_prompt_rows:
             last = torch.zeros(len(token_ids), dtype=torch.bool)
             last[meta.last_prompt_rows] = True
+        meta.prompt_dtype = self.prompt_attention_dtype if token_ids.device.type == "cpu" else None
         with decoding(decode_rows, last):      # how quantized weights multiply each row (quantized.py)
             x = self.model.embed_tokens(token_ids)
             rope = self.rope(meta.positions, x.dtype)

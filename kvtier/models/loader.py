@@ -89,9 +89,11 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, digest_cache: str 
     kept = any(isinstance(w, QuantizedWeight) for w in weights.values())
     if kept:
         # the K/V quantized weights compute differs a little from the float weights', with the dtype in which
-        # prompt rows multiply, and with how decode rows multiply (DECODE_PRODUCTS)
+        # prompt rows multiply (and on CPU attend: Decoder.prompt_attention_dtype), and with how decode rows
+        # multiply (DECODE_PRODUCTS)
         fingerprint = xxhash.xxh3_128_hexdigest(f"{fingerprint};weights={quantize};prompt rows in "
-                                                f"{prompt_dtype(dtype)};decode products {DECODE_PRODUCTS}".encode())
+                                                f"{prompt_dtype(dtype)}, attending in it;decode products "
+                                                f"{DECODE_PRODUCTS}".encode())
     tokenizer = Tokenizer.load(path, config.eos_token_ids)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the embedding only "
