@@ -155,9 +155,9 @@ def test_on_cpu_a_context_computes_the_same_wherever_its_blocks_lie(length, prom
         k_cache[slots[:length + chunk]], v_cache[slots[:length + chunk]] = logical_k, logical_v
         meta = AttentionMetadata(positions=torch.zeros(chunk + 1, dtype=torch.long),
                                  slot_mapping=torch.tensor(slots[length:length + chunk] + [slots[-1]]),
-                                 prefills=[PrefillSeq(0, chunk, slot_runs(table, length, bs), table)],
-                                 decode=DecodeGroup([chunk], [slot_runs(table, length + chunk + 1, bs)]), block_size=bs,
-                                 prompt_dtype=prompt_dtype)
+                                 prefills=[PrefillSeq(0, chunk, slot_runs(table, length, bs), table,
+                                                      dtype=prompt_dtype)],
+                                 decode=DecodeGroup([chunk], [slot_runs(table, length + chunk + 1, bs)]), block_size=bs)
         outs.append(paged_attention(q, k, v, k_cache, v_cache, meta, scale))
     assert torch.equal(*outs)
 
@@ -187,32 +187,34 @@ def test_in_a_float16_pool_a_chunk_attends_to_its_own_kv_as_the_next_chunk_reads
     assert (one - reference(q, k.half().float(), v.half().float(), scale)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("split", [16, 23, 300])
-def test_on_cpu_a_prompt_chunk_attends_in_the_dtype_the_decoder_names(split):
-    """meta.prompt_dtype (the decoder's prompt rows' products' dtype) is the flash kernel's on CPU: a prompt in
-    bfloat16's rounding of the float32 attention (not float32's own), bitwise the same whether computed in one chunk
-    or in two (a cold prompt, and a turn after its cached first part), over more keys than one of the kernel's
-    blocks and more rows than one call's."""
-    bs, n, scale = 16, 600, DIM ** -0.5
+@pytest.mark.parametrize("cuts", [[16], [23], [300], list(range(256, 276))], ids=["16", "23", "300", "one-row"])
+def test_on_cpu_a_prompt_chunk_attends_in_the_dtype_the_decoder_names(cuts):
+    """PrefillSeq.dtype (the runner's choice: the decoder's prompt rows' products' dtype) is the flash kernel's on
+    CPU: a prompt in bfloat16's rounding of the float32 attention (not float32's own), bitwise the same whether
+    computed in one chunk or cut into several (a cold prompt, and turns after its cached first part), one-row chunks among them (the
+    kernel takes a lone row otherwise than among others), over more keys than one of the kernel's blocks and more
+    rows than one call's. Heads of 64, SmolLM2's: the kernel's lone row rounds alike at 16."""
+    bs, n, dim = 16, 600, 64
     assert n > attention.PROMPT_KEY_BLOCK and n > attention.PROMPT_QUERY_BLOCK
-    gen = torch.Generator().manual_seed(split)
-    q, k, v = (torch.randn(n, heads, DIM, generator=gen) for heads in (HEADS, KV_HEADS, KV_HEADS))
+    gen = torch.Generator().manual_seed(len(cuts) + cuts[0])
+    q, k, v = (torch.randn(n, heads, dim, generator=gen) for heads in (HEADS, KV_HEADS, KV_HEADS))
     table = list(range(-(-n // bs)))
     outs = {}
-    for dtype, chunks in itertools.product((None, torch.bfloat16), ([(0, n)], [(0, split), (split, n)])):
-        k_cache, v_cache = (torch.zeros(len(table) * bs, KV_HEADS, DIM) for _ in range(2))
+    for dtype, chunked in itertools.product((None, torch.bfloat16), (False, True)):
+        ends = (cuts if chunked else []) + [n]
+        k_cache, v_cache = (torch.zeros(len(table) * bs, KV_HEADS, dim) for _ in range(2))
         out = []
-        for a, b in chunks:
+        for a, b in zip([0] + ends[:-1], ends):
             meta = AttentionMetadata(positions=torch.arange(a, b), slot_mapping=torch.arange(a, b),
-                                     prefills=[PrefillSeq(0, b - a, slot_runs(table, a, bs), table)], decode=None,
-                                     block_size=bs, prompt_dtype=dtype)
-            out.append(paged_attention(q[a:b], k[a:b], v[a:b], k_cache, v_cache, meta, scale))
-        outs[dtype, len(chunks)] = torch.cat(out)
-    want = reference(q, k, v, scale)
-    for chunks in (1, 2):
-        assert (outs[None, chunks].double() - want).abs().max() < 1e-5
-        assert 1e-4 < (outs[torch.bfloat16, chunks].double() - want).abs().max() < 2e-2
-    assert torch.equal(outs[torch.bfloat16, 1], outs[torch.bfloat16, 2])
+                                     prefills=[PrefillSeq(0, b - a, slot_runs(table, a, bs), table, dtype=dtype)],
+                                     decode=None, block_size=bs)
+            out.append(paged_attention(q[a:b], k[a:b], v[a:b], k_cache, v_cache, meta, dim ** -0.5))
+        outs[dtype, chunked] = torch.cat(out)
+    want = reference(q, k, v, dim ** -0.5)
+    for chunked in (False, True):
+        assert (outs[None, chunked].double() - want).abs().max() < 1e-5
+        assert 1e-4 < (outs[torch.bfloat16, chunked].double() - want).abs().max() < 2e-2
+    assert torch.equal(outs[torch.bfloat16, False], outs[torch.bfloat16, True])
 
 
 def test_where_only_math_takes_grouped_heads_each_kv_head_is_repeated_for_its_group():

@@ -23,7 +23,7 @@ from kvtier.engine.graphs import DecodeGraphs
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import ScheduledBatch
 from kvtier.engine.sequence import Sequence
-from kvtier.engine.runner import ModelRunner, slot_runs
+from kvtier.engine.runner import PROMPT_ATTENTION_TOKENS, SHORT_PROMPT_KEYS, SHORT_PROMPT_TOKENS, ModelRunner, slot_runs
 from kvtier.kv.pool import KVPool
 from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from kvtier.models.decoder import Decoder
@@ -33,7 +33,7 @@ from kvtier.models.loader import BUNDLED_MODEL, load_model, read_gguf
 from kvtier.models.products import Linear, many_rows_product
 from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight, dequantized_product,
                                      model_weight_bytes, prompt_dtype, quantize)
-from kvtier.models import ggml, int4pack, quantized
+from kvtier.models import decoder as decoder_module, ggml, int4pack, quantized
 from kvtier.models.repacked import RepackedWeight, repacked
 
 pytest.importorskip("libggml", reason="libggml-python is a dependency of kvtier")
@@ -325,23 +325,34 @@ def test_prompt_rows_multiply_by_dequantized_weights_in_the_chosen_dtype(monkeyp
 
 
 @pytest.mark.parametrize("products", [torch.float32, torch.bfloat16], ids=str)
-def test_on_cpu_prompt_chunks_attend_in_the_dtype_their_rows_multiply_in(monkeypatch, tmp_path, products):
+def test_on_cpu_prompt_chunks_attend_in_the_dtype_their_rows_multiply_in(monkeypatch, tmp_path, products,
+                                                                         make_tiny_model, bundled_tokenizer):
     """A quantized model's prompt chunks attend on CPU in the dtype its prompt rows multiply in (bfloat16 where the
-    CPU has bfloat16 dot products: `prompt_dtype`), which its forward hands the attention (meta.prompt_dtype); over a
-    GGUF's F16 matrices (prompt rows in float32), and over float weights, in the activations' own."""
+    CPU has bfloat16 dot products: `prompt_dtype`), over a GGUF's F16 matrices (prompt rows in float32) and over
+    float weights in the activations' own; and a prompt with fewer than PROMPT_ATTENTION_TOKENS tokens past what
+    the cache held in the activations' own too (a turn after a long cached context that runs op by op)."""
     monkeypatch.setattr("kvtier.models.quantized.dequantized_dtype", lambda: products)
     path = tiny_gguf(tmp_path / "q4_1.gguf", qtype=Q.Q4_1)
     want = None if products == torch.float32 else products
-    model = decoder(path, quantized=True)
-    assert model.prompt_attention_dtype == want
+    assert decoder(path, quantized=True).prompt_attention_dtype == want
     assert decoder(path, quantized=False).prompt_attention_dtype is None
     assert decoder(tiny_gguf(tmp_path / "f16.gguf", qtype=Q.F16), quantized=True).prompt_attention_dtype is None
-    n, pool = 20, pool_for(model)
-    meta = AttentionMetadata(positions=torch.arange(n), slot_mapping=torch.arange(n),
-                             prefills=[PrefillSeq(0, n, [], [0, 1])], decode=None, block_size=BLOCK)
-    with torch.inference_mode():
-        model(torch.arange(n), pool.caches, meta)
-    assert meta.prompt_dtype == want
+    attended, attention = [], decoder_module.paged_attention
+    monkeypatch.setattr(decoder_module, "paged_attention", lambda *a: attended.extend(
+        seq.dtype for seq in a[5].prefills if a[5].layer == 0) or attention(*a))
+    engine = LLMEngine(Config(model=make_tiny_model(tiny_llama(bundled_tokenizer.vocab_size, context=8192)),
+                              quantize="int8", device="cpu", kv_pool_tokens=16384, kv_host_gib=0, kv_disk=False))
+    base = [(7 * i) % 500 + 5 for i in range(7008)]     # whole blocks, all cached once computed
+    few = PROMPT_ATTENTION_TOKENS - 6      # past the cache, and eager: its rows times its keys are not short
+    assert few * (len(base) + few) > SHORT_PROMPT_KEYS
+    for name, prompt, dtype in (("cold", base, want), ("few", base + [7] * few, None),
+                                ("more", base + [9] * (SHORT_PROMPT_TOKENS + 8), want)):
+        attended.clear()
+        engine.add_request(name, prompt, SamplingParams(max_tokens=1, temperature=0))
+        while engine.has_unfinished():
+            engine.step()
+        assert attended and set(attended) == {dtype}, name
+    engine.shutdown()
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q6_K, Q.BF16], ids=lambda t: t.name)

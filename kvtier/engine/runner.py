@@ -66,6 +66,12 @@ TORCH_THREADS = torch.get_num_threads()
 # forward is sooner (docs/BENCHMARKS.md, "Agent turns on quantized weights").
 SHORT_PROMPT_TOKENS = 32
 SHORT_PROMPT_KEYS = 32 * 2048
+# A prompt with this many tokens or more past what the cache held attends in bfloat16 on CPU where its model's prompt
+# rows multiply in it (`Decoder.prompt_attention_dtype`); fewer attend in float32, where their context is read as
+# it lies: bfloat16 copies it, which for a few rows after a long context costs more than it saves (per layer of the
+# bundled model at 30K tokens of context, 8 rows 19.5 ms against 10.8 in float32, 16 rows about even, 24 rows
+# 19.4 against 22.5, 256 rows 43.9 against 88.7)
+PROMPT_ATTENTION_TOKENS = 16
 
 
 class ModelRunner:
@@ -119,7 +125,8 @@ class ModelRunner:
             else:
                 prefix = slot_runs(table, start, self.pool.block_size)
                 alone = self._runs_last_alone(seq, n)      # AttentionMetadata.alone_rows
-                prefills.append(PrefillSeq(row, n - alone, prefix, table[:self.pool.blocks_for(end)]))
+                prefills.append(PrefillSeq(row, n - alone, prefix, table[:self.pool.blocks_for(end)],
+                                           dtype=self._attention_dtype(seq)))
                 if alone:
                     decode_rows.append(row + n - 1)
                     decode_runs.append(slot_runs(table, end, self.pool.block_size))
@@ -272,7 +279,7 @@ class ModelRunner:
         if self.graphs.features is not None:
             self.features = [found_features[i] for i in which]
         vocab = self.model.config.vocab_size
-        # a default made only where it is missing: a fresh row of 49K zeros costs its page faults every step
+        # made only where missing: a fresh vocabulary-long row of zeros costs its page faults every step
         return [found_logits[i] if i in found_logits else torch.zeros(1, vocab) for i in which], \
             [found_queries.get(i) for i in which]
 
@@ -341,6 +348,14 @@ class ModelRunner:
         uncached = len(seq.token_ids) - seq.kv.held_tokens
         return not seq.kv.residency and uncached <= SHORT_PROMPT_TOKENS and uncached * len(seq.token_ids) <= \
             SHORT_PROMPT_KEYS
+
+    def _attention_dtype(self, seq: Sequence) -> torch.dtype | None:
+        """The dtype the sequence's prompt chunks attend in on CPU (None: the activations' own): the model's
+        `prompt_attention_dtype` where its prompt's part past what the cache held is PROMPT_ATTENTION_TOKENS or more
+        (decided by what the cache held, as `_short_prompt` is, never by how the scheduler cut the prompt)."""
+        if self.device.type != "cpu" or len(seq.token_ids) - seq.kv.held_tokens < PROMPT_ATTENTION_TOKENS:
+            return None
+        return self.model.prompt_attention_dtype
 
     def _graph_tails(self, batch: ScheduledBatch, graphed: list[int]) -> dict[int, int]:
         """Per prompt chunk the graphs do not take whole whose last rows ggml's decode steps run after the rest of

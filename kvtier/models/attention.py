@@ -9,7 +9,8 @@ exactly. It can also hand back some rows' queries, which the pager scores blocks
 On CUDA, decodes and prefill chunks after a cached prefix run through the Triton paged
 kernels (triton_attention.py) on block tables built once per step; a first chunk runs
 through SDPA's causal flash kernel; a bounded chunk with paged-out K/V, and every context
-when Triton is missing, is gathered and masked. On CPU the context is read where it lies.
+when Triton is missing, is gathered and masked. On CPU the context is read where it lies, but by a prompt chunk
+that attends in bfloat16 (`PrefillSeq.dtype`), which copies it into one run of keys in that dtype.
 """
 from __future__ import annotations
 
@@ -37,12 +38,13 @@ CPU_DECODE_APART = 512
 # over a copy (_segment_parts_cpu): at 7.6K tokens of context 3 rows took 4.8 ms a layer against 9.5, 24 as long
 # as a copy and the flash kernel, 192 2.7x as long
 TRANSPOSED_ROWS = 24
-# On CPU a prompt chunk attending in bfloat16 (AttentionMetadata.prompt_dtype) takes its context and its own K/V as one
+# On CPU a prompt chunk attending in bfloat16 (PrefillSeq.dtype) takes its context and its own K/V as one
 # run of keys padded to whole blocks of this many, torch's CPU flash kernel's own block of keys (its kv_split_size):
 # over a chunk and its context's segments merged, bfloat16's rounding of each part put a row ~5e-4 apart from one
 # prompt's cut into chunks to another's, and a tiny model's greedy tokens changed with the scheduler's chunks
 PROMPT_KEY_BLOCK = 512
-PROMPT_QUERY_BLOCK = 256     # and its rows this many a call, each call over the keys its last row needs
+PROMPT_QUERY_BLOCK = 256     # and its rows this many a call, each call over the keys its last row needs,
+PROMPT_QUERY_STEP = 16       # padded to whole steps of this many (AMX tiles of rows: a lone row takes another path)
 
 
 @dataclass
@@ -54,6 +56,9 @@ class PrefillSeq:
     # K/V of the blocks before this chunk that are not resident [2, layers, tokens, kv_heads, head_dim], in host
     # memory; each layer's slice visits the device only while that layer attends (bounded residency)
     paged_out: torch.Tensor | None = None
+    # on CPU, the dtype it attends in (None: the queries' own): the runner's choice for its prompt (bfloat16 where the
+    # model's prompt rows multiply in it: `Decoder.prompt_attention_dtype`, `ModelRunner._attention_dtype`)
+    dtype: torch.dtype | None = None
     _slots: torch.Tensor | None = None
 
     def prefix_slots(self, device: torch.device) -> torch.Tensor:
@@ -129,9 +134,6 @@ class AttentionMetadata:
     feature_layers: tuple[int, ...] = ()       # layers whose outputs a drafter reads (DFlash)
     features: dict[int, torch.Tensor] = field(default_factory=dict)   # such a layer → its output rows [T, hidden]
     layer: int = 0                             # the layer being computed, set by the decoder
-    # on CPU, the dtype prompt chunks attend in (None: the queries' own), set by the decoder: its prompt rows'
-    # products' (`Decoder.prompt_attention_dtype`)
-    prompt_dtype: torch.dtype | None = None
     block_size: int = 0
     _kernel_args: dict = field(default_factory=dict)   # built by the first layer, used by every layer
 
@@ -238,15 +240,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
         qs, ks, vs = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, n, D]
         paged_out = None if seq.paged_out is None else (seq.paged_out[0, meta.layer], seq.paged_out[1, meta.layer])
-        if q.device.type == "cpu" and meta.prompt_dtype is not None:
-            segments = _context_segments(seq.prefix_runs, lambda: seq.prefix_slots(q.device), k_cache, v_cache)
-            o = _prompt_attention_cpu(qs, ks, vs, segments + ([paged_out] if paged_out else []), scale,
-                                      meta.prompt_dtype)
+        cpu = q.device.type == "cpu"
+        if cpu and (seq.dtype is not None or seq.prefix_runs or paged_out is not None):
+            context = _context_segments(seq.prefix_runs, lambda: seq.prefix_slots(q.device), k_cache, v_cache) + \
+                ([paged_out] if paged_out else [])
+            o = _attention_after_segments_cpu(qs, ks, vs, context, scale) if seq.dtype is None else \
+                _prompt_attention_cpu(qs, ks, vs, context, scale, seq.dtype)
         elif not seq.prefix_runs and paged_out is None:
             o = sdpa(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
-        elif q.device.type == "cpu":
-            segments = _context_segments(seq.prefix_runs, lambda: seq.prefix_slots(q.device), k_cache, v_cache)
-            o = _attention_after_segments_cpu(qs, ks, vs, segments + ([paged_out] if paged_out else []), scale)
         else:
             kp, vp = (c[seq.prefix_slots(q.device)] for c in (k_cache, v_cache))
             if paged_out is not None:     # prompt tokens attend to every earlier block, resident or not
@@ -380,31 +381,38 @@ def _attention_after_segments_cpu(q, k, v, segments: list[tuple[torch.Tensor, to
 def _prompt_attention_cpu(q, k, v, segments: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
                           dtype: torch.dtype) -> torch.Tensor:
     """Causal attention of a prompt chunk (q [1, heads, n, D], k and v [1, kv_heads, n, D]) over its context
-    (segments [len, kv_heads, D] each, in order) and itself, in `dtype` by torch's flash kernel: [1, heads, n, D] in
-    dtype, bitwise the same however the prompt was cut into chunks. The context and the chunk's own K/V are one run
-    of keys from the context's first, padded with masked keys to whole blocks of PROMPT_KEY_BLOCK, the kernel's
-    block of keys: a row's sums over each block then take the same order whatever the chunk's length, and a row
-    depends on no other row. The rows go PROMPT_QUERY_BLOCK at a time (each over the keys its last row needs, in
-    whole blocks), in reverse order, so that the causal mask is a view of one row of values (`_staircase`), each
-    query head over its K/V head as the kernel takes them (no copy per query head)."""
+    (segments [len, kv_heads, D] each: in position order, but a bounded sequence's paged-out K/V after its resident
+    ones, whose bits then follow what is resident) and itself, in `dtype` by torch's flash kernel: [1, heads, n, D]
+    in dtype, bitwise the same however the prompt was cut into chunks. The context and the chunk's own K/V are one
+    run of keys from the context's first, padded with masked keys to whole blocks of PROMPT_KEY_BLOCK, the kernel's
+    block of keys: a row's sums over each block then take the same order whatever the chunk's length. The rows go
+    PROMPT_QUERY_BLOCK at a time (each over the keys its last row needs, in whole blocks), in reverse order, so that
+    the causal mask is a view of one row of values (`_staircase`), after zero rows that make them a whole number of
+    PROMPT_QUERY_STEP (the kernel takes a lone row in a block of its own otherwise than among others), each query
+    head over its K/V head as the kernel takes them (no copy per query head)."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     heads, n, dim = q.shape[1:]
     kv_heads = k.shape[1]
     start = sum(len(ks) for ks, _ in segments)
-    keys, values = (torch.zeros(kv_heads, _whole_key_blocks(start + n), dim, dtype=dtype) for _ in range(2))
+    total = _whole_key_blocks(start + n)
+    keys, values = (torch.empty(kv_heads, total, dim, dtype=dtype) for _ in range(2))
+    keys[:, start + n:], values[:, start + n:] = 0, 0
     at = 0
-    for ks, vs in segments:
-        keys[:, at:at + len(ks)], values[:, at:at + len(ks)] = ks.transpose(0, 1), vs.transpose(0, 1)
+    for ks, vs in segments + [(k[0].transpose(0, 1), v[0].transpose(0, 1))]:
+        keys[:, at:at + len(ks)] = ks.transpose(0, 1)
+        if vs.stride(-1) == 1:
+            values[:, at:at + len(vs)] = vs.transpose(0, 1)
+        else:       # ggml's CPU pools' transposed V: converted as it lies, then turned (1.5x faster at 30K keys)
+            values[:, at:at + len(vs)] = vs.permute(1, 2, 0).to(dtype).transpose(1, 2)
         at += len(ks)
-    keys[:, start:start + n], values[:, start:start + n] = k[0], v[0]
     out = torch.empty(1, heads, n, dim, dtype=dtype)
     for a in range(0, n, PROMPT_QUERY_BLOCK):
         b = min(n, a + PROMPT_QUERY_BLOCK)
-        end = _whole_key_blocks(start + b)
-        rows = q[:, :, a:b].flip(2).to(dtype)       # the kernel takes each query head's K/V head itself
-        o = flash(rows, keys[None, :, :end], values[None, :, :end], attn_mask=_staircase(b - a, end, start + b, dtype),
-                  scale=scale)[0]
-        out[:, :, a:b] = o.flip(2)
+        end, pad = _whole_key_blocks(start + b), -(b - a) % PROMPT_QUERY_STEP
+        rows = torch.cat([q.new_zeros(1, heads, pad, dim), q[:, :, a:b].flip(2)], 2).to(dtype)
+        mask = _staircase(pad + b - a, end, start + b + pad, dtype)
+        o = flash(rows, keys[None, :, :end], values[None, :, :end], attn_mask=mask, scale=scale)[0]
+        out[:, :, a:b] = o[:, :, pad:].flip(2)
     return out
 
 

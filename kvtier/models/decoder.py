@@ -288,9 +288,11 @@ class Decoder(nn.Module):
 
     @functools.cached_property
     def prompt_attention_dtype(self) -> torch.dtype | None:
-        """The dtype prompt chunks attend in on CPU (None: the activations' own): bfloat16 where the layers' quantized
+        """The dtype prompt chunks attend in on CPU (None: the activations' own), but for prompts with few tokens past
+        what the cache held (the runner's `_attention_dtype`): bfloat16 where the layers' quantized
         projections multiply prompt rows in it (`prompt_dtype`; not a GGUF's F16 matrices, whose prompt rows keep
-        float32), as the rows are rounded to it for the product after attention anyway. torch's flash attention in
+        float32), as the rows are rounded to it for their products after attention anyway (but for a bounded
+        sequence's last prompt token, whose products are precise: runner.py). torch's flash attention in
         bfloat16 takes AMX or AVX512-BF16: a cold 4,096-token prompt of the bundled model on a 2-core Xeon 0.66x the
         time, 2,048 tokens 0.75x, 256 new tokens after a cached 2,048 0.72x (docs/BENCHMARKS.md). Fixed at load: the
         K/V of a prompt depend on it (the weights' fingerprint names it)."""
@@ -314,7 +316,6 @@ class Decoder(nn.Module):
         if meta.last_prompt_rows:
             last = torch.zeros(len(token_ids), dtype=torch.bool)
             last[meta.last_prompt_rows] = True
-        meta.prompt_dtype = self.prompt_attention_dtype if token_ids.device.type == "cpu" else None
         with decoding(decode_rows, last):      # how quantized weights multiply each row (quantized.py)
             x = self.model.embed_tokens(token_ids)
             rope = self.rope(meta.positions, x.dtype)
