@@ -293,9 +293,9 @@ class Decoder(nn.Module):
         projections multiply prompt rows in it (`prompt_dtype`; not a GGUF's F16 matrices, whose prompt rows keep
         float32), as the rows are rounded to it for their products after attention anyway (but for a bounded
         sequence's last prompt token, whose products are precise: runner.py). torch's flash attention in
-        bfloat16 takes AMX or AVX512-BF16: a cold 4,096-token prompt of the bundled model on a 2-core Xeon 0.66x the
-        time, 2,048 tokens 0.75x, 256 new tokens after a cached 2,048 0.72x (docs/BENCHMARKS.md). Fixed at load: the
-        K/V of a prompt depend on it (the weights' fingerprint names it)."""
+        bfloat16 takes AMX or AVX512-BF16: a cold 4,096-token prompt of the bundled model on a 2-core Xeon 0.64-0.66x
+        the time, 2,048 tokens 0.75-0.89x, 256 new tokens after a cached 2,048 0.72x (docs/BENCHMARKS.md). Fixed at
+        load: the K/V of a prompt depend on it (the weights' fingerprint names it)."""
         parts = [p for layer in self.model.layers for m in layer.modules() if isinstance(m, QuantizedLinear)
                  for p in m.parts]
         if not parts or any(getattr(p, "ggml_type", None) == ggml.F16 for p in parts):
