@@ -69,8 +69,8 @@ SHORT_PROMPT_KEYS = 32 * 2048
 # A prompt with this many tokens or more past what the cache held attends in bfloat16 on CPU where its model's prompt
 # rows multiply in it (`Decoder.prompt_attention_dtype`); fewer attend in float32, where their context is read as
 # it lies: bfloat16 copies it, which for a few rows after a long context costs more than it saves (per layer of the
-# bundled model at 30K tokens of context, 8 rows 19.5 ms against 10.8 in float32, 16 rows about even, 24 rows
-# 19.4 against 22.5, 256 rows 43.9 against 88.7)
+# bundled model at 30K tokens of context, 8 rows 14.4 ms against 10.0 in float32, 16 rows about even, 32 rows
+# 18.6 against 21.7, 256 rows 77.8 against 95.4: docs/BENCHMARKS.md)
 PROMPT_ATTENTION_TOKENS = 16
 
 
