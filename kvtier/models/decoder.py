@@ -15,14 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvtier.models import ggml
 from kvtier.models.attention import AttentionMetadata, paged_attention, triton_module
 from kvtier.models.config import ModelConfig
 from kvtier.models.products import Linear
 from kvtier.models.int4pack import TINYGEMM_TYPES, Int4PackWeight, choose_decode_products, int4packed
 from kvtier.models.packed import pack, packable
 from kvtier.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concatenated, decoding,
-                                     in_blocks, prompt_dtype)
+                                     in_blocks, weight_prompt_dtype)
 from kvtier.models.repacked import repacked
 
 log = logging.getLogger("kvtier.models")
@@ -290,18 +289,15 @@ class Decoder(nn.Module):
     def prompt_attention_dtype(self) -> torch.dtype | None:
         """The dtype prompt chunks attend in on CPU (None: the activations' own), but for prompts with few tokens past
         what the cache held (the runner's `_attention_dtype`): bfloat16 where the layers' quantized
-        projections multiply prompt rows in it (`prompt_dtype`; not a GGUF's F16 matrices, whose prompt rows keep
-        float32), as the rows are rounded to it for their products after attention anyway (but for a bounded
+        projections multiply prompt rows in it (`weight_prompt_dtype`; not a GGUF's F16 matrices, whose prompt rows
+        keep float32), as the rows are rounded to it for their products after attention anyway (but for a bounded
         sequence's last prompt token, whose products are precise: runner.py). torch's flash attention in
         bfloat16 takes AMX or AVX512-BF16: a cold 4,096-token prompt of the bundled model on a 2-core Xeon 0.64-0.66x
         the time, 2,048 tokens 0.75-0.89x, 256 new tokens after a cached 2,048 0.72x (docs/BENCHMARKS.md). Fixed at
         load: the K/V of a prompt depend on it (the weights' fingerprint names it)."""
-        parts = [p for layer in self.model.layers for m in layer.modules() if isinstance(m, QuantizedLinear)
-                 for p in m.parts]
-        if not parts or any(getattr(p, "ggml_type", None) == ggml.F16 for p in parts):
-            return None
-        dtype = prompt_dtype(torch.float32)
-        return None if dtype == torch.float32 else dtype
+        dtypes = {weight_prompt_dtype(p.ggml_type, torch.float32) for layer in self.model.layers
+                  for m in layer.modules() if isinstance(m, QuantizedLinear) for p in m.parts}
+        return dtypes.pop() if len(dtypes) == 1 and torch.float32 not in dtypes else None
 
     @functools.cached_property
     def quantized(self) -> bool:

@@ -298,14 +298,20 @@ def prompt_dtype(dtype: torch.dtype, device_type: str = "cpu") -> torch.dtype:
     return dequantized_dtype() if device_type == "cpu" and dtype == torch.float32 else dtype
 
 
+def weight_prompt_dtype(ggml_type: int, dtype: torch.dtype, device_type: str = "cpu") -> torch.dtype:
+    """The dtype in which prompt rows of activations in `dtype` multiply by a weight of this type dequantized: an F16
+    weight's in `dtype` (bfloat16 would round its values), the others' in `prompt_dtype`."""
+    return dtype if ggml_type == ggml.F16 else prompt_dtype(dtype, device_type)
+
+
 def dequantized_product(weight: GgmlWeight | PackedWeight | Int4PackWeight, x: torch.Tensor,
                         dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [rows, in_features] @ weight.T, returned in x's dtype, the weight dequantized DEQUANTIZED_BYTES at a time
     (an LM head of 128K rows would take 2 GB at once). dtype: what the product multiplies in, by default
     `prompt_dtype` (`kvtier bench kernels` sets it)."""
     cpu = x.device.type == "cpu"
-    if dtype is None:     # an F16 weight's prompt rows in x's dtype: bfloat16 would round its values
-        dtype = x.dtype if weight.ggml_type == ggml.F16 else prompt_dtype(x.dtype, x.device.type)
+    if dtype is None:
+        dtype = weight_prompt_dtype(weight.ggml_type, x.dtype, x.device.type)
     elements = DEQUANTIZED_BYTES // x.dtype.itemsize
     step = max(8, elements // weight.in_features // 8 * 8)     # whole groups of a repacked weight's 8 rows
     buffer = _dequantized_buffer(x.device, x.dtype, elements)
