@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from kvtier.bench import llama_cpp
 from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish
 from kvtier.models import ggml, triton_int4pack
 from kvtier.models.choice import timed
@@ -75,6 +76,13 @@ def candidates(weights: list[torch.Tensor], x: torch.Tensor, threads: int) -> di
                         found[f"ggml {name} dequantized + torch {str(dtype).removeprefix('torch.')}"] = (
                             [lambda q=q, dtype=dtype: dequantized_product(q, x, dtype) for q in blocks],
                             products[0].weight.numel())
+    if llama_cpp.available():       # the llama.cpp column's own kernels, over the same types
+        for name, ggml_type in GGML_TYPES.items():
+            if name in K_QUANTS and in_features % 256:
+                continue
+            products = llama_cpp.Products(weights, ggml_type, len(x), threads)
+            products.x.copy_(x)
+            found[f"ik_llama.cpp {name}"] = (products.calls, products.nbytes)
     return found
 
 

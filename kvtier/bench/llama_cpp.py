@@ -3,13 +3,21 @@ kernels) through the prebuilt `ik-llama-cpp-python` wheel, when it is installed 
 
 Prefill is one prompt run in llama.cpp's micro-batches with the last token's logits; decode is greedy (argmax of
 each sequence's logits, read back as kvtier reads its own) over as many sequences as given, in one batch per step.
+`Products` are matrix products through the wheel's own ggml, for `kvtier bench kernels`' column of its kernels.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 import time
+import weakref
 
 import numpy as np
+import torch
+
+PROBE_TOKENS = 128      # a prompt run a row at a time and in batches, to find the batches that compute the same
+AGREE = 0.05            # their last logits' largest difference over the largest logit, at most
 
 
 def available() -> bool:
@@ -46,6 +54,43 @@ class LlamaCpp:
         self.context = IkContext(self.model, n_ctx=context, n_threads=threads, flash_attn=self.flash_attention,
                                  n_seq_max=max_seqs)
         self.vocab = api.llama_vocab_n_tokens(api.llama_model_get_vocab(self.model.model))
+        self.max_rows, self.disagreement = self._exact_rows()
+
+    def _exact_rows(self) -> tuple[int, tuple[float, float] | None]:
+        """The most rows llama.cpp's products may take at once and still compute what one row at a time computes
+        (to AGREE of the largest logit), and where fewer had to be taken, how far apart the logits of a batch of
+        twice as many were (their largest difference, the largest logit). The wheel's Q4_1 product of 32 rows or
+        more is wrong where a row is 576 wide (SmolLM2's: 0.32-0.40 of the largest output apart from float32's
+        product, against 0.07-0.09 at fewer rows and at widths of 512, 640, 768 and 1536; the bundled model's
+        96-token prompt as one batch gave logits up to 17.4 apart from a row at a time, the largest 24.6, and
+        another argmax): a prefill or a decode batch that fast computes something else. Micro-batches and decode
+        batches are cut to it."""
+        probe = [(1000 + i) % self.vocab for i in range(PROBE_TOKENS)]
+        want = self._last_logits(probe, 1)
+        rows, apart = self.context._n_ubatch, None
+        while rows > 1:
+            got = self._last_logits(probe, rows)
+            difference, largest = float(np.abs(got - want).max()), float(np.abs(want).max())
+            if difference <= AGREE * largest:
+                return rows, apart
+            rows, apart = rows // 2, (difference, largest)
+        return 1, apart
+
+    def _last_logits(self, tokens: list[int], rows: int) -> np.ndarray:
+        """The last token's logits after tokens run in an empty cache, `rows` at a time."""
+        self.context.kv_cache_clear()
+        self._run(tokens, 0, rows)
+        return np.ctypeslib.as_array(self.api.llama_get_logits_ith(self.context.ctx, -1), shape=(self.vocab,)).copy()
+
+    @property
+    def rows_note(self) -> str:
+        """What the text beside its numbers says of the rows its batches were cut to ('' where none were)."""
+        if self.disagreement is None:
+            return ""
+        difference, largest = self.disagreement
+        return (f" On this file the wheel's products of {2 * self.max_rows} rows at once computed other logits than "
+                f"one row at a time (up to {difference:.1f} apart, the largest {largest:.1f}), so its micro-batches "
+                f"and decode batches take {self.max_rows} rows at most.")
 
     def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], logits: list[bool]) -> None:
         batch = self.api.llama_batch_init(len(tokens), 0, 1)
@@ -72,19 +117,19 @@ class LlamaCpp:
         untimed), as llama.cpp's server answers a turn whose prefix it kept (a prompt it holds whole: its last token
         again)."""
         self.context.kv_cache_clear()
-        self._run(cached, 0)
+        self._run(cached, 0, self.max_rows)
         start = time.perf_counter()
-        self._run(new, len(cached))
+        self._run(new, len(cached), self.max_rows)
         self._argmax(-1)
         return time.perf_counter() - start
 
-    def _run(self, tokens: list[int], first: int) -> None:
-        """tokens at positions first.. of sequence 0, in llama.cpp's micro-batches, logits for the last one."""
-        step = self.context._n_ubatch
+    def _run(self, tokens: list[int], first: int, step: int, seq: int = 0) -> None:
+        """tokens at positions first.. of sequence seq, `step` at a time (llama.cpp's micro-batches, or fewer),
+        logits for the last one."""
         for a in range(0, len(tokens), step):
             chunk = tokens[a:a + step]
             last = a + step >= len(tokens)
-            self._decode(chunk, list(range(first + a, first + a + len(chunk))), [0] * len(chunk),
+            self._decode(chunk, list(range(first + a, first + a + len(chunk))), [seq] * len(chunk),
                          [last and i == len(chunk) - 1 for i in range(len(chunk))])
 
     def decode(self, prompts: list[list[int]], num_tokens: int) -> float:
@@ -92,12 +137,84 @@ class LlamaCpp:
         self.context.kv_cache_clear()
         nexts = []
         for seq, prompt in enumerate(prompts):
-            self._decode(prompt, list(range(len(prompt))), [seq] * len(prompt),
-                         [i == len(prompt) - 1 for i in range(len(prompt))])
+            self._run(prompt, 0, self.max_rows, seq)
             nexts.append(self._argmax(-1))
-        seqs, length = list(range(len(prompts))), len(prompts[0])
+        seqs, length, most = list(range(len(prompts))), len(prompts[0]), self.max_rows
         start = time.perf_counter()
         for step in range(num_tokens - 1):
-            self._decode(nexts, [length + step] * len(seqs), seqs, [True] * len(seqs))
-            nexts = [self._argmax(i) for i in seqs]
+            for a in range(0, len(seqs), most):      # one batch, or several of max_rows
+                group = seqs[a:a + most]
+                self._decode(nexts[a:a + most], [length + step] * len(group), group, [True] * len(group))
+                nexts[a:a + most] = [self._argmax(i) for i in range(len(group))]
         return len(prompts) * (num_tokens - 1) / (time.perf_counter() - start)
+
+
+class _InitParams(ctypes.Structure):      # struct ggml_init_params
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+class _Plan(ctypes.Structure):      # struct ggml_cplan: its first fields, then room for the fork's others
+    _fields_ = [("work_size", ctypes.c_size_t), ("work_data", ctypes.c_void_p), ("n_threads", ctypes.c_int),
+                ("rest", ctypes.c_char * 256)]
+
+
+@functools.cache
+def _ggml() -> ctypes.CDLL:
+    """The wheel's ggml, its symbols kept to itself: kvtier's own ggml (libggml-python's) is another library."""
+    import ik_llama_cpp
+    path = os.path.join(os.path.dirname(ik_llama_cpp.__file__), "lib", "libggml.so")
+    g = ctypes.CDLL(path, mode=os.RTLD_LOCAL | os.RTLD_NOW | os.RTLD_DEEPBIND)
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name, restype, argtypes in [
+            ("ggml_init", p, [_InitParams]), ("ggml_free", None, [p]), ("ggml_tensor_overhead", ctypes.c_size_t, []),
+            ("ggml_graph_overhead", ctypes.c_size_t, []), ("ggml_row_size", ctypes.c_size_t, [ctypes.c_int, i64]),
+            ("ggml_new_tensor_2d", p, [p, ctypes.c_int, i64, i64]), ("ggml_get_data", p, [p]),
+            ("ggml_quantize_chunk", ctypes.c_size_t, [ctypes.c_int, p, p, i64, i64, i64, p]),
+            ("ggml_mul_mat", p, [p, p, p]), ("ggml_new_graph", p, [p]), ("ggml_build_forward_expand", None, [p, p]),
+            # a threadpool argument where the fork takes one (none: its own threads), ignored where it does not
+            ("ggml_graph_plan", _Plan, [p, ctypes.c_int, p]), ("ggml_graph_compute", ctypes.c_int, [p, p])]:
+        f = getattr(g, name)
+        f.restype, f.argtypes = restype, argtypes
+    return g
+
+
+class Products:
+    """y = x @ W.T through ik_llama.cpp's kernels, for each of several weights W [out, in] (float32) quantized to
+    `ggml_type` by the wheel's ggml, x [rows, in] float32 shared: `calls[i]()` computes weight i's product as
+    llama.cpp computes a graph (on `threads` threads, planned once) and returns its y. `x` and the y's are the
+    context's own memory, reused call after call. One context holds them all: that ggml keeps 64 contexts at most."""
+
+    def __init__(self, weights: list[torch.Tensor], ggml_type: int, rows: int, threads: int):
+        g = self.g = _ggml()
+        out_features, in_features = weights[0].shape
+        self.nbytes = g.ggml_row_size(ggml_type, in_features) * out_features      # one weight's
+        size = (len(weights) * (2 * g.ggml_tensor_overhead() + g.ggml_graph_overhead() + self.nbytes
+                                + 4 * rows * out_features) + 4 * rows * in_features + g.ggml_tensor_overhead())
+        self.ctx = g.ggml_init(_InitParams(size, None, False))
+        if not self.ctx:
+            raise MemoryError("ik_llama.cpp's ggml gave no context")
+        self._free = weakref.finalize(self, g.ggml_free, self.ctx)
+        x = g.ggml_new_tensor_2d(self.ctx, 0, in_features, rows)       # GGML_TYPE_F32
+        self.x = self._viewed(x, rows, in_features)
+        self.calls = []
+        for weight in weights:
+            w = g.ggml_new_tensor_2d(self.ctx, ggml_type, in_features, out_features)
+            source = weight.float().contiguous()
+            g.ggml_quantize_chunk(ggml_type, source.data_ptr(), g.ggml_get_data(w), 0, out_features, in_features,
+                                  None)
+            y = g.ggml_mul_mat(self.ctx, w, x)
+            graph = g.ggml_new_graph(self.ctx)
+            g.ggml_build_forward_expand(graph, y)
+            plan = g.ggml_graph_plan(graph, threads, None)
+            work = torch.empty(max(1, plan.work_size), dtype=torch.uint8)
+            plan.work_data = work.data_ptr()
+            self.calls.append(functools.partial(self._run, graph, plan, work, self._viewed(y, rows, out_features)))
+
+    def _viewed(self, tensor: int, rows: int, size: int) -> torch.Tensor:
+        memory = (ctypes.c_float * (rows * size)).from_address(self.g.ggml_get_data(tensor))
+        return torch.from_numpy(np.ctypeslib.as_array(memory)).view(rows, size)
+
+    def _run(self, graph: int, plan: _Plan, work: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.g.ggml_graph_compute(graph, ctypes.byref(plan)) != 0:
+            raise RuntimeError("ik_llama.cpp's ggml failed a product")
+        return y

@@ -328,7 +328,8 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
                   "wheel, on the same file and threads, flash attention "
                   + ("on" if results["llama_flash"] else "off (the wheel turns it off without AVX-VNNI)")
                   + "; its prefill runs in its own micro-batches, its decode is one batch of every sequence per "
-                  "step with greedy argmax." if "llama.cpp" in names else results["llama_missing"])
+                  "step with greedy argmax." + results["llama_rows"] if "llama.cpp" in names else
+                  results["llama_missing"])
     # a shape's numbers, and decodes over longer contexts, in sections of their own beside the bundled model's
     qualifiers = ([args.shape] if args.shape else []) + ([f"decode at {args.decode_context} tokens of context"]
                                                          if args.decode_context > DECODE_CONTEXT else [])
@@ -417,14 +418,14 @@ def main(argv: list[str] | None = None) -> None:
     float_eng = engine("none") if eng.model.quantized and not args.no_float else None
     path = resolve_model_path(args.model)
     hf = None if args.no_transformers else load_hf(path, DTYPES[args.dtype], device)
-    llama, results = None, {"llama_flash": False, "llama_missing": ""}
+    llama, results = None, {"llama_flash": False, "llama_missing": "", "llama_rows": ""}
     if not path.endswith(".gguf") or args.device != "cpu":
         results["llama_missing"] = "llama.cpp: not measured (it runs GGUF files, here on CPU)."
     elif not llama_cpp.available():
         results["llama_missing"] = "llama.cpp: not measured here, ik-llama-cpp-python is not installed."
     else:
         llama = llama_cpp.LlamaCpp(path, args.threads, need + 64 * batch, batch)
-        results["llama_flash"] = llama.flash_attention
+        results["llama_flash"], results["llama_rows"] = llama.flash_attention, llama.rows_note
     results["file_tensor_bytes"] = sum(int(t.n_bytes) for t in GGUFFile(path).tensors) \
         if os.path.isfile(path) else 0
     print(f"kvtier: {eng.model_name}, {args.dtype}, {args.device}, {args.threads} threads", flush=True)

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         players["llama.cpp"] = (lambda cold, base, news, tag: llama_turns(llama, cold, base, news), vocab)
         llama_note = ("llama.cpp is ik_llama.cpp through the prebuilt ik-llama-cpp-python wheel, on the same file and "
                       "threads, flash attention " + ("on." if llama.flash_attention else "off (the wheel turns it off "
-                                                     "without AVX-VNNI)."))
+                                                     "without AVX-VNNI).") + llama.rows_note)
     publish(render(measure(args, players), args, eng, command, llama_note), args)
 
 
