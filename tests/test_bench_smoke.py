@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from kvtier.bench import throughput
+from kvtier.bench import llama_cpp, throughput
 from kvtier.spec.speculator import Speculator
 
 
@@ -79,6 +79,7 @@ def test_kernels_bench_compares_ggml_with_torch(tmp_path):
     for name in ("torch float32", "torch bfloat16", "ggml q8_0", "ggml q4_1"):
         assert text.count(f"| {name} |") == 2
     assert text.count("| ggml q4_k |") == 1 and "not installed" not in text
+    assert text.count("| ik_llama.cpp q8_0 |") == (2 if llama_cpp.available() else 0)
     for dtype in ("float32", "bfloat16"):      # what prompt rows take
         assert text.count(f"| ggml q4_1 dequantized + torch {dtype} |") == 2
     # Q4_0 in ggml's CPU_REPACK layout, where this CPU has one: the same product as over the file's blocks
@@ -94,6 +95,30 @@ def test_kernels_bench_compares_ggml_with_torch(tmp_path):
     repacked.x.copy_(plain.x)
     assert torch.allclose(repacked.run(), plain.run(), rtol=1e-5, atol=1e-5)
     assert text.count("| ggml q4_0 repacked |") == 2
+
+
+@pytest.mark.skipif(not llama_cpp.available(),
+                    reason="the ik-llama-cpp-python wheel (no dependency of kvtier's) is not here")
+def test_ik_llama_cpp_products_compute_the_product_and_outlive_their_maker():
+    """The kernels bench's ik_llama.cpp rows: each call the product of its weight (to the type's rounding), the
+    calls alive after their Products is dropped, and more Products than that ggml's 64 contexts one after another."""
+    import gc
+    weights = [torch.randn(160, 256) / 16 for _ in range(3)]
+    for ggml_type, tolerance in ((8, 0.02), (3, 0.15)):      # Q8_0, Q4_1
+        products = llama_cpp.Products(weights, ggml_type, 5, 2)
+        x = torch.randn(5, 256)
+        products.x.copy_(x)
+        calls = products.calls
+        del products
+        for call, w in zip(calls, weights):
+            want = x @ w.T
+            assert ((call() - want).abs().max() / want.abs().max()).item() < tolerance
+    gc.disable()
+    try:
+        for _ in range(70):
+            llama_cpp.Products(weights[:1], 8, 1, 1).calls[0]()
+    finally:
+        gc.enable()
 
 
 def test_spec_bench_compares_every_method_on_the_same_turns(tiny_model_dir, tmp_path, capsys):

@@ -2,13 +2,13 @@
 and 8 rows:
 - on CPU: torch's float32 and bfloat16 `F.linear`, torch's int8 weight-only kernel, and ggml's kernels over GGUF's
   own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) through the prebuilt libggml-python wheel, and over Q4_0 and Q4_K blocks
-  in ggml's CPU_REPACK layout (rows interleaved for its multi-row kernels) where this CPU has one, and Q4_1 and
-  Q4_K blocks dequantized for torch's float32 and bfloat16 products (what prompt rows take); beside them, where the
-  ik-llama-cpp-python wheel is installed, ik_llama.cpp's kernels over the same types (no dependency of kvtier's:
-  what the benchmarks' llama.cpp column runs). kvtier takes the
-  repacked layout for Q4_0 (models/repacked.py: the only copy, prompt rows getting the file's blocks back a slice at
-  a time); Q4_K keeps the file's layout, since its repacked product rounds a row differently by how many rows share
-  it, which speculation's verify steps and batches must not see;
+  in ggml's CPU_REPACK layout (rows interleaved for its multi-row kernels) where this CPU has one, and Q4_1 and Q4_K
+  blocks dequantized for torch's float32 and bfloat16 products (what prompt rows take); beside them, where the
+  ik-llama-cpp-python wheel is installed, ik_llama.cpp's kernels over the same types (no dependency of kvtier's: what
+  the benchmarks' llama.cpp column runs). kvtier takes the repacked layout for Q4_0 (models/repacked.py: the only
+  copy, prompt rows getting the file's blocks back a slice at a time); Q4_K keeps the file's layout, since its
+  repacked product rounds a row differently by how many rows share it, which speculation's verify steps and batches
+  must not see;
 - on CUDA (--device cuda), rows in bfloat16: cuBLAS over bfloat16 weights, kvtier's Triton kernels over packed GGUF
   blocks (every packed type), the same blocks dequantized for cuBLAS (what prompt rows of the other types take),
   and Q4_0 / Q4_1 in torch's int4 layout for its tinygemm kernel (`_weight_int4pack_mm`: what kvtier runs for their
@@ -176,7 +176,7 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
              "the benchmarks' llama.cpp column), each product a graph computed on its OpenMP threads, which spin "
              "between calls where ggml's above sleep (a product of one row of a small weight carries ggml's "
              "threads waking)." if llama_cpp.available() else
-             " No ik_llama.cpp rows: the ik-llama-cpp-python wheel is not installed.")
+             " No ik_llama.cpp rows: there is no ik-llama-cpp-python wheel here.")
     return "\n".join([
         *header(SECTION, machine, command),
         *table,

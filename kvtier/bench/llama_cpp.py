@@ -3,6 +3,7 @@ kernels) through the prebuilt `ik-llama-cpp-python` wheel, when it is installed 
 
 Prefill is one prompt run in llama.cpp's micro-batches with the last token's logits; decode is greedy (argmax of
 each sequence's logits, read back as kvtier reads its own) over as many sequences as given, in one batch per step.
+Both batches are cut to the most rows whose products compute what one row at a time does (`max_rows`).
 `Products` are matrix products through the wheel's own ggml, for `kvtier bench kernels`' column of its kernels.
 """
 from __future__ import annotations
@@ -56,24 +57,26 @@ class LlamaCpp:
         self.vocab = api.llama_vocab_n_tokens(api.llama_model_get_vocab(self.model.model))
         self.max_rows, self.disagreement = self._exact_rows()
 
-    def _exact_rows(self) -> tuple[int, tuple[float, float] | None]:
+    def _exact_rows(self) -> tuple[int, tuple[int, float, float] | None]:
         """The most rows llama.cpp's products may take at once and still compute what one row at a time computes
-        (to AGREE of the largest logit), and where fewer had to be taken, how far apart the logits of a batch of
-        twice as many were (their largest difference, the largest logit). The wheel's Q4_1 product of 32 rows or
+        (to AGREE of the largest logit), and where fewer had to be taken, the rows of the last batch that did not
+        (its rows, the logits' largest difference, the largest logit). The wheel's Q4_1 product of 32 rows or
         more is wrong where a row is 576 wide (SmolLM2's: 0.32-0.40 of the largest output apart from float32's
         product, against 0.07-0.09 at fewer rows and at widths of 512, 640, 768 and 1536; the bundled model's
         96-token prompt as one batch gave logits up to 17.4 apart from a row at a time, the largest 24.6, and
         another argmax): a prefill or a decode batch that fast computes something else. Micro-batches and decode
-        batches are cut to it."""
+        batches are cut to it. Batches are tried halving from the probe's length (its micro-batch where that is
+        shorter): where the probe agrees as one batch, its whole micro-batch is taken, untried past the probe."""
         probe = [(1000 + i) % self.vocab for i in range(PROBE_TOKENS)]
         want = self._last_logits(probe, 1)
-        rows, apart = self.context._n_ubatch, None
+        whole = self.context._n_ubatch
+        rows, apart = min(whole, PROBE_TOKENS), None
         while rows > 1:
             got = self._last_logits(probe, rows)
             difference, largest = float(np.abs(got - want).max()), float(np.abs(want).max())
             if difference <= AGREE * largest:
-                return rows, apart
-            rows, apart = rows // 2, (difference, largest)
+                return (whole if apart is None else rows), apart
+            rows, apart = rows // 2, (rows, difference, largest)
         return 1, apart
 
     def _last_logits(self, tokens: list[int], rows: int) -> np.ndarray:
@@ -87,8 +90,8 @@ class LlamaCpp:
         """What the text beside its numbers says of the rows its batches were cut to ('' where none were)."""
         if self.disagreement is None:
             return ""
-        difference, largest = self.disagreement
-        return (f" On this file the wheel's products of {2 * self.max_rows} rows at once computed other logits than "
+        rows, difference, largest = self.disagreement
+        return (f" On this file the wheel's products of {rows} rows at once computed other logits than "
                 f"one row at a time (up to {difference:.1f} apart, the largest {largest:.1f}), so its micro-batches "
                 f"and decode batches take {self.max_rows} rows at most.")
 
@@ -153,14 +156,15 @@ class _InitParams(ctypes.Structure):      # struct ggml_init_params
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
 
 
-class _Plan(ctypes.Structure):      # struct ggml_cplan: its first fields, then room for the fork's others
+class _Plan(ctypes.Structure):      # struct ggml_cplan, as the wheel's ggml lays it out
     _fields_ = [("work_size", ctypes.c_size_t), ("work_data", ctypes.c_void_p), ("n_threads", ctypes.c_int),
-                ("rest", ctypes.c_char * 256)]
+                ("abort_callback", ctypes.c_void_p), ("abort_callback_data", ctypes.c_void_p)]
 
 
 @functools.cache
 def _ggml() -> ctypes.CDLL:
-    """The wheel's ggml, its symbols kept to itself: kvtier's own ggml (libggml-python's) is another library."""
+    """The wheel's ggml (the same build its llama.cpp links, loaded again), its symbols kept to itself: kvtier's own
+    ggml (libggml-python's) is another library."""
     import ik_llama_cpp
     path = os.path.join(os.path.dirname(ik_llama_cpp.__file__), "lib", "libggml.so")
     g = ctypes.CDLL(path, mode=os.RTLD_LOCAL | os.RTLD_NOW | os.RTLD_DEEPBIND)
@@ -171,11 +175,34 @@ def _ggml() -> ctypes.CDLL:
             ("ggml_new_tensor_2d", p, [p, ctypes.c_int, i64, i64]), ("ggml_get_data", p, [p]),
             ("ggml_quantize_chunk", ctypes.c_size_t, [ctypes.c_int, p, p, i64, i64, i64, p]),
             ("ggml_mul_mat", p, [p, p, p]), ("ggml_new_graph", p, [p]), ("ggml_build_forward_expand", None, [p, p]),
-            # a threadpool argument where the fork takes one (none: its own threads), ignored where it does not
-            ("ggml_graph_plan", _Plan, [p, ctypes.c_int, p]), ("ggml_graph_compute", ctypes.c_int, [p, p])]:
+            ("ggml_graph_plan", _Plan, [p, ctypes.c_int]), ("ggml_graph_compute", ctypes.c_int, [p, p])]:
         f = getattr(g, name)
         f.restype, f.argtypes = restype, argtypes
     return g
+
+
+class _Context:
+    """A context of the wheel's ggml with `size` bytes of its own memory, freed with this object (what the products'
+    calls hold: a Products dropped while its calls live keeps it)."""
+
+    def __init__(self, size: int):
+        g = self.g = _ggml()
+        self.ptr = g.ggml_init(_InitParams(size, None, False))
+        if not self.ptr:
+            raise MemoryError("ik_llama.cpp's ggml gave no context")
+        weakref.finalize(self, g.ggml_free, self.ptr)
+
+    def floats(self, tensor: int, rows: int, size: int) -> torch.Tensor:
+        """A float32 tensor's memory [rows, size], as torch's."""
+        memory = (ctypes.c_float * (rows * size)).from_address(self.g.ggml_get_data(tensor))
+        return torch.from_numpy(np.ctypeslib.as_array(memory)).view(rows, size)
+
+
+def _compute(context: _Context, graph: int, plan: _Plan, work: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One product's graph, over the work memory its plan points at (held here, with the context)."""
+    if context.g.ggml_graph_compute(graph, ctypes.byref(plan)) != 0:
+        raise RuntimeError("ik_llama.cpp's ggml failed a product")
+    return y
 
 
 class Products:
@@ -185,36 +212,27 @@ class Products:
     context's own memory, reused call after call. One context holds them all: that ggml keeps 64 contexts at most."""
 
     def __init__(self, weights: list[torch.Tensor], ggml_type: int, rows: int, threads: int):
-        g = self.g = _ggml()
+        g = _ggml()
         out_features, in_features = weights[0].shape
         self.nbytes = g.ggml_row_size(ggml_type, in_features) * out_features      # one weight's
-        size = (len(weights) * (2 * g.ggml_tensor_overhead() + g.ggml_graph_overhead() + self.nbytes
-                                + 4 * rows * out_features) + 4 * rows * in_features + g.ggml_tensor_overhead())
-        self.ctx = g.ggml_init(_InitParams(size, None, False))
-        if not self.ctx:
-            raise MemoryError("ik_llama.cpp's ggml gave no context")
-        self._free = weakref.finalize(self, g.ggml_free, self.ctx)
-        x = g.ggml_new_tensor_2d(self.ctx, 0, in_features, rows)       # GGML_TYPE_F32
-        self.x = self._viewed(x, rows, in_features)
+        objects = 1 + 3 * len(weights)      # x, and each weight's blocks, product and graph
+        size = (objects * (g.ggml_tensor_overhead() + 64)      # 64: room for ggml's alignment of each object
+                + len(weights) * (g.ggml_graph_overhead() + self.nbytes + 4 * rows * out_features)
+                + 4 * rows * in_features)
+        self._context = context = _Context(size)
+        x = g.ggml_new_tensor_2d(context.ptr, 0, in_features, rows)       # GGML_TYPE_F32
+        self.x = context.floats(x, rows, in_features)
         self.calls = []
         for weight in weights:
-            w = g.ggml_new_tensor_2d(self.ctx, ggml_type, in_features, out_features)
+            w = g.ggml_new_tensor_2d(context.ptr, ggml_type, in_features, out_features)
             source = weight.float().contiguous()
             g.ggml_quantize_chunk(ggml_type, source.data_ptr(), g.ggml_get_data(w), 0, out_features, in_features,
                                   None)
-            y = g.ggml_mul_mat(self.ctx, w, x)
-            graph = g.ggml_new_graph(self.ctx)
+            y = g.ggml_mul_mat(context.ptr, w, x)
+            graph = g.ggml_new_graph(context.ptr)
             g.ggml_build_forward_expand(graph, y)
-            plan = g.ggml_graph_plan(graph, threads, None)
+            plan = g.ggml_graph_plan(graph, threads)
             work = torch.empty(max(1, plan.work_size), dtype=torch.uint8)
             plan.work_data = work.data_ptr()
-            self.calls.append(functools.partial(self._run, graph, plan, work, self._viewed(y, rows, out_features)))
-
-    def _viewed(self, tensor: int, rows: int, size: int) -> torch.Tensor:
-        memory = (ctypes.c_float * (rows * size)).from_address(self.g.ggml_get_data(tensor))
-        return torch.from_numpy(np.ctypeslib.as_array(memory)).view(rows, size)
-
-    def _run(self, graph: int, plan: _Plan, work: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.g.ggml_graph_compute(graph, ctypes.byref(plan)) != 0:
-            raise RuntimeError("ik_llama.cpp's ggml failed a product")
-        return y
+            self.calls.append(functools.partial(_compute, context, graph, plan, work,
+                                                context.floats(y, rows, out_features)))

@@ -327,9 +327,10 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
     llama_note = ("llama.cpp is ik_llama.cpp (a fork with faster CPU kernels) through the prebuilt ik-llama-cpp-python "
                   "wheel, on the same file and threads, flash attention "
                   + ("on" if results["llama_flash"] else "off (the wheel turns it off without AVX-VNNI)")
-                  + "; its prefill runs in its own micro-batches, its decode is one batch of every sequence per "
-                  "step with greedy argmax." + results["llama_rows"] if "llama.cpp" in names else
-                  results["llama_missing"])
+                  + ("; its prefill runs in its own micro-batches, its decode is one batch of every sequence per "
+                     "step" if not results["llama_rows"] else "; its prefill and each decode step run in batches cut "
+                     "to the rows below") + ", with greedy argmax." + results["llama_rows"]
+                  if "llama.cpp" in names else results["llama_missing"])
     # a shape's numbers, and decodes over longer contexts, in sections of their own beside the bundled model's
     qualifiers = ([args.shape] if args.shape else []) + ([f"decode at {args.decode_context} tokens of context"]
                                                          if args.decode_context > DECODE_CONTEXT else [])
