@@ -41,7 +41,8 @@ QUESTIONS = ["Write a short story about a lighthouse keeper who finds a message 
 
 
 def source_files(tokenizer, num: int, lo: int = 1000, hi: int = 2000) -> list[tuple[str, str, str]]:
-    """(name, text, an identifier in it) of num of kvtier's own files, cut to lo..hi tokens, largest first."""
+    """(name, text, an identifier in it) of the first num of kvtier's own files (in path order) with at least lo
+    tokens, cut to hi: the workloads change as those files do."""
     found = []
     for path in sorted(glob.glob(SOURCES, recursive=True)):
         text = open(path).read()
