@@ -191,9 +191,9 @@ def test_in_a_float16_pool_a_chunk_attends_to_its_own_kv_as_the_next_chunk_reads
 def test_on_cpu_a_prompt_chunk_attends_in_the_dtype_the_decoder_names(cuts):
     """PrefillSeq.dtype (the runner's choice: the decoder's prompt rows' products' dtype) is the flash kernel's on
     CPU: a prompt in bfloat16's rounding of the float32 attention (not float32's own), bitwise the same whether
-    computed in one chunk or cut into several (a cold prompt, and turns after its cached first part), one-row chunks among them (the
-    kernel takes a lone row otherwise than among others), over more keys than one of the kernel's blocks and more
-    rows than one call's. Heads of 64, SmolLM2's: the kernel's lone row rounds alike at 16."""
+    computed in one chunk or cut into several (a cold prompt, and turns after its cached first part), one-row chunks
+    among them (the kernel takes a lone row otherwise than among others), over more keys than one of the kernel's
+    blocks and more rows than one call's. Heads of 64, SmolLM2's: the kernel's lone row rounds alike at 16."""
     bs, n, dim = 16, 600, 64
     assert n > attention.PROMPT_KEY_BLOCK and n > attention.PROMPT_QUERY_BLOCK
     gen = torch.Generator().manual_seed(len(cuts) + cuts[0])

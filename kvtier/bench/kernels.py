@@ -58,10 +58,10 @@ def candidates(weights: list[torch.Tensor], x: torch.Tensor, threads: int) -> di
     int8 = [(w / s[:, None]).round().to(torch.int8) for w, s in zip(weights, scales)]
     found["torch int8 (_weight_int8pack_mm)"] = (
         [lambda w=w, s=s: torch._weight_int8pack_mm(x, w, s) for w, s in zip(int8, scales)], weights[0].numel())
+    # the K-quants' blocks are 256 columns: only where the width is whole blocks
+    types = {name: t for name, t in GGML_TYPES.items() if name not in K_QUANTS or in_features % 256 == 0}
     if ggml.available():
-        for name, ggml_type in GGML_TYPES.items():
-            if name in K_QUANTS and in_features % 256:
-                continue
+        for name, ggml_type in types.items():
             for repacked in (False, True) if name in REPACKED else (False,):
                 try:
                     products = [ggml.Product(ggml.quantize(w, ggml_type, threads), ggml_type, in_features,
@@ -79,9 +79,7 @@ def candidates(weights: list[torch.Tensor], x: torch.Tensor, threads: int) -> di
                             [lambda q=q, dtype=dtype: dequantized_product(q, x, dtype) for q in blocks],
                             products[0].weight.numel())
     if llama_cpp.available():       # the llama.cpp column's own kernels, over the same types
-        for name, ggml_type in GGML_TYPES.items():
-            if name in K_QUANTS and in_features % 256:
-                continue
+        for name, ggml_type in types.items():
             products = llama_cpp.Products(weights, ggml_type, len(x), threads)
             products.x.copy_(x)
             found[f"ik_llama.cpp {name}"] = (products.calls, products.nbytes)

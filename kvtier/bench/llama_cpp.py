@@ -83,7 +83,7 @@ class LlamaCpp:
         """The last token's logits after tokens run in an empty cache, `rows` at a time."""
         self.context.kv_cache_clear()
         self._run(tokens, 0, rows)
-        return np.ctypeslib.as_array(self.api.llama_get_logits_ith(self.context.ctx, -1), shape=(self.vocab,)).copy()
+        return self._logits(-1).copy()
 
     @property
     def rows_note(self) -> str:
@@ -107,9 +107,12 @@ class LlamaCpp:
         finally:
             self.api.llama_batch_free(batch)
 
+    def _logits(self, row: int) -> np.ndarray:
+        """Row `row`'s logits of the last batch decoded (-1: its last), in llama.cpp's memory."""
+        return np.ctypeslib.as_array(self.api.llama_get_logits_ith(self.context.ctx, row), shape=(self.vocab,))
+
     def _argmax(self, row: int) -> int:
-        logits = np.ctypeslib.as_array(self.api.llama_get_logits_ith(self.context.ctx, row), shape=(self.vocab,))
-        return int(logits.argmax())
+        return int(self._logits(row).argmax())
 
     def prefill(self, prompt: list[int]) -> float:
         """Seconds to the first token of a prompt, in an empty cache."""

@@ -324,12 +324,12 @@ def render(results: dict, args: argparse.Namespace, eng: LLMEngine, command: str
                f"{transformers.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
                f"{eng.config.dtypes}, model {eng.model_name}, kvtier with {weights}, decode {decode_path}; the "
                f"process's peak RSS {peak:.1f} GiB (every engine in it)")
+    batching = ("its prefill and each decode step run in batches cut to the rows below" if results["llama_rows"] else
+                "its prefill runs in its own micro-batches, its decode is one batch of every sequence per step")
     llama_note = ("llama.cpp is ik_llama.cpp (a fork with faster CPU kernels) through the prebuilt ik-llama-cpp-python "
                   "wheel, on the same file and threads, flash attention "
                   + ("on" if results["llama_flash"] else "off (the wheel turns it off without AVX-VNNI)")
-                  + ("; its prefill runs in its own micro-batches, its decode is one batch of every sequence per "
-                     "step" if not results["llama_rows"] else "; its prefill and each decode step run in batches cut "
-                     "to the rows below") + ", with greedy argmax." + results["llama_rows"]
+                  + f"; {batching}, with greedy argmax." + results["llama_rows"]
                   if "llama.cpp" in names else results["llama_missing"])
     # a shape's numbers, and decodes over longer contexts, in sections of their own beside the bundled model's
     qualifiers = ([args.shape] if args.shape else []) + ([f"decode at {args.decode_context} tokens of context"]
