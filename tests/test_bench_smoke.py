@@ -132,6 +132,18 @@ def test_spec_bench_compares_every_method_on_the_same_turns(tiny_model_dir, tmp_
     assert "draft / off (a model drafting for itself: no target): chat" in text and "The draft model is" in text
 
 
+def test_the_spec_bench_quotes_the_same_modules_of_pythons_own_every_run(bundled_tokenizer):
+    from kvtier.bench import spec
+    (first, _), (second, _) = spec.conversations(bundled_tokenizer, "editing", 2)
+    sched = open(os.path.join(spec.STDLIB, "sched.py")).read()
+    assert sched[:500] in first[0]["content"] and "rename `self._queue` to `self._queue_renamed`" in first[0]["content"]
+    assert "reprlib.py" in second[0]["content"]
+    (quoted, _), = spec.conversations(bundled_tokenizer, "quoting", 1)
+    assert quoted[2]["content"] == open(os.path.join(spec.STDLIB, "bisect.py")).read()[:3000]
+    with pytest.raises(SystemExit, match="have 6 files each"):
+        spec.conversations(bundled_tokenizer, "quoting", 7)
+
+
 def test_the_spec_bench_rates_each_turn_over_every_conversation():
     from kvtier.bench.spec import turn_rates
     assert turn_rates({"turns": {1: [30, 1.0], 0: [10, 2.0]}}) == [5.0, 30.0]

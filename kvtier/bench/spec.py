@@ -3,8 +3,8 @@ prompt lookup (ngram) and by a draft model (the served model drafting for itself
 
 Three workloads, each a few two-turn conversations with new contexts every turn (different files, tool results and
 questions, so no turn's prompt is another's):
-- editing: repeat a 1-2K-token source file with one change (an agent rewriting a file);
-- quoting: answer by quoting a tool result the conversation holds;
+- editing: repeat a 1-2K-token module of Python's standard library with one change (an agent rewriting a file);
+- quoting: answer by quoting a tool result the conversation holds (another module's first lines);
 - chat: open questions whose answers are nowhere in the context.
 The second turn of each conversation extends the first (its answer and a follow-up), so its prompt is served from
 the prefix cache: the hit ratio must be the same with speculation on and off, and so must the greedy text. Engines
@@ -16,8 +16,10 @@ with speculation off and on run each turn alternately, in one process.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
+import platform
+import re
+import sysconfig
 import time
 
 from kvtier.bench.report import (add_device_args, add_output_args, device_settings, engine_machine, header,
@@ -32,7 +34,13 @@ SECTION = "## Speculative decoding"     # one section per weights mode (--quanti
 POOL_TOKENS = 32768    # each engine's pool: a workload's conversations, both turns, with room to spare
 EDIT_TARGET = 2.0      # decode tokens/s with ngram / without, editing workload
 CHAT_TARGET = 0.95     # the same on plain chat
-SOURCES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "**", "*.py")
+STDLIB = sysconfig.get_paths()["stdlib"]
+# the files the editing and quoting workloads quote: Python's own, so that a run quotes what every run on this Python
+# does (kvtier's files change as it does), each in Python 3.9-3.13, picked by length before any was measured: whole
+# modules of 1-2K tokens with attributes to rename, and ones of 600-1,600 tokens whose first 3,000 characters make
+# a tool result
+EDITED = ("sched.py", "reprlib.py", "netrc.py", "hmac.py", "codeop.py", "rlcompleter.py")
+QUOTED = ("bisect.py", "signal.py", "linecache.py", "genericpath.py", "getpass.py", "fnmatch.py")
 QUESTIONS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
              "Explain how a refrigerator works to a ten-year-old.",
              "What are the pros and cons of living in a big city? Answer in a few paragraphs.",
@@ -40,28 +48,27 @@ QUESTIONS = ["Write a short story about a lighthouse keeper who finds a message 
              "Why is the sky blue? Give a thorough explanation."]
 
 
-def source_files(tokenizer, num: int, lo: int = 1000, hi: int = 2000) -> list[tuple[str, str, str]]:
-    """(name, text, an identifier in it) of the first num of kvtier's own files (in path order) with at least lo
-    tokens, cut to hi: the workloads change as those files do."""
-    found = []
-    for path in sorted(glob.glob(SOURCES, recursive=True)):
-        text = open(path).read()
-        ids = tokenizer.encode(text)
-        if len(ids) >= lo:
-            text = tokenizer.decode(ids[:hi])
-            names = [w for w in text.replace("(", " ").split() if w.startswith("self.") and len(w) > 8]
-            if names:
-                found.append((os.path.basename(path), text, names[0].rstrip(":,.)")))
-    return found[:num]
+def stdlib_files(tokenizer, names: tuple[str, ...], num: int, hi: int) -> list[tuple[str, str]]:
+    """(name, text cut to hi tokens) of the first num of these modules of Python's standard library."""
+    if num > len(names):
+        raise SystemExit(f"--conversations {num}: the editing and quoting workloads have {len(names)} files each")
+    return [(name, tokenizer.decode(tokenizer.encode(open(os.path.join(STDLIB, name)).read())[:hi]))
+            for name in names[:num]]
+
+
+def attribute(text: str) -> str:
+    """The first of self's attributes in text named with four characters or more: the one the edit renames."""
+    return "self." + re.search(r"self\.(\w{4,})", text)[1]
 
 
 def conversations(tokenizer, workload: str, num: int) -> list[list[list[dict]]]:
     """Per conversation, its two turns' follow-up messages (each turn appends its answer and the next)."""
     if workload == "editing":
+        edits = [(name, text, attribute(text)) for name, text in stdlib_files(tokenizer, EDITED, num, 2000)]
         return [[[{"role": "user", "content": f"Here is {name}:\n\n```python\n{text}\n```\n\nRepeat the whole file "
                    f"exactly, but rename `{ident}` to `{ident}_renamed`."}],
                  [{"role": "user", "content": "Now repeat it again, unchanged from your version."}]]
-                for name, text, ident in source_files(tokenizer, num)]
+                for name, text, ident in edits]
     if workload == "quoting":
         return [[[{"role": "user", "content": f"Run the tests of {name}."},
                   {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -69,7 +76,7 @@ def conversations(tokenizer, workload: str, num: int) -> list[list[list[dict]]]:
                   {"role": "tool", "tool_call_id": "call_1", "content": text[:3000]},
                   {"role": "user", "content": "Quote the first function of that file verbatim."}],
                  [{"role": "user", "content": "Quote the last lines of the file verbatim."}]]
-                for name, text, _ in source_files(tokenizer, num, 600, 1200)]
+                for name, text in stdlib_files(tokenizer, QUOTED, num, 1200)]
     return [[[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
              [{"role": "user", "content": "Now say it again, but shorter."}]] for i in range(num)]
 
@@ -173,7 +180,9 @@ def main(argv: list[str] | None = None) -> None:
              f"{args.conversations} two-turn conversations per workload, greedy, up to {args.max_tokens} tokens per "
              f"turn, --num-speculative-tokens {args.num_speculative_tokens}. Decode tok/s counts the tokens after "
              "each turn's first over the time after it; the hit ratio is cached prompt tokens over prompt tokens, "
-             f"both turns.{drafter} No DFlash column: there are no DFlash drafter weights for this model here (a "
+             f"both turns. The editing and quoting workloads quote Python {platform.python_version()}'s "
+             f"{', '.join(EDITED[:args.conversations])} and {', '.join(QUOTED[:args.conversations])}.{drafter} "
+             "No DFlash column: there are no DFlash drafter weights for this model here (a "
              "random-weight drafter is tested for what it must keep, not timed). What k draft rows added to a "
              f"step (the draft model's rounds included), in decode steps' time per token, as each speculator measured "
              f"it while serving: {costs}.", "", *table(results, names), ""]
