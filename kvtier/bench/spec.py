@@ -45,13 +45,12 @@ QUESTIONS = ["Write a short story about a lighthouse keeper who finds a message 
              "Explain how a refrigerator works to a ten-year-old.",
              "What are the pros and cons of living in a big city? Answer in a few paragraphs.",
              "Describe your ideal weekend, in detail.",
-             "Why is the sky blue? Give a thorough explanation."]
+             "Why is the sky blue? Give a thorough explanation.",
+             "Compare keeping a cat with keeping a dog, point by point."]
 
 
 def stdlib_files(tokenizer, names: tuple[str, ...], num: int, hi: int) -> list[tuple[str, str]]:
     """(name, text cut to hi tokens) of the first num of these modules of Python's standard library."""
-    if num > len(names):
-        raise SystemExit(f"--conversations {num}: the editing and quoting workloads have {len(names)} files each")
     return [(name, tokenizer.decode(tokenizer.encode(open(os.path.join(STDLIB, name)).read())[:hi]))
             for name in names[:num]]
 
@@ -77,8 +76,8 @@ def conversations(tokenizer, workload: str, num: int) -> list[list[list[dict]]]:
                   {"role": "user", "content": "Quote the first function of that file verbatim."}],
                  [{"role": "user", "content": "Quote the last lines of the file verbatim."}]]
                 for name, text in stdlib_files(tokenizer, QUOTED, num, 1200)]
-    return [[[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-             [{"role": "user", "content": "Now say it again, but shorter."}]] for i in range(num)]
+    return [[[{"role": "user", "content": question}], [{"role": "user", "content": "Now say it again, but shorter."}]]
+            for question in QUESTIONS[:num]]
 
 
 def run_turn(eng: LLMEngine, request_id: str, prompt: list[int], max_tokens: int) -> dict:
@@ -218,13 +217,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_output_args(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quantize", default=None, help="the server's --quantize (default: auto)")
-    p.add_argument("--conversations", type=int, default=3, help="conversations per workload")
+    p.add_argument("--conversations", type=int, default=3,
+                   help=f"conversations per workload (at most {len(QUESTIONS)})")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per turn at most")
     p.add_argument("--num-speculative-tokens", type=int, default=Config.num_speculative_tokens)
     p.add_argument("--workloads", default="editing,quoting,chat")
     p.add_argument("--methods", default="off,ngram,draft", help="off first, then the --speculative methods to run")
     p.add_argument("--draft-model", default=None, help="the draft model (default: the model itself)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.conversations > len(QUESTIONS):     # as many as EDITED and QUOTED
+        p.error(f"--conversations {args.conversations}: each workload has {len(QUESTIONS)} conversations")
+    return args
 
 
 if __name__ == "__main__":
