@@ -134,15 +134,21 @@ def test_spec_bench_compares_every_method_on_the_same_turns(tiny_model_dir, tmp_
 
 def test_the_spec_bench_quotes_the_same_modules_of_pythons_own_every_run(bundled_tokenizer):
     from kvtier.bench import spec
-    (first, _), (second, _) = spec.conversations(bundled_tokenizer, "editing", 2)
+    edits = spec.conversations(bundled_tokenizer, "editing", len(spec.EDITED))
     sched = open(os.path.join(spec.STDLIB, "sched.py")).read()
-    assert sched[:500] in first[0]["content"] and "rename `self._queue` to `self._queue_renamed`" in first[0]["content"]
-    assert "reprlib.py" in second[0]["content"]
+    assert sched[:500] in edits[0][0][0]["content"]
+    assert "rename `self._queue` to `self._queue_renamed`" in edits[0][0][0]["content"]
+    for (first, _), name in zip(edits, spec.EDITED):      # every module has an attribute to rename, named in it
+        assert name in first[0]["content"] and "_renamed`" in first[0]["content"]
     (quoted, _), = spec.conversations(bundled_tokenizer, "quoting", 1)
     assert quoted[2]["content"] == open(os.path.join(spec.STDLIB, "bisect.py")).read()[:3000]
     assert len(spec.EDITED) == len(spec.QUOTED) == len(spec.QUESTIONS)
-    with pytest.raises(SystemExit):
-        spec.parse_args(["--conversations", "7"])
+    assert spec.parse_args(["--conversations", "6"]).conversations == 6
+    assert spec.quoted(spec.parse_args(["--workloads", "chat"])) == ""
+    assert "the editing workload edits sched.py" in spec.quoted(spec.parse_args(["--conversations", "1"]))
+    for refused in ("0", "7"):
+        with pytest.raises(SystemExit):
+            spec.parse_args(["--conversations", refused])
 
 
 def test_the_spec_bench_rates_each_turn_over_every_conversation():

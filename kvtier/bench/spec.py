@@ -38,7 +38,7 @@ STDLIB = sysconfig.get_paths()["stdlib"]
 # the files the editing and quoting workloads quote: Python's own, so that a run quotes what every run on this Python
 # does (kvtier's files change as it does), each in Python 3.9-3.13, picked by length before any was measured: whole
 # modules of 1-2K tokens with attributes to rename, and ones of 600-1,600 tokens whose first 3,000 characters make
-# a tool result
+# a tool result; one conversation per file and per question
 EDITED = ("sched.py", "reprlib.py", "netrc.py", "hmac.py", "codeop.py", "rlcompleter.py")
 QUOTED = ("bisect.py", "signal.py", "linecache.py", "genericpath.py", "getpass.py", "fnmatch.py")
 QUESTIONS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -49,21 +49,26 @@ QUESTIONS = ["Write a short story about a lighthouse keeper who finds a message 
              "Compare keeping a cat with keeping a dog, point by point."]
 
 
-def stdlib_files(tokenizer, names: tuple[str, ...], num: int, hi: int) -> list[tuple[str, str]]:
-    """(name, text cut to hi tokens) of the first num of these modules of Python's standard library."""
-    return [(name, tokenizer.decode(tokenizer.encode(open(os.path.join(STDLIB, name)).read())[:hi]))
-            for name in names[:num]]
+EDITED_TOKENS = 2000   # an edited module's tokens at most
+QUOTED_CHARS = 3000    # a quoted module's characters: its tool result
+
+
+def stdlib_text(name: str) -> str:
+    with open(os.path.join(STDLIB, name)) as f:
+        return f.read()
 
 
 def attribute(text: str) -> str:
-    """The first of self's attributes in text named with four characters or more: the one the edit renames."""
-    return "self." + re.search(r"self\.(\w{4,})", text)[1]
+    """The first of self's attributes (methods included) in text named with four characters or more: the one the
+    edit renames."""
+    return "self." + re.search(r"\bself\.(\w{4,})", text)[1]
 
 
 def conversations(tokenizer, workload: str, num: int) -> list[list[list[dict]]]:
     """Per conversation, its two turns' follow-up messages (each turn appends its answer and the next)."""
     if workload == "editing":
-        edits = [(name, text, attribute(text)) for name, text in stdlib_files(tokenizer, EDITED, num, 2000)]
+        texts = [(name, tokenizer.decode(tokenizer.encode(stdlib_text(name))[:EDITED_TOKENS])) for name in EDITED[:num]]
+        edits = [(name, text, attribute(text)) for name, text in texts]
         return [[[{"role": "user", "content": f"Here is {name}:\n\n```python\n{text}\n```\n\nRepeat the whole file "
                    f"exactly, but rename `{ident}` to `{ident}_renamed`."}],
                  [{"role": "user", "content": "Now repeat it again, unchanged from your version."}]]
@@ -72,12 +77,20 @@ def conversations(tokenizer, workload: str, num: int) -> list[list[list[dict]]]:
         return [[[{"role": "user", "content": f"Run the tests of {name}."},
                   {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
                       "name": "read_file", "arguments": f'{{"path": "{name}"}}'}}]},
-                  {"role": "tool", "tool_call_id": "call_1", "content": text[:3000]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": stdlib_text(name)[:QUOTED_CHARS]},
                   {"role": "user", "content": "Quote the first function of that file verbatim."}],
                  [{"role": "user", "content": "Quote the last lines of the file verbatim."}]]
-                for name, text in stdlib_files(tokenizer, QUOTED, num, 1200)]
+                for name in QUOTED[:num]]
     return [[[{"role": "user", "content": question}], [{"role": "user", "content": "Now say it again, but shorter."}]]
             for question in QUESTIONS[:num]]
+
+
+def quoted(args: argparse.Namespace) -> str:
+    """The sentence that names the modules the run's workloads quote (none for plain chat)."""
+    n, workloads = args.conversations, args.workloads.split(",")
+    parts = [f"the {w} workload {verb} {', '.join(names[:n])}" for w, verb, names in
+             (("editing", "edits", EDITED), ("quoting", "quotes", QUOTED)) if w in workloads]
+    return f" From Python {platform.python_version()}'s library, {' and '.join(parts)}." if parts else ""
 
 
 def run_turn(eng: LLMEngine, request_id: str, prompt: list[int], max_tokens: int) -> dict:
@@ -179,12 +192,10 @@ def main(argv: list[str] | None = None) -> None:
              f"{args.conversations} two-turn conversations per workload, greedy, up to {args.max_tokens} tokens per "
              f"turn, --num-speculative-tokens {args.num_speculative_tokens}. Decode tok/s counts the tokens after "
              "each turn's first over the time after it; the hit ratio is cached prompt tokens over prompt tokens, "
-             f"both turns. The editing and quoting workloads quote Python {platform.python_version()}'s "
-             f"{', '.join(EDITED[:args.conversations])} and {', '.join(QUOTED[:args.conversations])}.{drafter} "
-             "No DFlash column: there are no DFlash drafter weights for this model here (a "
-             "random-weight drafter is tested for what it must keep, not timed). What k draft rows added to a "
-             f"step (the draft model's rounds included), in decode steps' time per token, as each speculator measured "
-             f"it while serving: {costs}.", "", *table(results, names), ""]
+             f"both turns.{quoted(args)}{drafter} No DFlash column: there are no DFlash drafter weights for this "
+             "model here (a random-weight drafter is tested for what it must keep, not timed). What k draft rows "
+             "added to a step (the draft model's rounds included), in decode steps' time per token, as each "
+             f"speculator measured it while serving: {costs}.", "", *table(results, names), ""]
     if "draft" in names:       # the issue's targets are prompt lookup's; a draft model's ratios are measured only
         lines.append("- draft / off (a model drafting for itself: no target): " + ", ".join(
             f"{w} {rate[w]['draft'] / rate[w]['off']:.2f}×" for w in rate))
@@ -225,8 +236,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--methods", default="off,ngram,draft", help="off first, then the --speculative methods to run")
     p.add_argument("--draft-model", default=None, help="the draft model (default: the model itself)")
     args = p.parse_args(argv)
-    if args.conversations > len(QUESTIONS):     # as many as EDITED and QUOTED
-        p.error(f"--conversations {args.conversations}: each workload has {len(QUESTIONS)} conversations")
+    if not 1 <= args.conversations <= len(QUESTIONS):
+        p.error(f"--conversations {args.conversations}: each workload has 1 to {len(QUESTIONS)} conversations")
+    missing = [name for name in EDITED + QUOTED if not os.path.exists(os.path.join(STDLIB, name))]
+    if missing and {"editing", "quoting"} & set(args.workloads.split(",")):
+        p.error(f"the editing and quoting workloads quote Python's own {', '.join(missing)}, not in {STDLIB}")
     return args
 
 
