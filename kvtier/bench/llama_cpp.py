@@ -17,6 +17,8 @@ import weakref
 import numpy as np
 import torch
 
+from kvtier.models.ggml import _InitParams     # struct ggml_init_params: the same in both ggml builds
+
 PROBE_TOKENS = 128      # a prompt run a row at a time and in batches, to find the batches that compute the same
 AGREE = 0.05            # their last logits' largest difference over the largest logit, at most
 
@@ -153,10 +155,6 @@ class LlamaCpp:
                 self._decode(nexts[a:a + most], [length + step] * len(group), group, [True] * len(group))
                 nexts[a:a + most] = [self._argmax(i) for i in range(len(group))]
         return len(prompts) * (num_tokens - 1) / (time.perf_counter() - start)
-
-
-class _InitParams(ctypes.Structure):      # struct ggml_init_params
-    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
 
 
 class _Plan(ctypes.Structure):      # struct ggml_cplan, as the wheel's ggml lays it out
