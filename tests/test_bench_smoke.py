@@ -151,6 +151,19 @@ def test_the_spec_bench_quotes_the_same_modules_of_pythons_own_every_run(bundled
             spec.parse_args(["--conversations", refused])
 
 
+def test_the_spec_bench_refuses_workloads_and_methods_it_does_not_have(capsys):
+    """A misspelt workload would have run plain chat under its name, and methods without off had nothing to be
+    measured against."""
+    from kvtier.bench import spec
+    args = spec.parse_args(["--workloads", "quoting,chat", "--methods", "off,ngram"])
+    assert (args.workloads, args.methods) == (["quoting", "chat"], ["off", "ngram"])
+    for refused, named in ((["--workloads", "edit"], "edit"), (["--workloads", ""], "none given"),
+                           (["--methods", "ngram"], "off first"), (["--methods", "off,dflash"], "off first")):
+        with pytest.raises(SystemExit):
+            spec.parse_args(refused)
+        assert named in capsys.readouterr().err
+
+
 def test_the_spec_bench_rates_each_turn_over_every_conversation():
     from kvtier.bench.spec import turn_rates
     assert turn_rates({"turns": {1: [30, 1.0], 0: [10, 2.0]}}) == [5.0, 30.0]

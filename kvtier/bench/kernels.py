@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvtier.bench import llama_cpp
-from kvtier.bench.report import add_output_args, cpu_model, header, int_list, parse_command, publish
+from kvtier.bench.report import add_output_args, cpu_model, header, int_list, name_list, parse_command, publish
 from kvtier.models import ggml, triton_int4pack
 from kvtier.models.choice import timed
 from kvtier.models.int4pack import TINYGEMM, Int4PackWeight, int4packed
@@ -197,8 +197,7 @@ def render(rows: list[dict], args: argparse.Namespace, command: str) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtier bench kernels", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", type=lambda s: s.split(","), default=["576x1536", "1536x576", "4096x4096",
-                                                                      "4096x14336"],
+    p.add_argument("--shapes", type=name_list, default=["576x1536", "1536x576", "4096x4096", "4096x14336"],
                    help="weights as in_features x out_features")
     p.add_argument("--rows", type=int_list, default=[1, 8], help="input rows (1: a decode at batch 1)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads for torch and ggml")

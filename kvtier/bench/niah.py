@@ -34,6 +34,7 @@ from kvtier.bench.report import (
     device_settings,
     header,
     int_list,
+    name_list,
     parse_command,
     publish,
     verdict,
@@ -509,7 +510,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0],
                    help="needle depths, fractions of the filler, comma-separated")
     p.add_argument("--trials", type=int, default=2, help="cases per length and depth, each with its own key")
-    p.add_argument("--policies", type=lambda s: s.split(","), default=list(KV_POLICIES),
+    p.add_argument("--policies", type=name_list, default=list(KV_POLICIES),
                    help=f"residency policies, comma-separated (default: {','.join(KV_POLICIES)})")
     p.add_argument("--budgets", type=float_list, default=[0.25, 0.125, 0.0625],
                    help="resident-token budgets as fractions of the context length, comma-separated")

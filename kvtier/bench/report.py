@@ -73,6 +73,10 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def name_list(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
 def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="docs/BENCHMARKS.md")
     parser.add_argument("--no-write", action="store_true", help="only print the table")

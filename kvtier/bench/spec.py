@@ -23,7 +23,7 @@ import sysconfig
 import time
 
 from kvtier.bench.report import (add_device_args, add_output_args, device_settings, engine_machine, header,
-                                 parse_command, publish, verdict)
+                                 name_list, parse_command, publish, verdict)
 from kvtier.bench.shapes import add_model_args, resolve_model
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
@@ -32,6 +32,8 @@ from kvtier.models.loader import resolve_model_path
 
 SECTION = "## Speculative decoding"     # one section per weights mode (--quantize)
 POOL_TOKENS = 32768    # each engine's pool: a workload's conversations, both turns, with room to spare
+WORKLOADS = ("editing", "quoting", "chat")
+METHODS = ("ngram", "draft")    # --speculative's, timed against off (DFlash has no drafter weights here)
 EDIT_TARGET = 2.0      # decode tokens/s with ngram / without, editing workload
 CHAT_TARGET = 0.95     # the same on plain chat
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -87,9 +89,9 @@ def conversations(tokenizer, workload: str, num: int) -> list[list[list[dict]]]:
 
 def quoted(args: argparse.Namespace) -> str:
     """The sentence that names the modules the run's workloads quote (none for plain chat)."""
-    n, workloads = args.conversations, args.workloads.split(",")
+    n = args.conversations
     parts = [f"the {w} workload {verb} {', '.join(names[:n])}" for w, verb, names in
-             (("editing", "edits", EDITED), ("quoting", "quotes", QUOTED)) if w in workloads]
+             (("editing", "edits", EDITED), ("quoting", "quotes", QUOTED)) if w in args.workloads]
     return f" From Python {platform.python_version()}'s library, {' and '.join(parts)}." if parts else ""
 
 
@@ -179,8 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     draft = {"draft_model": args.draft_model or resolve_model_path(args.model)}
     engines = {name: LLMEngine(Config(**settings, **(draft if name == "draft" else {}),
                                       speculative=None if name == "off" else name))
-               for name in args.methods.split(",")}
-    results = {w: measure(engines, w, args) for w in args.workloads.split(",")}
+               for name in args.methods}
+    results = {w: measure(engines, w, args) for w in args.workloads}
     names = list(engines)
     rate = {w: {n: t["decoded"] / t["seconds"] for n, t in totals.items()} for w, totals in results.items()}
     weights = engines["off"].weights_mode
@@ -232,14 +234,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"conversations per workload (at most {len(QUESTIONS)})")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per turn at most")
     p.add_argument("--num-speculative-tokens", type=int, default=Config.num_speculative_tokens)
-    p.add_argument("--workloads", default="editing,quoting,chat")
-    p.add_argument("--methods", default="off,ngram,draft", help="off first, then the --speculative methods to run")
+    p.add_argument("--workloads", type=name_list, default=list(WORKLOADS), help=f"of {','.join(WORKLOADS)}")
+    p.add_argument("--methods", type=name_list, default=["off", *METHODS],
+                   help=f"off first, then the --speculative methods to run, of {','.join(METHODS)}")
     p.add_argument("--draft-model", default=None, help="the draft model (default: the model itself)")
     args = p.parse_args(argv)
     if not 1 <= args.conversations <= len(QUESTIONS):
         p.error(f"--conversations {args.conversations}: each workload has 1 to {len(QUESTIONS)} conversations")
+    unknown = set(args.workloads) - set(WORKLOADS)
+    if unknown or not args.workloads:
+        p.error(f"--workloads: {', '.join(sorted(unknown)) or 'none given'}; the workloads are {', '.join(WORKLOADS)}")
+    if args.methods[:1] != ["off"] or not set(args.methods[1:]) <= set(METHODS):
+        p.error(f"--methods {','.join(args.methods)}: off first (what each method is measured against), then any "
+                f"of {', '.join(METHODS)}")
     missing = [name for name in EDITED + QUOTED if not os.path.exists(os.path.join(STDLIB, name))]
-    if missing and {"editing", "quoting"} & set(args.workloads.split(",")):
+    if missing and {"editing", "quoting"} & set(args.workloads):
         p.error(f"the editing and quoting workloads quote Python's own {', '.join(missing)}, not in {STDLIB}")
     return args
 
