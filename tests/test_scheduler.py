@@ -172,3 +172,13 @@ def test_finish_and_find():
     assert b.is_finished and b.finish_reason == "abort" and sched.find("r1") is None
     sched.finish(a, "stop")
     assert not sched.has_unfinished() and pool.num_free_blocks == 8
+
+
+def test_a_run_of_empty_blocks_is_allocated_whole_or_not_at_all():
+    pool = make_pool(10)
+    blocks = pool.allocate(10)
+    pool.seal(blocks[4], b"cached")
+    pool.free(blocks)                       # empty: 0-3 and 5-9
+    assert pool.allocate_run(6) is None and pool.allocate_run(5) == [5, 6, 7, 8, 9]
+    assert pool.continues(2) and not pool.continues(3) and not pool.continues(9)
+    assert pool.allocate_run(4, wants=4) == [0, 1, 2, 3] and pool.match_prefix([b"cached"]) == [4]

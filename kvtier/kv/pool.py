@@ -183,23 +183,52 @@ class KVPool:
         blocks = []
         for _ in range(num_blocks):
             block = self._next_block(blocks[-1] if blocks else after, max(wants, num_blocks) - len(blocks))
-            del self._free[block]
-            self._empty[block] = False
-            self._forget(block)
-            self.ref_counts[block] = 1
+            self._take(block)
             blocks.append(block)
         return blocks
 
+    def allocate_run(self, num_blocks: int, wants: int = 0) -> list[int] | None:
+        """num_blocks consecutive empty blocks (allocating them evicts nothing), placed as `allocate` places a new
+        run, or None where no run of empty blocks is that long."""
+        start, length = self._longest_empty_run()
+        if length < num_blocks:
+            return None
+        first = self._placed_in(start, length, max(wants, num_blocks))
+        blocks = list(range(first, first + num_blocks))
+        for block in blocks:
+            self._take(block)
+        return blocks
+
+    def continues(self, block: int) -> bool:
+        """Whether the block after `block` is empty: a run ending there can grow in place."""
+        return block + 1 < self.num_blocks and bool(self._empty[block + 1])
+
+    def _take(self, block: int) -> None:
+        del self._free[block]
+        self._empty[block] = False
+        self._forget(block)
+        self.ref_counts[block] = 1
+
     def _next_block(self, after: int | None, wants: int) -> int:
-        if after is not None and after + 1 < self.num_blocks and self._empty[after + 1]:
+        if after is not None and self.continues(after):
             return after + 1
         if not self._empty.any():
             return next(iter(self._free))
+        return self._placed_in(*self._longest_empty_run(), wants)
+
+    def _longest_empty_run(self) -> tuple[int, int]:
+        """(first block, length) of the longest run of empty blocks; length 0 where none is empty."""
         edges = np.diff(self._empty.astype(np.int8), prepend=0, append=0)     # +1 where a run starts, -1 past its end
         starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        if not len(starts):
+            return 0, 0
         longest = int(np.argmax(ends - starts))
-        # the wanted blocks centred in the run; from its start where they do not fit
-        return int(starts[longest]) + max(0, int(ends[longest] - starts[longest]) - wants + 1) // 2
+        return int(starts[longest]), int(ends[longest] - starts[longest])
+
+    @staticmethod
+    def _placed_in(start: int, length: int, wants: int) -> int:
+        """Where `wants` blocks go in an empty run: centred; from its start where they do not fit."""
+        return start + max(0, length - wants + 1) // 2
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block. Tail blocks are queued for eviction before head
@@ -304,8 +333,20 @@ class KVPool:
         return (slice(i, i + step) for i in range(0, count, step))
 
     def copy_block(self, src: int, dst: int) -> None:
-        for to, part in zip(self.block_kv(dst), self.block_kv(src)):
-            to.copy_(part)
+        self.copy_blocks([src], dst)
+
+    def copy_blocks(self, sources: list[int], first: int) -> None:
+        """The blocks `sources` copied, in order, into the consecutive blocks from `first`, a run of consecutive
+        sources at a time (two copies a run: its K and its V slots)."""
+        bs, at = self.block_size, 0
+        while at < len(sources):
+            end = at + 1
+            while end < len(sources) and sources[end] == sources[end - 1] + 1:
+                end += 1
+            src, dst = sources[at] * bs, (first + at) * bs
+            for cache in self.caches:
+                cache[:, dst:dst + (end - at) * bs].copy_(cache[:, src:src + (end - at) * bs])
+            at = end
 
     def _blocked(self) -> torch.Tensor:
         """The cache viewed as [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
