@@ -174,6 +174,48 @@ def test_finish_and_find():
     assert not sched.has_unfinished() and pool.num_free_blocks == 8
 
 
+def answered(kv: KVManager, pool: KVPool, prompt: list[int], answer: int) -> KVState:
+    """A sequence whose prompt and `answer` decoded tokens were computed (random K/V) and sealed, then finished."""
+    state = KVState("first", list(prompt), len(prompt) + answer + 8)
+    assert kv.admit(state, budget=10 ** 6) == (0, len(prompt))
+    state.token_ids += list(range(1000, 1000 + answer))
+    assert kv.reserve(state, len(state.token_ids))
+    for cache in pool.caches:
+        cache.normal_()
+    kv.commit(state, len(state.token_ids), None, prompt_done=True, decoded=True)
+    kv.finish(state)
+    return state
+
+
+@pytest.mark.parametrize("pool_blocks", [64, 30])
+def test_a_prefix_hit_that_would_scatter_a_ggml_context_is_copied_into_one_run(pool_blocks):
+    """A prompt sent again finds its cached blocks followed by its first answer's: its own blocks would lie apart,
+    which ggml's decode steps (over a pool keeping V transposed) gather every step. With room in the pool its
+    cached blocks are copied into one run with the rest of its blocks, bitwise, the originals staying cached for
+    the next; with no room (under half the pool's blocks empty after the copy) it takes the cached blocks."""
+    pool = KVPool(num_layers=2, num_kv_heads=1, head_dim=2, block_size=BS, num_tokens=pool_blocks * BS,
+                  dtype=torch.float32, device=torch.device("cpu"), values_transposed=True)
+    kv = KVManager(pool, TierStack([]))
+    prompt = list(range(10 * BS + 1))        # 10 full blocks before its last token
+    first = answered(kv, pool, prompt, answer=3 * BS)
+    cached = [pool.cached[key] for key in first.block_keys[:10]]
+    again = KVState("again", list(prompt), len(prompt) + 64)
+    assert kv.admit(again, budget=10 ** 6) == (10 * BS, 1)
+    roomy = pool_blocks == 64
+    assert runs_of(again.block_table) == (1 if roomy else 2)
+    assert (again.block_table[:10] == cached) is not roomy
+    for block, original in zip(again.block_table[:10], cached):
+        assert torch.equal(pool.read_block(block), pool.read_block(original))
+    assert pool.match_prefix(first.block_keys[:10]) == cached       # still cached, for the next prompt
+    on_device = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, num_tokens=64 * BS,
+                       dtype=torch.float32, device=torch.device("cpu"))     # a pool no ggml step reads
+    kv = KVManager(on_device, TierStack([]))
+    first = answered(kv, on_device, prompt, answer=3 * BS)
+    again = KVState("again", list(prompt), len(prompt) + 64)
+    kv.admit(again, budget=10 ** 6)
+    assert again.block_table[:10] == [on_device.cached[key] for key in first.block_keys[:10]]
+
+
 def test_a_run_of_empty_blocks_is_allocated_whole_or_not_at_all():
     pool = make_pool(10)
     blocks = pool.allocate(10)
