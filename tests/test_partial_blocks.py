@@ -48,6 +48,24 @@ def test_next_turn_computes_only_its_new_tokens(tiny_model_dir, tmp_path, cold_e
     assert warm.tokens == cold.tokens and max_logit_diff(cold, warm) < 1e-4
 
 
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_prompt_sent_again_after_its_answer_filled_its_last_block_computes_only_its_last_token(
+        tiny_model_dir, tmp_path, cold_engine, tier):
+    """A retry, a regenerated answer, a branch inside the prompt's last block: that block was sealed whole once the
+    answer filled it, and is found by the tokens the prompt ends with, from the device or any tier, after a
+    restart too."""
+    eng = make_engine(tiny_model_dir, tmp_path, **TIERS[tier])
+    first = prompt(150, salt=6)
+    run(eng, first, max_tokens=40)       # 189 tokens: the prompt ends in the 10th block, the 11th filled too
+    if tier == "disk":
+        eng.shutdown()
+        eng = make_engine(tiny_model_dir, tmp_path, **TIERS[tier])
+    for again, shared in ((first, 149), (first[:147] + prompt(10, salt=9), 147)):
+        warm, cold = run(eng, again), run(cold_engine, again)
+        assert warm.cached == shared and cold.cached == 0
+        assert warm.tokens == cold.tokens and max_logit_diff(cold, warm) < 1e-4
+
+
 def test_a_prompt_diverging_inside_the_partial_block_reuses_what_it_shares(tiny_model_dir, tmp_path, cold_engine):
     eng = make_engine(tiny_model_dir, tmp_path, **TIERS["device"])
     first = prompt(150)

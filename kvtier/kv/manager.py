@@ -35,6 +35,9 @@ from kvtier.kv.tiers.stack import TierStack
 
 log = logging.getLogger("kvtier.kv.manager")
 
+# decode tokens a sequence may take for its scattered prefix hit to be copied into one run (`_run_for`): the copy took
+# about three of the gathered steps it saves (25 ms against 8.5 ms more a step, 6K tokens of the bundled model)
+RUN_COPY_DECODES = 16
 LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -214,17 +217,19 @@ class KVManager:
         """A device prefix hit that would leave the sequence's blocks apart (they are, or the block after them is
         taken: a prompt sent again, a branch, requests sharing a system prompt), copied with the first chunk's blocks
         into one run of empty blocks, where ggml's decode steps read a context in place: they gather one whose blocks
-        lie apart every step, 1.25-1.4x its time at 300-7,700 tokens. Only where the sequence decodes past its first
-        token (the copy costs about one gather) and half the pool's empty blocks, or more, stay empty, so that the
-        copies (the sequence's own, never published: the cached blocks keep their keys) crowd out nothing; else None.
-        The blocks as copied hold the same bits, so the context computes as it would where it was cached."""
+        lie apart every step, 1.25-1.4x its time at 300-7,700 tokens. Only where the sequence may decode
+        RUN_COPY_DECODES tokens or more and half the pool's empty blocks, or more, stay empty, so that the copies
+        (the sequence's own, never published: the cached blocks keep their keys) crowd out nothing; else None. The
+        blocks as copied hold the same bits, so the context computes as it would where it was cached."""
         # a transposed pool serves ggml's decode steps (engine/assembly.py), the only reader that gathers
         if not (self.pool.values_transposed and cached) or state.residency or \
-                state.max_tokens - len(state.token_ids) < 2:
-            return None
-        if cached == list(range(cached[0], cached[0] + len(cached))) and (not need or self.pool.continues(cached[-1])):
+                state.max_tokens - len(state.token_ids) < RUN_COPY_DECODES:
             return None
         size = len(cached) + need
+        grows = self.pool.blocks_for(state.max_tokens) > size
+        if cached == list(range(cached[0], cached[0] + len(cached))) and not (grows and
+                                                                             not self.pool.continues(cached[-1])):
+            return None
         wants = max(size, self._wants(state, []))
         if 2 * size > self.pool.num_empty_blocks:
             return None
@@ -292,12 +297,17 @@ class KVManager:
             self._page_out(state, out)
             moved = self._page_in(state, wanted) or bool(out)
         first = len(state.block_keys)
+        # the block the prompt's last token lies in (after its full blocks before it, `prompt_keys`)
+        prompt_end = None if state.residency or state.prompt_keys is None else len(state.prompt_keys)
         for i in range(first, num_computed // self.block_size):
             ns = self.pager.namespace_for(state, i) if state.residency else self.pool.namespace
             parent = state.block_keys[-1] if state.block_keys else state.root_key
-            key = block_key(parent, state.token_ids[i * self.block_size:(i + 1) * self.block_size], ns)
+            tokens = state.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            key = block_key(parent, tokens, ns)
             self.pool.seal(state.block_table[i], key)
             state.block_keys.append(key)
+            if i == prompt_end:     # a prompt sent again or branching inside it takes the tokens it shares
+                self._remember(parent, tokens, key)
         if state.residency:
             self.pager.sealed(state)
         if len(state.block_keys) > first:
