@@ -224,7 +224,10 @@ def test_turns_bench_times_each_kind_of_turn(tmp_path):
     tokens as the prefix cache should hold them."""
     from kvtier.bench import turns
     out = tmp_path / "BENCHMARKS.md"
-    turns.main(["--context", "64", "--cold", "32", "--new", "4", "--repeats", "1", "--output", str(out)])
+    turns.main(["--context", "64", "--cold", "32", "--new", "4", "--answer", "80", "--repeats", "1",
+                "--output", str(out)])
     text = out.read_text()
     assert "| turn (time to first token, ms) | kvtier | kvtier float32 |" in text
-    assert "| 0 / 32 |" in text and "| 63 / 64 |" in text and "| 64 / 68 |" in text
+    assert "| 0 / 32 |" in text and "| 64 / 68 |" in text
+    # sent again, and again after an answer that filled the prompt's block and the next
+    assert text.count("| 63 / 64 |") == 2 and "| the same after a 80-token answer (a regenerated answer) |" in text

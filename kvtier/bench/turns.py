@@ -2,13 +2,14 @@
 file's blocks beside kvtier on the same weights dequantized to float32 and llama.cpp on the same file, in one
 process, alternating.
 
-Turns, each of fresh random tokens: a cold prompt; a prompt sent again whole (a retry, a regenerated answer: all
-cached but the last token, which gives fresh logits); a short turn of a few new tokens after a cached prefix (a
-tool's result, a user's reply). kvtier runs with its device prefix cache, no tiers; llama.cpp keeps the prefix in
+Turns, each of fresh random tokens: a cold prompt; a prompt sent again whole (a retry: all cached but the last token,
+which gives fresh logits); the same after an answer of --answer tokens (a regenerated answer: the prompt's last block
+now holds the answer's first tokens too); a short turn of a few new tokens after a cached prefix (a tool's result, a
+user's reply). kvtier runs with its device prefix cache, no tiers; llama.cpp keeps the prefix in
 its cache and computes what follows, as its server does with a cached prompt (the whole prompt again: its last
 token).
 
-    python -m kvtier.bench.turns [--context 1024] [--cold 512] [--new 16,64] [--repeats 5] [--no-write]
+    python -m kvtier.bench.turns [--context 1024] [--cold 512] [--new 16,64] [--answer 128] [--repeats 5] [--no-write]
 """
 from __future__ import annotations
 
@@ -20,26 +21,33 @@ import torch
 from kvtier.bench import llama_cpp
 from kvtier.bench.report import add_output_args, engine_machine, header, int_list, parse_command, publish
 from kvtier.bench.shapes import add_model_args, resolve_model
-from kvtier.bench.throughput import first_token, random_prompts
+from kvtier.bench.throughput import first_token, kvtier_decode, random_prompts
 from kvtier.config import Config
 from kvtier.engine.engine import LLMEngine
 from kvtier.models.loader import resolve_model_path
 
 
-def kvtier_turns(eng: LLMEngine, cold: list[int], base: list[int], news: dict[int, list[int]], tag: str) -> dict:
-    """Per turn: (seconds, cached tokens)."""
+def kvtier_turns(eng: LLMEngine, cold: list[int], base: list[int], news: dict[int, list[int]], tag: str,
+                 answer: int) -> dict:
+    """Per turn: (seconds, cached tokens); the regenerated answer after one of `answer` tokens."""
     found = {"cold": first_token(eng, cold, f"{tag}-cold")}
     first_token(eng, base, f"{tag}-base")                     # the prefix, now cached
     found["again"] = first_token(eng, base, f"{tag}-again")
     for n, new in news.items():
         found[n] = first_token(eng, base + new, f"{tag}-new{n}")
+    kvtier_decode(eng, [base], answer, f"{tag}-answer")
+    found["regenerated"] = first_token(eng, base, f"{tag}-regenerated")
     return found
 
 
 def llama_turns(llama: llama_cpp.LlamaCpp, cold: list[int], base: list[int], news: dict[int, list[int]]) -> dict:
-    found = {"cold": (llama.prefill(cold), 0), "again": (llama.turn(base[:-1], base[-1:]), len(base) - 1)}
+    """As kvtier's; a regenerated answer too computes the prompt's last token after the rest of it, held in the
+    cache (the server drops the answer's tokens from it)."""
+    again = llama.turn(base[:-1], base[-1:])
+    found = {"cold": (llama.prefill(cold), 0), "again": (again, len(base) - 1)}
     for n, new in news.items():
         found[n] = (llama.turn(base, new), len(base))
+    found["regenerated"] = (llama.turn(base[:-1], base[-1:]), len(base) - 1)
     return found
 
 
@@ -64,6 +72,7 @@ def render(runs: dict, args: argparse.Namespace, eng: LLMEngine, command: str, l
     names = list(runs)
     turns = {"cold": f"cold prompt of {args.cold} tokens",
              "again": f"a {args.context}-token prompt sent again (cached but its last token)",
+             "regenerated": f"the same after a {args.answer}-token answer (a regenerated answer)",
              **{n: f"{n} new tokens after a cached {args.context}-token prefix" for n in args.new}}
     ms = {name: {turn: statistics.median(s for s, _ in runs[name][turn]) * 1e3 for turn in turns} for name in names}
     lines = header("## Agent turns on quantized weights (kvtier vs kvtier float32 vs llama.cpp)",
@@ -73,7 +82,7 @@ def render(runs: dict, args: argparse.Namespace, eng: LLMEngine, command: str, l
               "| --- |" + " ---: |" * (2 * len(names))]
     for turn, what in turns.items():
         cached = sorted({c for _, c in runs["kvtier"][turn]})
-        prompt = args.cold if turn == "cold" else args.context + (0 if turn == "again" else turn)
+        prompt = args.cold if turn == "cold" else args.context + (0 if turn in ("again", "regenerated") else turn)
         # a ratio above 1: kvtier's turn came that many times sooner
         ratios = [f"{ms[name][turn] / ms['kvtier'][turn]:.2f}×" for name in names[1:]]
         lines.append(f"| {what} | " + " | ".join(f"{ms[name][turn]:.1f}" for name in names) +
@@ -92,6 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024, help="the cached prefix's tokens")
     p.add_argument("--cold", type=int, default=512, help="the cold prompt's tokens")
     p.add_argument("--new", type=int_list, default=[16, 64], help="new tokens after the prefix, comma-separated")
+    p.add_argument("--answer", type=int, default=128, help="the answer's tokens before the regenerated one")
     p.add_argument("--repeats", type=int, default=5)
     add_output_args(p)
     return p.parse_args(argv)
@@ -102,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     args.device, args.dtype = "cpu", "float32"
     torch.set_num_threads(args.threads)
     resolve_model(args)
-    need = 2 * (args.context + max(args.new) + args.cold) + 64
+    need = 2 * (args.context + max(args.new + [args.answer]) + args.cold) + 64
 
     def engine(quantize: str) -> LLMEngine:
         return LLMEngine(Config(model=args.model, device="cpu", num_threads=args.threads, kv_pool_tokens=need,
@@ -110,10 +120,10 @@ def main(argv: list[str] | None = None) -> None:
 
     eng = engine("auto")
     vocab = eng.model.config.vocab_size
-    players = {"kvtier": (lambda *a, e=eng: kvtier_turns(e, *a), vocab)}
+    players = {"kvtier": (lambda *a, e=eng: kvtier_turns(e, *a, answer=args.answer), vocab)}
     if eng.model.quantized:
         float_eng = engine("none")
-        players["kvtier float32"] = (lambda *a, e=float_eng: kvtier_turns(e, *a), vocab)
+        players["kvtier float32"] = (lambda *a, e=float_eng: kvtier_turns(e, *a, answer=args.answer), vocab)
     path = resolve_model_path(args.model)
     llama_note = "llama.cpp: not measured here, ik-llama-cpp-python is not installed."
     if not path.endswith(".gguf"):
