@@ -158,7 +158,8 @@ def test_the_spec_bench_refuses_workloads_and_methods_it_does_not_have(capsys):
     args = spec.parse_args(["--workloads", "quoting,chat", "--methods", "off,ngram"])
     assert (args.workloads, args.methods) == (["quoting", "chat"], ["off", "ngram"])
     for refused, named in ((["--workloads", "edit"], "edit"), (["--workloads", ""], "none given"),
-                           (["--methods", "ngram"], "off first"), (["--methods", "off,dflash"], "off first")):
+                           (["--methods", "ngram"], "off first"), (["--methods", "off,dflash"], "off first"),
+                           (["--methods", "off"], "one or more"), (["--methods", "off,ngram,ngram"], "one or more")):
         with pytest.raises(SystemExit):
             spec.parse_args(refused)
         assert named in capsys.readouterr().err
@@ -229,5 +230,6 @@ def test_turns_bench_times_each_kind_of_turn(tmp_path):
     text = out.read_text()
     assert "| turn (time to first token, ms) | kvtier | kvtier float32 |" in text
     assert "| 0 / 32 |" in text and "| 64 / 68 |" in text
-    # sent again, and again after an answer that filled the prompt's block and the next
-    assert text.count("| 63 / 64 |") == 2 and "| the same after a 80-token answer (a regenerated answer) |" in text
+    # sent again, and a new prompt sent again after an answer that filled the prompt's block and the next
+    assert text.count("| 63 / 64 |") == 2
+    assert "| a new 64-token prompt sent again after its 80-token answer (a regenerated answer) |" in text

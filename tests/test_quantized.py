@@ -1144,3 +1144,22 @@ def test_q4_0_projections_decode_interleaved_and_each_verify_row_as_alone(tmp_pa
     for j, p in enumerate(positions):
         alone = steps.run([tokens[j]], [p], [p], [table[:p // BLOCK + 1]], [p + 1], [1])
         assert torch.equal(verify[j], alone[0]), j
+
+
+def test_a_regenerated_answer_on_ggml_decode_steps_is_the_first_one_from_one_run_of_blocks():
+    """The bundled model's prompt sent again after its answer: all but its last token come from the cache (the block
+    the prompt ends in, which the answer filled, remembered by its leading tokens), its blocks are copied into one
+    run (its first answer's blocks follow the cached ones), which ggml's decode steps read in place, and its greedy
+    answer is the first one, token for token."""
+    from conftest import run_greedy
+    eng = LLMEngine(Config(model=BUNDLED_MODEL, kv_host_gib=0, kv_disk=False, num_threads=2))
+    try:
+        prompt = [(7 * i) % 40000 + 3000 for i in range(300)]
+        first = run_greedy(eng, prompt, max_tokens=100)     # past the block after the prompt's last one
+        graphs = len(eng.runner.graphs.built)
+        again = run_greedy(eng, prompt, max_tokens=100)
+        assert again.cached == len(prompt) - 1 and again.tokens == first.tokens
+        # no graph for a gathered context was built for it
+        assert all(in_place for key in list(eng.runner.graphs.built)[graphs:] for in_place, _ in key[1])
+    finally:
+        eng.shutdown()

@@ -5,7 +5,7 @@ import torch
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.sequence import Sequence, SequenceStatus
-from kvtier.kv.manager import KVManager
+from kvtier.kv.manager import RUN_COPY_DECODES, KVManager
 from kvtier.kv.pool import KVPool, PoolExhausted
 from kvtier.kv.state import KVState
 from kvtier.kv.tiers.stack import TierStack
@@ -191,22 +191,48 @@ def answered(kv: KVManager, pool: KVPool, prompt: list[int], answer: int) -> KVS
 def test_a_prefix_hit_that_would_scatter_a_ggml_context_is_copied_into_one_run(pool_blocks):
     """A prompt sent again finds its cached blocks followed by its first answer's: its own blocks would lie apart,
     which ggml's decode steps (over a pool keeping V transposed) gather every step. With room in the pool its
-    cached blocks are copied into one run with the rest of its blocks, bitwise, the originals staying cached for
-    the next; with no room (under half the pool's blocks empty after the copy) it takes the cached blocks."""
+    cached blocks are copied into one run with the rest of its blocks, bitwise, and their keys go with them (no one
+    else holds the originals), so the next prompt finds them there; with no room (under half the pool's blocks
+    empty after the copy) it takes the cached blocks."""
     pool = KVPool(num_layers=2, num_kv_heads=1, head_dim=2, block_size=BS, num_tokens=pool_blocks * BS,
                   dtype=torch.float32, device=torch.device("cpu"), values_transposed=True)
     kv = KVManager(pool, TierStack([]))
     prompt = list(range(10 * BS + 1))        # 10 full blocks before its last token
     first = answered(kv, pool, prompt, answer=3 * BS)
     cached = [pool.cached[key] for key in first.block_keys[:10]]
+    payloads = [pool.read_block(block) for block in cached]
     again = KVState("again", list(prompt), len(prompt) + 64)
     assert kv.admit(again, budget=10 ** 6) == (10 * BS, 1)
     roomy = pool_blocks == 64
     assert runs_of(again.block_table) == (1 if roomy else 2)
     assert (again.block_table[:10] == cached) is not roomy
-    for block, original in zip(again.block_table[:10], cached):
-        assert torch.equal(pool.read_block(block), pool.read_block(original))
-    assert pool.match_prefix(first.block_keys[:10]) == cached       # still cached, for the next prompt
+    for block, payload in zip(again.block_table[:10], payloads):
+        assert torch.equal(pool.read_block(block), payload)
+    assert [pool.ref_counts[b] for b in again.block_table[:10]] == [1] * 10
+    if roomy:       # the originals given back, empty
+        assert all(pool.ref_counts[b] == 0 and pool.keys[b] is None for b in cached)
+    table = again.block_table
+    kv.finish(again)
+    assert pool.num_free_blocks == pool.num_blocks
+    assert pool.match_prefix(first.block_keys[:10]) == table[:10]     # where the next prompt finds them
+
+
+def test_a_copied_run_leaves_the_keys_of_blocks_others_hold_where_they_are():
+    """Requests sharing a system prompt: one that decodes a few tokens takes the cached blocks as they lie; one that
+    may decode more copies them into a run of its own, and the blocks the first still holds keep their keys."""
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, num_tokens=64 * BS,
+                  dtype=torch.float32, device=torch.device("cpu"), values_transposed=True)
+    kv = KVManager(pool, TierStack([]))
+    prompt = list(range(10 * BS + 1))
+    first = answered(kv, pool, prompt, answer=3 * BS)
+    cached = [pool.cached[key] for key in first.block_keys[:10]]
+    short = KVState("short", list(prompt), len(prompt) + RUN_COPY_DECODES - 1)
+    kv.admit(short, budget=10 ** 6)
+    assert short.block_table[:10] == cached
+    long = KVState("long", list(prompt), len(prompt) + 64)
+    kv.admit(long, budget=10 ** 6)
+    assert runs_of(long.block_table) == 1 and not set(long.block_table) & set(cached)
+    assert all(pool.keys[b] is not None for b in cached) and all(pool.keys[b] is None for b in long.block_table)
     on_device = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, num_tokens=64 * BS,
                        dtype=torch.float32, device=torch.device("cpu"))     # a pool no ggml step reads
     kv = KVManager(on_device, TierStack([]))
@@ -224,3 +250,7 @@ def test_a_run_of_empty_blocks_is_allocated_whole_or_not_at_all():
     assert pool.allocate_run(6) is None and pool.allocate_run(5) == [5, 6, 7, 8, 9]
     assert pool.continues(2) and not pool.continues(3) and not pool.continues(9)
     assert pool.allocate_run(4, wants=4) == [0, 1, 2, 3] and pool.match_prefix([b"cached"]) == [4]
+    pool.free([4])
+    assert pool.allocate_run(1, wants=1) is None            # no empty block left: the cached one is not taken
+    pool.move_key(4, 5)
+    assert pool.cached[b"cached"] == 5 and pool.allocate_run(1) == [4]

@@ -244,9 +244,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = set(args.workloads) - set(WORKLOADS)
     if unknown or not args.workloads:
         p.error(f"--workloads: {', '.join(sorted(unknown)) or 'none given'}; the workloads are {', '.join(WORKLOADS)}")
-    if args.methods[:1] != ["off"] or not set(args.methods[1:]) <= set(METHODS):
-        p.error(f"--methods {','.join(args.methods)}: off first (what each method is measured against), then any "
-                f"of {', '.join(METHODS)}")
+    methods = args.methods[1:]
+    if args.methods[:1] != ["off"] or not methods or not set(methods) <= set(METHODS) or \
+            len(set(methods)) < len(methods):
+        p.error(f"--methods {','.join(args.methods)}: off first (what each method is measured against), then one or "
+                f"more of {', '.join(METHODS)}")
     missing = [name for name in EDITED + QUOTED if not os.path.exists(os.path.join(STDLIB, name))]
     if missing and {"editing", "quoting"} & set(args.workloads):
         p.error(f"the editing and quoting workloads quote Python's own {', '.join(missing)}, not in {STDLIB}")

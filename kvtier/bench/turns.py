@@ -3,11 +3,11 @@ file's blocks beside kvtier on the same weights dequantized to float32 and llama
 process, alternating.
 
 Turns, each of fresh random tokens: a cold prompt; a prompt sent again whole (a retry: all cached but the last token,
-which gives fresh logits); the same after an answer of --answer tokens (a regenerated answer: the prompt's last block
-now holds the answer's first tokens too); a short turn of a few new tokens after a cached prefix (a tool's result, a
-user's reply). kvtier runs with its device prefix cache, no tiers; llama.cpp keeps the prefix in
-its cache and computes what follows, as its server does with a cached prompt (the whole prompt again: its last
-token).
+which gives fresh logits); a new prompt of the same length sent again after its answer of --answer tokens (a
+regenerated answer: the answer went on past the block after the prompt's last token); a short turn of a few new
+tokens after a cached prefix (a tool's result, a user's reply). kvtier runs with its device prefix cache, no tiers;
+llama.cpp keeps the prefix in its cache and computes what follows, as its server does with a cached prompt (the whole
+prompt again: its last token).
 
     python -m kvtier.bench.turns [--context 1024] [--cold 512] [--new 16,64] [--answer 128] [--repeats 5] [--no-write]
 """
@@ -27,27 +27,27 @@ from kvtier.engine.engine import LLMEngine
 from kvtier.models.loader import resolve_model_path
 
 
-def kvtier_turns(eng: LLMEngine, cold: list[int], base: list[int], news: dict[int, list[int]], tag: str,
-                 answer: int) -> dict:
-    """Per turn: (seconds, cached tokens); the regenerated answer after one of `answer` tokens."""
+def kvtier_turns(eng: LLMEngine, cold: list[int], base: list[int], news: dict[int, list[int]], answered: list[int],
+                 tag: str, answer: int) -> dict:
+    """Per turn: (seconds, cached tokens); `answered` regenerated after an answer of `answer` tokens."""
     found = {"cold": first_token(eng, cold, f"{tag}-cold")}
     first_token(eng, base, f"{tag}-base")                     # the prefix, now cached
     found["again"] = first_token(eng, base, f"{tag}-again")
     for n, new in news.items():
         found[n] = first_token(eng, base + new, f"{tag}-new{n}")
-    kvtier_decode(eng, [base], answer, f"{tag}-answer")
-    found["regenerated"] = first_token(eng, base, f"{tag}-regenerated")
+    kvtier_decode(eng, [answered], answer, f"{tag}-answer")
+    found["regenerated"] = first_token(eng, answered, f"{tag}-regenerated")
     return found
 
 
-def llama_turns(llama: llama_cpp.LlamaCpp, cold: list[int], base: list[int], news: dict[int, list[int]]) -> dict:
+def llama_turns(llama: llama_cpp.LlamaCpp, cold: list[int], base: list[int], news: dict[int, list[int]],
+                answered: list[int]) -> dict:
     """As kvtier's; a regenerated answer too computes the prompt's last token after the rest of it, held in the
     cache (the server drops the answer's tokens from it)."""
-    again = llama.turn(base[:-1], base[-1:])
-    found = {"cold": (llama.prefill(cold), 0), "again": (again, len(base) - 1)}
+    found = {"cold": (llama.prefill(cold), 0), "again": (llama.turn(base[:-1], base[-1:]), len(base) - 1)}
     for n, new in news.items():
         found[n] = (llama.turn(base, new), len(base))
-    found["regenerated"] = (llama.turn(base[:-1], base[-1:]), len(base) - 1)
+    found["regenerated"] = (llama.turn(answered[:-1], answered[-1:]), len(answered) - 1)
     return found
 
 
@@ -59,9 +59,10 @@ def measure(args: argparse.Namespace, players: dict) -> dict:
     for rep in range(args.repeats + 1):       # the first a warm-up
         cold, base = random_prompts(gen, 1, args.cold, vocab)[0], random_prompts(gen, 1, args.context, vocab)[0]
         news = {n: random_prompts(gen, 1, n, vocab)[0] for n in args.new}
+        answered = random_prompts(gen, 1, args.context, vocab)[0]
         names = list(players)
         for name in names[rep % len(names):] + names[:rep % len(names)]:      # who goes first, in turn
-            found = players[name][0](cold, base, news, f"{name}-{rep}")
+            found = players[name][0](cold, base, news, answered, f"{name}-{rep}")
             for turn, run in found.items():
                 if rep:
                     runs[name].setdefault(turn, []).append(run)
@@ -72,7 +73,8 @@ def render(runs: dict, args: argparse.Namespace, eng: LLMEngine, command: str, l
     names = list(runs)
     turns = {"cold": f"cold prompt of {args.cold} tokens",
              "again": f"a {args.context}-token prompt sent again (cached but its last token)",
-             "regenerated": f"the same after a {args.answer}-token answer (a regenerated answer)",
+             "regenerated": f"a new {args.context}-token prompt sent again after its {args.answer}-token answer (a "
+                            "regenerated answer)",
              **{n: f"{n} new tokens after a cached {args.context}-token prefix" for n in args.new}}
     ms = {name: {turn: statistics.median(s for s, _ in runs[name][turn]) * 1e3 for turn in turns} for name in names}
     lines = header("## Agent turns on quantized weights (kvtier vs kvtier float32 vs llama.cpp)",
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     args.device, args.dtype = "cpu", "float32"
     torch.set_num_threads(args.threads)
     resolve_model(args)
-    need = 2 * (args.context + max(args.new + [args.answer]) + args.cold) + 64
+    need = 2 * (2 * args.context + max(args.new + [args.answer]) + args.cold) + 64
 
     def engine(quantize: str) -> LLMEngine:
         return LLMEngine(Config(model=args.model, device="cpu", num_threads=args.threads, kv_pool_tokens=need,
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         llama_note = "llama.cpp: not measured (it runs GGUF files)."
     elif llama_cpp.available():
         llama = llama_cpp.LlamaCpp(path, args.threads, need, 1)
-        players["llama.cpp"] = (lambda cold, base, news, tag: llama_turns(llama, cold, base, news), vocab)
+        players["llama.cpp"] = (lambda cold, base, news, answered, tag: llama_turns(llama, cold, base, news, answered),
+                                vocab)
         llama_note = ("llama.cpp is ik_llama.cpp through the prebuilt ik-llama-cpp-python wheel, on the same file and "
                       "threads, flash attention " + ("on." if llama.flash_attention else "off (the wheel turns it off "
                                                      "without AVX-VNNI).") + llama.rows_note)

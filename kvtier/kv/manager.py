@@ -202,8 +202,9 @@ class KVManager:
             self.pool.free(cached)
             return None
         run = None if state.block_table else self._run_for(state, cached, need)
-        state.block_table = run or held + self.pool.allocate(need, after=_last_block(held),
-                                                              wants=self._wants(state, held))
+        if run is None:
+            run = held + self.pool.allocate(need, after=_last_block(held), wants=self._wants(state, held))
+        state.block_table = run
         state.block_keys = keys
         if not state.compute_first:      # one computing first takes its landed blocks up at load_from
             state.restored = 0
@@ -215,28 +216,31 @@ class KVManager:
 
     def _run_for(self, state: KVState, cached: list[int], need: int) -> list[int] | None:
         """A device prefix hit that would leave the sequence's blocks apart (they are, or the block after them is
-        taken: a prompt sent again, a branch, requests sharing a system prompt), copied with the first chunk's blocks
-        into one run of empty blocks, where ggml's decode steps read a context in place: they gather one whose blocks
-        lie apart every step, 1.25-1.4x its time at 300-7,700 tokens. Only where the sequence may decode
-        RUN_COPY_DECODES tokens or more and half the pool's empty blocks, or more, stay empty, so that the copies
-        (the sequence's own, never published: the cached blocks keep their keys) crowd out nothing; else None. The
-        blocks as copied hold the same bits, so the context computes as it would where it was cached."""
+        taken: a prompt sent again, a branch, requests sharing a system prompt): the cached blocks copied into the
+        front of one run of empty blocks, the first chunk's blocks after them, where ggml's decode steps read a
+        context in place: they gather one whose blocks lie apart every step, 1.25-1.4x its time at 300-7,700
+        tokens. Only where the sequence may decode RUN_COPY_DECODES tokens or more and half the pool's empty blocks,
+        or more, stay empty after the run; else None. A cached block no one else holds gives its key to its copy
+        (`KVPool.move_key`), so that the next turn finds the conversation in one run; one that others hold keeps
+        it, and its copy takes the pool's memory a second time while both are held. The copies hold the same bits,
+        so the context computes as it would where it was cached."""
         # a transposed pool serves ggml's decode steps (engine/assembly.py), the only reader that gathers
         if not (self.pool.values_transposed and cached) or state.residency or \
                 state.max_tokens - len(state.token_ids) < RUN_COPY_DECODES:
             return None
+        apart = cached != list(range(cached[0], cached[0] + len(cached)))
+        # the blocks after its cached ones would go elsewhere: the block after its last is taken (a first answer's)
+        blocked = self.pool.blocks_for(state.max_tokens) > len(cached) and not self.pool.continues(cached[-1])
         size = len(cached) + need
-        grows = self.pool.blocks_for(state.max_tokens) > size
-        if cached == list(range(cached[0], cached[0] + len(cached))) and not (grows and
-                                                                             not self.pool.continues(cached[-1])):
+        if not (apart or blocked) or 2 * size > self.pool.num_empty_blocks:
             return None
-        wants = max(size, self._wants(state, []))
-        if 2 * size > self.pool.num_empty_blocks:
-            return None
-        run = self.pool.allocate_run(size, wants)
+        run = self.pool.allocate_run(size, self.pool.blocks_for(state.max_tokens))
         if run is not None:
             self.pool.copy_blocks(cached, run[0])
             self.pool.free(cached)
+            for original, copy in zip(cached, run):
+                if self.pool.ref_counts[original] == 0:     # held by no one, no save in flight
+                    self.pool.move_key(original, copy)
         return run
 
     def chunk(self, state: KVState, start: int, n: int) -> int:
@@ -299,6 +303,7 @@ class KVManager:
         first = len(state.block_keys)
         # the block the prompt's last token lies in (after its full blocks before it, `prompt_keys`)
         prompt_end = None if state.residency or state.prompt_keys is None else len(state.prompt_keys)
+        ends_prompt = None
         for i in range(first, num_computed // self.block_size):
             ns = self.pager.namespace_for(state, i) if state.residency else self.pool.namespace
             parent = state.block_keys[-1] if state.block_keys else state.root_key
@@ -307,11 +312,13 @@ class KVManager:
             self.pool.seal(state.block_table[i], key)
             state.block_keys.append(key)
             if i == prompt_end:     # a prompt sent again or branching inside it takes the tokens it shares
-                self._remember(parent, tokens, key)
+                ends_prompt = parent, tokens, key
         if state.residency:
             self.pager.sealed(state)
         if len(state.block_keys) > first:
             self._save(state.block_keys[first:], state.block_table[first:len(state.block_keys)])
+        if ends_prompt:      # remembered once the block is saved (`_remember`)
+            self._remember(*ends_prompt)
         return moved
 
     def mark_bounded(self, state: KVState, position: int) -> None:
@@ -422,8 +429,7 @@ class KVManager:
         self._remember(parent, tokens, key)
 
     def _remember(self, parent: bytes | None, tokens: list[int], key: bytes) -> None:
-        self.partials.add(parent, tokens, key)
-        if self.mover:     # after the block's own save
+        if self.partials.add(parent, tokens, key) and self.mover:     # new: written after the block's own save
             self.mover.after_saves(self.partials.write, parent, tokens, key)
 
     def abort(self, state: KVState) -> bool:

@@ -35,11 +35,15 @@ class PartialBlocks:
         if directory is not None:
             self._load()
 
-    def add(self, parent: bytes | None, tokens: list[int], key: bytes) -> None:
-        self._by_parent[parent] = (list(tokens), key)
+    def add(self, parent: bytes | None, tokens: list[int], key: bytes) -> bool:
+        """Remember the block under its parent; False where it was already (nothing new to write)."""
+        entry = (list(tokens), key)
+        new = self._by_parent.get(parent) != entry
+        self._by_parent[parent] = entry
         self._by_parent.move_to_end(parent)
         while len(self._by_parent) > self.max_entries:
             self._by_parent.popitem(last=False)
+        return new
 
     def match(self, parent: bytes | None, tokens: list[int]) -> tuple[bytes, int] | None:
         """The key of the partial block after `parent` and how many leading tokens of `tokens` it holds."""

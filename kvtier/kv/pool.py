@@ -384,6 +384,14 @@ class KVPool:
             self.cached[key] = block
             self.keys[block] = key
 
+    def move_key(self, block: int, copy: int) -> None:
+        """A free block's key given to a held copy of it: the prefix cache finds the copy, and the block is empty."""
+        key = self.keys[block]
+        self._forget(block)
+        self._empty[block] = True
+        if key is not None:
+            self.seal(copy, key)
+
     def unseal(self, block: int) -> None:
         """Drop a held block's key (another block publishes it now)."""
         self._forget(block)
