@@ -254,3 +254,19 @@ def test_a_run_of_empty_blocks_is_allocated_whole_or_not_at_all():
     assert pool.allocate_run(1, wants=1) is None            # no empty block left: the cached one is not taken
     pool.move_key(4, 5)
     assert pool.cached[b"cached"] == 5 and pool.allocate_run(1) == [4]
+
+
+def test_a_partial_block_published_in_a_prompts_stead_does_not_cut_the_empty_blocks_in_two():
+    """A prompt sent again that shares a block with its first answer (its last block, remembered when the answer
+    filled it): the sequence takes that block, its copy is published instead, at the start of the longest run of
+    empty blocks, not its middle, and the sequence's own blocks still find one run."""
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, num_tokens=64 * BS,
+                  dtype=torch.float32, device=torch.device("cpu"), values_transposed=True)
+    kv = KVManager(pool, TierStack([]))
+    prompt = list(range(10 * BS + 3))        # its last token the third of its block
+    first = answered(kv, pool, prompt, answer=3 * BS)
+    again = KVState("again", list(prompt), len(prompt) + 64)
+    assert kv.admit(again, budget=10 ** 6) == (10 * BS + 2, 1)
+    assert runs_of(again.block_table) == 1
+    published = pool.cached[first.block_keys[10]]
+    assert published not in again.block_table and not pool._empty[published - 1]

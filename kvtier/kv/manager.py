@@ -150,23 +150,27 @@ class KVManager:
         bounded one, whose context is gathered anyway: sink, selected blocks, tail)."""
         return 0 if state.residency else self.pool.blocks_for(state.max_tokens) - len(held)
 
-    def _partial_on_device(self, hit: tuple[bytes, int] | None, after: int | None) -> tuple[int, int] | None:
+    def _partial_on_device(self, hit: tuple[bytes, int] | None, after: int | None,
+                           wants: int) -> tuple[int, int] | None:
         """Copy-on-write of a cached partial block continuing the prompt's full blocks (hit: the planner's
         `partial_after`; the last full block in block `after`): (a block holding it, the tokens it gives), or None.
         Where the partial block follows `after` in the pool and no one else holds it (a conversation's next turn, no
         save of it in flight), the copy is published in its stead and the sequence takes the block: its context stays
         in consecutive slots, which ggml's decode steps read in place (gathered, a 7.7K-token context cost a step
-        ~40 ms more)."""
+        ~40 ms more). The copy starts the longest run of empty blocks where it is published (in its middle it would
+        cut the run a later sequence wants in two), else it is placed as a new sequence's blocks are, for `wants`."""
         if hit is None:
             return None
         key, n = hit
         found = self.pool.match_prefix([key])      # referenced, so allocating cannot evict it
         if not found:
             return None
-        copy = self.pool.allocate(1) if self.pool.can_allocate(1) else None
+        published = after is not None and found[0] == after + 1 and self.pool.ref_counts[found[0]] == 1
+        copy = self.pool.allocate(1, wants=self.pool.num_blocks if published else wants) \
+            if self.pool.can_allocate(1) else None
         if copy:
             self.pool.copy_block(found[0], copy[0])
-        if copy and after is not None and found[0] == after + 1 and self.pool.ref_counts[found[0]] == 1:
+        if copy and published:
             found, copy = copy, found
             self.pool.unseal(copy[0])
             self.pool.seal(found[0], key)
@@ -186,7 +190,8 @@ class KVManager:
             keys, start = state.prompt_keys[:len(cached)], len(cached) * self.block_size
         # a loaded table already has a block reserved where the copy would go: its load brought any partial
         hit = None if state.block_table else self.planner.partial_after(state, keys)
-        copied = None if state.residency else self._partial_on_device(hit, _last_block(cached))
+        copied = None if state.residency else self._partial_on_device(hit, _last_block(cached),
+                                                                       self._wants(state, cached))
         if copied is not None:
             cached.append(copied[0])
             start += copied[1]
