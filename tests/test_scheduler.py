@@ -13,9 +13,10 @@ from kvtier.kv.tiers.stack import TierStack
 BS = 4
 
 
-def make_pool(num_blocks: int) -> KVPool:
-    return KVPool(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, num_tokens=num_blocks * BS,
-                  dtype=torch.float32, device=torch.device("cpu"))
+def make_pool(num_blocks: int, values_transposed: bool = False, num_layers: int = 1) -> KVPool:
+    """values_transposed: a pool as ggml's decode steps read it."""
+    return KVPool(num_layers=num_layers, num_kv_heads=1, head_dim=2, block_size=BS, num_tokens=num_blocks * BS,
+                  dtype=torch.float32, device=torch.device("cpu"), values_transposed=values_transposed)
 
 
 def make_scheduler(pool: KVPool, max_batched_tokens: int, max_num_seqs: int) -> Scheduler:
@@ -194,8 +195,7 @@ def test_a_prefix_hit_that_would_scatter_a_ggml_context_is_copied_into_one_run(p
     cached blocks are copied into one run with the rest of its blocks, bitwise, and their keys go with them (no one
     else holds the originals), so the next prompt finds them there; with no room (under half the pool's blocks
     empty after the copy) it takes the cached blocks."""
-    pool = KVPool(num_layers=2, num_kv_heads=1, head_dim=2, block_size=BS, num_tokens=pool_blocks * BS,
-                  dtype=torch.float32, device=torch.device("cpu"), values_transposed=True)
+    pool = make_pool(pool_blocks, values_transposed=True, num_layers=2)
     kv = KVManager(pool, TierStack([]))
     prompt = list(range(10 * BS + 1))        # 10 full blocks before its last token
     first = answered(kv, pool, prompt, answer=3 * BS)
@@ -220,8 +220,7 @@ def test_a_prefix_hit_that_would_scatter_a_ggml_context_is_copied_into_one_run(p
 def test_a_copied_run_leaves_the_keys_of_blocks_others_hold_where_they_are():
     """Requests sharing a system prompt: one that decodes a few tokens takes the cached blocks as they lie; one that
     may decode more copies them into a run of its own, and the blocks the first still holds keep their keys."""
-    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, num_tokens=64 * BS,
-                  dtype=torch.float32, device=torch.device("cpu"), values_transposed=True)
+    pool = make_pool(64, values_transposed=True)
     kv = KVManager(pool, TierStack([]))
     prompt = list(range(10 * BS + 1))
     first = answered(kv, pool, prompt, answer=3 * BS)
@@ -233,8 +232,7 @@ def test_a_copied_run_leaves_the_keys_of_blocks_others_hold_where_they_are():
     kv.admit(long, budget=10 ** 6)
     assert runs_of(long.block_table) == 1 and not set(long.block_table) & set(cached)
     assert all(pool.keys[b] is not None for b in cached) and all(pool.keys[b] is None for b in long.block_table)
-    on_device = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, num_tokens=64 * BS,
-                       dtype=torch.float32, device=torch.device("cpu"))     # a pool no ggml step reads
+    on_device = make_pool(64)     # a pool no ggml step reads
     kv = KVManager(on_device, TierStack([]))
     first = answered(kv, on_device, prompt, answer=3 * BS)
     again = KVState("again", list(prompt), len(prompt) + 64)
@@ -260,8 +258,7 @@ def test_a_partial_block_published_in_a_prompts_stead_does_not_cut_the_empty_blo
     """A prompt sent again that shares a block with its first answer (its last block, remembered when the answer
     filled it): the sequence takes that block, its copy is published instead, at the start of the longest run of
     empty blocks, not its middle, and the sequence's own blocks still find one run."""
-    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, num_tokens=64 * BS,
-                  dtype=torch.float32, device=torch.device("cpu"), values_transposed=True)
+    pool = make_pool(64, values_transposed=True)
     kv = KVManager(pool, TierStack([]))
     prompt = list(range(10 * BS + 3))        # its last token the third of its block
     first = answered(kv, pool, prompt, answer=3 * BS)

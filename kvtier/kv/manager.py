@@ -234,12 +234,13 @@ class KVManager:
                 state.max_tokens - len(state.token_ids) < RUN_COPY_DECODES:
             return None
         apart = cached != list(range(cached[0], cached[0] + len(cached)))
+        most = self.pool.blocks_for(state.max_tokens)
         # the blocks after its cached ones would go elsewhere: the block after its last is taken (a first answer's)
-        blocked = self.pool.blocks_for(state.max_tokens) > len(cached) and not self.pool.continues(cached[-1])
+        blocked = most > len(cached) and not self.pool.continues(cached[-1])
         size = len(cached) + need
         if not (apart or blocked) or 2 * size > self.pool.num_empty_blocks:
             return None
-        run = self.pool.allocate_run(size, self.pool.blocks_for(state.max_tokens))
+        run = self.pool.allocate_run(size, most)
         if run is not None:
             self.pool.copy_blocks(cached, run[0])
             self.pool.free(cached)
