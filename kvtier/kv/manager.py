@@ -233,7 +233,7 @@ class KVManager:
         if not (self.pool.values_transposed and cached) or state.residency or \
                 state.max_tokens - len(state.token_ids) < RUN_COPY_DECODES:
             return None
-        apart = cached != list(range(cached[0], cached[0] + len(cached)))
+        apart = not self.pool.consecutive(cached)
         most = self.pool.blocks_for(state.max_tokens)
         # the blocks after its cached ones would go elsewhere: the block after its last is taken (a first answer's)
         blocked = most > len(cached) and not self.pool.continues(cached[-1])

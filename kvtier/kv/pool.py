@@ -199,6 +199,12 @@ class KVPool:
             self._take(block)
         return blocks
 
+    @staticmethod
+    def consecutive(blocks: list[int]) -> bool:
+        """Whether the blocks lie one after another in the pool (a list's compare, no numpy: a decode step asks it
+        of each context)."""
+        return blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+
     def continues(self, block: int) -> bool:
         """Whether the block after `block` is empty: a run ending there can grow in place."""
         return block + 1 < self.num_blocks and bool(self._empty[block + 1])

@@ -148,7 +148,7 @@ class GgmlDecodeSteps:
 
     def _start(self, table: list[int]) -> int | None:
         """The slot where a context starts if its blocks are consecutive (read in place), else None (gathered)."""
-        if table == list(range(table[0], table[0] + len(table))):     # a list's compare: no numpy per step
+        if KVPool.consecutive(table):
             return table[0] * self.block_size
         return None
 
