@@ -1092,9 +1092,11 @@ def test_a_decode_row_scores_the_same_beside_a_longer_context_as_alone():
 def test_a_verify_steps_rows_each_score_as_their_decode_alone():
     """ggml's decode steps over random K/V: a sequence's rows (its last token and a draft of 1 to 8), which attend
     together over the context rounded up with each row's later keys masked, each score bitwise as the decode of that
-    row alone, beside another sequence (gathered: its blocks apart) and alone."""
+    row alone, beside another sequence (gathered: its blocks apart) and alone; a row alone scores its keys over
+    whole K rows, a verify step's rows per K/V head."""
     engine = LLMEngine(Config(device="cpu", kv_host_gib=0, kv_disk=False, num_threads=2, kv_pool_tokens=4096))
     steps, bs = engine.runner.graphs, engine.pool.block_size
+    assert steps.spreads_queries
     fill_random(engine.pool, 1)
     other = [40 + 2 * b for b in range(engine.pool.blocks_for(200))]        # every other block: gathered
     for n, r in ((9, 2), (64, 5), (65, 9), (300, 4), (771, 9)):

@@ -12,6 +12,14 @@ graph's inputs, sets the sizes of each sequence's attention tensors to its conte
 a context read in place at the slot where it starts (`ggml.Starts`), so that a new sequence, wherever the pool put
 its blocks, takes a graph already built (building one took 9-21 ms).
 
+A sequence of one row over a float32 pool scores its keys in one product over the pool's whole K rows (every K/V
+head's, side by side) with its queries spread out to match, each query head's values where its K/V head's lie and
+zeros elsewhere: the K/V heads' times the multiplications, but longer dot products over contiguous rows, 0.95x the
+step at 2-7K tokens of context (over float16 no faster). A score comes out bitwise as the per-head product gives it
+(which verify steps' rows take, below): ggml's float32 dot product keeps four vectors of sums and adds each element
+into the sum its place within a step of floats picks, so where a head's offset is whole steps (head_dim a multiple
+of the step) each element meets the same sum in the same order, and the zeros add nothing.
+
 The pool keeps V transposed (KVPool's `values_transposed`: each layer's V as [kv_heads, head_dim, slots]), as
 llama.cpp keeps it, so that V's weighted sum is a product over contiguous keys (ggml_mul_mat): at 7.7K tokens of
 context ggml's out_prod over V's rows took 1.5x as long, its chains of dependent multiply-adds slower than reading V.
@@ -79,6 +87,9 @@ class GgmlDecodeSteps:
         self.value_offsets = np.arange(self.row) * self.num_slots
         self.block_rows = np.arange(self.row) * (self.num_slots // self.block_size)
         self.weights = ggml.Context(threads, max_tensors=32 * cfg.num_layers + 16)
+        # a one-row sequence's queries spread over whole K rows (module doc): where heads start on whole steps, over
+        # a float32 pool (over float16 it measured no faster)
+        self.spreads_queries = pool.dtype == torch.float32 and cfg.head_dim % self.weights.lib.float_step == 0
         self.embed = self._embedding(model.model.embed_tokens)
         self.layers = [self._layer(layer) for layer in model.model.layers]
         self.norm = self._float(model.model.norm.weight)
@@ -224,10 +235,10 @@ class _Step:
         self.sampled_rows = torch.cat([torch.arange(first, first + r, dtype=torch.int32) for first, r, wanted in
                                        zip(np.cumsum((0,) + rows[:-1]).tolist(), rows, sampled) if wanted] or
                                       [torch.zeros(0, dtype=torch.int32)])
-        # tensors per layer: ~40, ~12 per sequence's attention, up to ~17 per weight (up to 7) for precise rows,
+        # tensors per layer: ~40, ~14 per sequence's attention, up to ~17 per weight (up to 7) for precise rows,
         # and up to 9 per product of a shifted weight (repacked.ShiftedWeight)
         shifted = 63 * (1 + bool(precise)) * steps.shifted
-        size = (cfg.num_layers + 1) * (64 + 12 * batch + 112 * bool(precise) + shifted)
+        size = (cfg.num_layers + 1) * (64 + 14 * batch + 112 * bool(precise) + shifted)
         ctx = self.ctx = ggml.Context(steps.weights.lib.threads, max_tensors=size, max_nodes=size)
         try:
             self._build()
@@ -260,6 +271,10 @@ class _Step:
         # per sequence [rows, keys]: 0 for each row's own keys, -inf past them (to its sequence's rounded-up length)
         self.masks = [torch.empty(r, keys) for r, (_, keys) in zip(rows, layouts)]
         self.inputs["masks"] = [ctx.place(mask) for mask in self.masks]
+        if steps.spreads_queries and 1 in rows:     # [heads, row]: 1 where each query head's K/V head lies
+            group = cfg.num_heads // cfg.num_kv_heads
+            spread = torch.arange(steps.row) // cfg.head_dim == torch.arange(cfg.num_heads)[:, None] // group
+            self.inputs["spread"] = ctx.place(spread.float())
         x = ctx.op("get_rows", steps.embed, ctx.place(self.ids))
         last = cfg.num_layers - 1
         for i, weights in enumerate(steps.layers):
@@ -366,23 +381,17 @@ class _Step:
                 stride = self.steps.blocks_for(n) * bs
                 k_source, k_offset, v_source, v_offset = k_gathered, k_at, v_gathered, v_at
                 k_at, v_at = k_at + n, v_at + stride * row
-            keys = ctx.op("view_3d", k_source, d, n, kv_heads, row * es, d * es, k_offset * row * es)
             values = ctx.op("view_3d", v_source, n, d, kv_heads, stride * es, d * stride * es, v_offset * es)
             if in_place:
-                self.starts.follow(keys, s, row * es)
                 self.starts.follow(values, s, es)
             own = ctx.op("view_3d", q, d, heads, r, d * 4, d * heads * 4, first * d * heads * 4)     # [d, heads, r]
-            queries = ctx.op("permute", own, 0, 2, 1, 3)                                           # [d, r, heads]
-            if r > 1:      # contiguous, as one row's is, so the product takes the path a decode's takes
-                queries = ctx.op("cont", queries)
             # softmax(K·q), then V's product with the weights: ggml's flash attention computes two exponentials
-            # per key one at a time, 1.3x as long at 2-4K tokens of context; each K/V head serves its group of
-            # query heads (both products broadcast)
-            scores = ctx.op("mul_mat", keys, queries)                                              # [n, r, heads]
+            # per key one at a time, 1.3x as long at 2-4K tokens of context
+            scores = self._scores(own, k_source, k_offset, n, s, in_place)                          # [n, r, heads]
             mask = self.inputs["masks"][s]
             probs = ctx.op("soft_max_ext", scores, mask, d ** -0.5, 0.0)
-            for tensor, dim in ((keys, 1), (values, 0), (mask, 0), (scores, 0), (probs, 0)):
-                self.lengths.follow(tensor, dim, s, strided=tensor in (keys, values, mask))
+            for tensor, dim in ((values, 0), (mask, 0), (scores, 0), (probs, 0)):
+                self.lengths.follow(tensor, dim, s, strided=tensor in (values, mask))
             out = ctx.op("mul_mat", values, probs)                                                 # [d, r, heads]
             # [d, heads, r]: one row's as it lies, several rows' copied
             outs.append(ctx.op("reshape_3d", out, d, heads, 1) if r == 1 else
@@ -391,6 +400,31 @@ class _Step:
         while len(outs) > 1:     # side by side in pairs: each output copied log2(batch) times
             outs = [ctx.op("concat", a, b, 2) for a, b in zip(outs[::2], outs[1::2])] + outs[len(outs) // 2 * 2:]
         return ctx.op("reshape_2d", outs[0], heads * d, self.batch)
+
+    def _scores(self, own: int, k_source: int, k_offset: int, keys: int, s: int, in_place: bool) -> int:
+        """Sequence s's scores [keys, rows, heads]: its queries (own: [d, heads, rows]) times its keys, which start
+        at row k_offset of k_source ([row, slots]: the pool's K, or the gathered rows). One row's queries spread
+        over whole K rows (module doc); several rows' per K/V head, each serving its group of query heads (the
+        product broadcasts)."""
+        cfg, ctx, row, es = self.steps.config, self.ctx, self.steps.row, self.steps.cache_bytes
+        d, heads, rows = cfg.head_dim, cfg.num_heads, ggml.shape(own)[0][2]
+        spread = rows == 1 and self.steps.spreads_queries
+        if spread:
+            k = ctx.op("view_2d", k_source, row, keys, row * es, k_offset * row * es)                  # [row, keys]
+        else:
+            k = ctx.op("view_3d", k_source, d, keys, cfg.num_kv_heads, row * es, d * es, k_offset * row * es)
+        if in_place:
+            self.starts.follow(k, s, row * es)
+        self.lengths.follow(k, 1, s, strided=True)
+        if not spread:
+            queries = ctx.op("permute", own, 0, 2, 1, 3)                                           # [d, rows, heads]
+            if rows > 1:      # contiguous, as one row's is, so the product takes the path a decode's takes
+                queries = ctx.op("cont", queries)
+            return ctx.op("mul_mat", k, queries)
+        tiled = ctx.op("repeat_4d", ctx.op("reshape_2d", own, d, heads), row, heads, 1, 1)                # [row, heads]
+        scores = ctx.op("mul_mat", k, ctx.op("mul", tiled, self.inputs["spread"]))                 # [keys, heads]
+        self.lengths.follow(scores, 0, s)
+        return ctx.op("reshape_3d", scores, keys, 1, heads)
 
     def _in_cache_type(self, rows: int) -> int:
         """Gathered K/V rows (ggml's get_rows gives float32) back in the pool's type, so that a gathered context
