@@ -14,8 +14,8 @@ its blocks, takes a graph already built (building one took 9-21 ms).
 
 A sequence of one row over a float32 pool scores its keys in one product over the pool's whole K rows (every K/V
 head's, side by side) with its queries spread out to match, each query head's values where its K/V head's lie and
-zeros elsewhere: the K/V heads' times the multiplications, but longer dot products over contiguous rows, 0.95x the
-step at 2-7K tokens of context (over float16 no faster). A score comes out bitwise as the per-head product gives it
+zeros elsewhere: the K/V heads' times the multiplications, but longer dot products over contiguous rows, 0.87-0.96x
+the step at 1-7K tokens of context (over float16 no faster). A score comes out bitwise as the per-head product gives it
 (which verify steps' rows take, below): ggml's float32 dot product keeps four vectors of sums and adds each element
 into the sum its place within a step of floats picks, so where a head's offset is whole steps (head_dim a multiple
 of the step) each element meets the same sum in the same order, and the zeros add nothing.
